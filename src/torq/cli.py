@@ -1,0 +1,252 @@
+"""The ``torq`` command line: a thin layer over :mod:`torq.pipeline` and :mod:`torq.models`.
+
+torq run --model smollm2-135m --methods fp,rtn --format mxfp4 --max-windows 40
+torq models
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import NoReturn
+
+from torq.errors import TorqError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{value}'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _format_name(value: str) -> str | None:
+    from torq.formats import FORMAT_NAMES
+
+    v = value.strip().lower()
+    if v in ("none", "fp", "float"):
+        return None
+    if v not in FORMAT_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"unknown format '{value}'; choose from {', '.join(FORMAT_NAMES)} or none"
+        )
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torq.formats import SCALE_MODES
+
+    parser = _Parser(
+        prog="torq", description="TORQ: rotation-based MXFP4 W4A4 quantization of LLMs"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="quantize a model with several methods and compare perplexity")
+    run.add_argument(
+        "--model", default="smollm2-135m", help="embedded default, HF folder, .gguf or hub id"
+    )
+    run.add_argument(
+        "--methods", default="fp,rtn", help="comma-separated methods (see 'torq methods')"
+    )
+    run.add_argument(
+        "--format", type=_format_name, default="mxfp4", help="weights and activations format"
+    )
+    run.add_argument(
+        "--w-format",
+        type=_format_name,
+        default=argparse.SUPPRESS,
+        help="weight format, overrides --format ('none' keeps weights in float)",
+    )
+    run.add_argument(
+        "--a-format",
+        type=_format_name,
+        default=argparse.SUPPRESS,
+        help="activation format, overrides --format ('none' keeps activations in float)",
+    )
+    run.add_argument(
+        "--scale-mode", choices=SCALE_MODES, default="ocp", help="MXFP4 block scale rule"
+    )
+    run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
+    run.add_argument(
+        "--max-windows", type=_positive_int, default=None, help="evaluate only the first N windows"
+    )
+    run.add_argument("--batch-size", type=_positive_int, default=1)
+    run.add_argument(
+        "--data-dir", default=None, help="data directory (default: $TORQ_DATA_DIR, else the HF hub)"
+    )
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
+    run.add_argument(
+        "--out", default=None, help="result JSON path (default: results/run-<model>-<time>.json)"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    t = run.add_argument_group("TORQ (methods torq, torq-inter, torq-intra)")
+    t.add_argument(
+        "--calib-corpus",
+        default="wikitext2-valid",
+        help="wikitext2-valid, wikipedia-en or a text file",
+    )
+    t.add_argument("--calib-samples", type=_positive_int, default=128, help="calibration windows")
+    t.add_argument(
+        "--calib-seqlen", type=_positive_int, default=2048, help="calibration window length"
+    )
+    t.add_argument("--calib-seed", type=int, default=0)
+    t.add_argument(
+        "--sequential",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="calibrate each layer on the outputs of the already quantized layers",
+    )
+    t.add_argument(
+        "--inter",
+        choices=("givens", "closed_form"),
+        default="givens",
+        help="inter-block construction",
+    )
+    t.add_argument(
+        "--angle",
+        choices=("exact", "paper"),
+        default="exact",
+        help="Givens angle rule: exact equalization, or Algorithm 1's literal angle",
+    )
+    t.add_argument(
+        "--shared-inter", action="store_true", help="one inter-block R for all positions"
+    )
+    t.add_argument("--max-iter", type=int, default=10, help="intra-block MaxIter")
+    t.add_argument("--pairs", type=_positive_int, default=None, help="intra-block P (default K/4)")
+    t.add_argument("--lam", type=float, default=1.0, help="pair-selection weight λ")
+    t.add_argument(
+        "--k-top", type=_positive_int, default=None, help="candidate columns (default K/2)"
+    )
+    t.add_argument(
+        "--objective", choices=("occupancy", "mse"), default="occupancy", help="intra-block loss"
+    )
+    t.add_argument(
+        "--intra-samples",
+        type=_positive_int,
+        default=None,
+        help="blocks the intra-block solver fits on (default: all sampled)",
+    )
+    t.add_argument(
+        "--reservoir",
+        type=_positive_int,
+        default=1024,
+        help="token vectors sampled per input group for the intra-block solver",
+    )
+
+    sub.add_parser("models", help="list the embedded default models")
+    sub.add_parser("methods", help="list the registered quantization methods")
+    return parser
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(text).name or text).strip("_") or "model"
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from torq.pipeline import RunConfig, markdown_table, run
+    from torq.results import write_json_atomic
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    w = getattr(args, "w_format", args.format)
+    a = getattr(args, "a_format", args.format)
+    from torq.calibration.data import CalibrationConfig
+    from torq.methods.torq_rotation import TorqSettings
+    from torq.rotations.inter_block import InterBlockConfig
+    from torq.rotations.intra_block import IntraBlockConfig
+
+    torq_settings = TorqSettings(
+        inter=InterBlockConfig(construction=args.inter, angle=args.angle, shared=args.shared_inter),
+        intra=IntraBlockConfig(
+            max_iter=args.max_iter,
+            pairs_per_step=args.pairs,
+            lam=args.lam,
+            k_top=args.k_top,
+            objective=args.objective,
+            max_samples=args.intra_samples,
+            seed=args.calib_seed,
+        ),
+        calibration=CalibrationConfig(
+            corpus=args.calib_corpus,
+            n_samples=args.calib_samples,
+            seqlen=args.calib_seqlen,
+            seed=args.calib_seed,
+        ),
+        sequential=args.sequential,
+        reservoir_tokens=args.reservoir,
+    )
+    config = RunConfig(
+        model=args.model,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        weight_format=w,
+        act_format=a,
+        scale_mode=args.scale_mode,
+        seqlen=args.seqlen,
+        max_windows=args.max_windows,
+        batch_size=args.batch_size,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        torq=torq_settings,
+    )
+    result = run(config, progress=not args.no_progress)
+    table = markdown_table(result)
+    out = Path(
+        args.out
+        or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    result["table"] = table
+    write_json_atomic(out, result)
+    out.with_suffix(".md").write_text(f"`{result['command']}`\n\n{table}\n")
+    print(table)
+    print(f"\nsaved {out} ({result['wall_seconds']:.0f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="torq: %(message)s")
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "models":
+            from torq.models.loading import EMBEDDED_MODELS
+
+            for name, entry in EMBEDDED_MODELS.items():
+                print(f"{name}\t{entry.description}\t({entry.install_hint})")
+            return 0
+        if args.command == "methods":
+            from torq.methods import METHODS
+
+            for name, cls in sorted(METHODS.items()):
+                print(f"{name}\t{cls.description}")
+            return 0
+    except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:
+        print(f"torq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("torq: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

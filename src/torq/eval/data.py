@@ -1,0 +1,58 @@
+"""Local-first loaders for the evaluation and calibration corpora.
+
+Files are read from a data directory (``--data-dir`` or ``$TORQ_DATA_DIR``) laid out like
+``../shared/data``. Where no directory is configured, the standard Hugging Face dataset
+is used if the hub is reachable; a configured directory that lacks a file is an error that
+names the path it expected, never a silent download.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torq.errors import TorqError
+
+DATA_DIR_ENV = "TORQ_DATA_DIR"
+WIKITEXT2_TEST_RAW = Path("wikitext-2-raw") / "wiki.test.raw"
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The data directory from the argument, else ``$TORQ_DATA_DIR``, else ``None``."""
+    value = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or None
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise TorqError(f"data directory not found: {path}")
+    return path
+
+
+def _hub_wikitext2_test() -> str:
+    try:
+        import datasets
+    except ImportError:
+        raise TorqError(
+            f"no data directory given (--data-dir or ${DATA_DIR_ENV}) and the 'datasets' "
+            "package is not installed for the Hugging Face hub fallback"
+        ) from None
+    try:
+        ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
+    except Exception as exc:
+        raise TorqError(
+            f"no data directory given (--data-dir or ${DATA_DIR_ENV}) and the hub is not "
+            f"reachable ({exc.__class__.__name__})"
+        ) from None
+    # The hub rows are the file's lines (newline kept), so joining them rebuilds the file.
+    return "".join(ds["text"])
+
+
+def load_wikitext2_test(data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The WikiText-2 raw test split as one string (method-notes §3)."""
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        return _hub_wikitext2_test()
+    path = root / WIKITEXT2_TEST_RAW
+    if not path.is_file():
+        raise TorqError(f"WikiText-2 test file not found: expected {path}")
+    return path.read_text(encoding="utf-8")

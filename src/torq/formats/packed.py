@@ -1,0 +1,120 @@
+"""Real (packed) quantization: 4-bit codes two per byte, one scale byte per block."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from torq.formats.config import FormatSpec, as_format
+from torq.formats.packing import (
+    decode_e2m1,
+    decode_e4m3,
+    decode_e8m0,
+    decode_int4,
+    encode_e2m1,
+    encode_e4m3,
+    encode_e8m0,
+    encode_int4,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from torq.formats.reference import (
+    check_input,
+    compute_dtype,
+    from_blocks,
+    mx_quantize_blocks,
+    nvfp4_quantize_blocks,
+    nvfp4_scale_values,
+    nvfp4_tensor_scale,
+    tensor_amax,
+    to_blocks,
+)
+
+
+@dataclass
+class PackedTensor:
+    """A tensor stored in a block-scaled 4-bit format, quantized along its last dim.
+
+    * ``codes``: ``uint8 [..., padded_width // 2]``, two 4-bit codes per byte, element
+      ``2i`` in the LOW nibble and ``2i + 1`` in the HIGH nibble. E2M1 codes (mxfp4,
+      nvfp4) carry the sign in bit 3 and the magnitude index into
+      {0, 0.5, 1, 1.5, 2, 3, 4, 6} in bits 0-2; MXINT4 codes are the two's complement
+      nibble of ``k`` for the value ``k / 4``. Padding elements are code 0, and so are
+      the elements of a block whose scale is NaN.
+    * ``scales``: ``uint8 [..., n_blocks]``, an E8M0 byte (mxfp4, mxint4; 0xFF = NaN)
+      or the bits of an FP8 E4M3 value (nvfp4).
+    * ``tensor_scale``: the FP32 per-tensor scale (0-d) for nvfp4, else ``None``.
+    * ``shape``: the original shape; the width is ``shape[-1]``, padded up to a
+      multiple of the block size in ``codes``.
+    """
+
+    fmt: FormatSpec
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    shape: tuple[int, ...]
+
+
+def quantize(x: torch.Tensor, fmt: FormatSpec | str) -> PackedTensor:
+    """Quantize ``x`` along its last dim into packed codes and block scales.
+
+    The stored form of the paper's eq. 1 (Section 4): per block the scale ``s_b`` as
+    a byte and the E2M1 (or INT4) codes of ``Q(z_b / s_b)``; semantics as in
+    :func:`torq.formats.fake_quantize`, and ``dequantize(quantize(x, f), x.dtype)``
+    equals ``fake_quantize(x, f)`` bit for bit, NaN blocks included.
+    """
+    spec = as_format(fmt)
+    check_input(x)
+    with torch.no_grad():
+        return _quantize(x.detach(), spec)
+
+
+def _quantize(x: torch.Tensor, spec: FormatSpec) -> PackedTensor:
+    leading = tuple(x.shape[:-1])
+    if spec.name == "nvfp4":
+        blocks = to_blocks(x, spec.block_size, torch.float32)
+        nv = nvfp4_quantize_blocks(blocks, nvfp4_tensor_scale(tensor_amax(x)))
+        codes = encode_e2m1(nv.q)
+        scales = encode_e4m3(nv.block_scale)
+        tensor_scale: torch.Tensor | None = nv.tensor_scale
+    else:
+        blocks = to_blocks(x, spec.block_size, compute_dtype(x.dtype))
+        mx = mx_quantize_blocks(blocks, spec)
+        codes = encode_int4(mx.q) if spec.name == "mxint4" else encode_e2m1(mx.q)
+        codes = torch.where(mx.is_nan, 0, codes)
+        scales = encode_e8m0(mx.exponent, mx.is_nan)
+        tensor_scale = None
+    n_blocks = blocks.shape[1]
+    return PackedTensor(
+        fmt=spec,
+        codes=pack_nibbles(codes.reshape(*leading, n_blocks * spec.block_size)),
+        scales=scales.reshape(*leading, n_blocks),
+        tensor_scale=tensor_scale,
+        shape=tuple(x.shape),
+    )
+
+
+def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode a :class:`PackedTensor` to ``dtype``: ``s_b * code value`` per element.
+
+    Computed in float32 (float64 when ``dtype`` is float64 and the format is MX),
+    then cast to ``dtype``; this is the same arithmetic as
+    :func:`torq.formats.fake_quantize`.
+    """
+    spec = p.fmt
+    rows = math.prod(p.shape[:-1])
+    n_blocks = p.scales.shape[-1]
+    codes = unpack_nibbles(p.codes).reshape(rows, n_blocks, spec.block_size)
+    if spec.name == "nvfp4":
+        if p.tensor_scale is None:
+            raise ValueError("an nvfp4 PackedTensor needs its tensor_scale")
+        q = decode_e2m1(codes, torch.float32)
+        scale = nvfp4_scale_values(decode_e4m3(p.scales), p.tensor_scale)
+    else:
+        work = compute_dtype(dtype)
+        q = decode_int4(codes, work) if spec.name == "mxint4" else decode_e2m1(codes, work)
+        scale = decode_e8m0(p.scales, work)
+    y = q * scale.reshape(rows, n_blocks, 1)
+    return from_blocks(y, p.shape).to(dtype)

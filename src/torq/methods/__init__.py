@@ -1,0 +1,19 @@
+"""Quantization methods behind one registry (``fp``, ``rtn``, ``torq`` and its ablations)."""
+
+from torq.methods.registry import METHODS, Method, MethodContext, get_method, register_method
+from torq.methods.rtn import FullPrecision, RoundToNearest
+from torq.methods.torq_rotation import Torq, TorqInter, TorqIntra, TorqSettings
+
+__all__ = [
+    "METHODS",
+    "FullPrecision",
+    "Method",
+    "MethodContext",
+    "RoundToNearest",
+    "Torq",
+    "TorqInter",
+    "TorqIntra",
+    "TorqSettings",
+    "get_method",
+    "register_method",
+]

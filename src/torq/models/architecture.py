@@ -1,0 +1,30 @@
+"""Architecture discovery that works for any Hugging Face causal LM.
+
+Instead of one hand-written table per model family, the decoder stack is found as the
+``nn.ModuleList`` whose length is ``config.num_hidden_layers``; everything quantized lives
+inside it, and everything outside it (embeddings, final norm, lm_head) stays in float.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torq.errors import TorqError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer decoder layers."""
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    candidates = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) > 0
+        and (n_layers is None or len(mod) == n_layers)
+    ]
+    if not candidates:
+        raise TorqError(
+            f"unsupported model {type(model).__name__}: found no list of {n_layers} decoder layers"
+        )
+    # The shortest dotted name is the outermost stack (e.g. model.layers, not a nested list).
+    return min(candidates, key=lambda c: c[0].count("."))[1]

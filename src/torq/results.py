@@ -1,0 +1,83 @@
+"""Result records: every number is saved with the command, config, versions and machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torq
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return info
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "torq": torq.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv if argv is None else argv
+    prog = Path(argv[0]).name if argv else "torq"
+    if prog in ("__main__.py", "cli.py"):
+        prog = "torq"
+    return shlex.join([prog, *argv[1:]])
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=2, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -1,0 +1,720 @@
+"""Intra-block rotation ``R_intra ∈ O(K)``: the paper's micro-alignment step.
+
+Section 5.2 (Algorithm 2) of the paper builds one orthogonal ``K×K`` matrix applied to every
+block, ``Z = Y R_intra`` (rows of ``Y`` are blocks of calibration activations after the
+inter-block rotation), by alternating
+
+* an **S-step** (Section 5.2.3, the equation Algorithm 2 cites as Eq. (5)): per-block
+  power-of-two scales from the current rotation, by the quantizer's rule (``scale_mode``);
+* an **R-step**: ``P`` Givens rotations on disjoint column pairs chosen by imbalance and
+  complementarity (Appendix A.5), each with the globally optimal angle for the codebook
+  occupancy loss ``L_code`` (Section 5.2.2) found by an exact sweep over critical angles
+  (Appendix A.4). ``objective="mse"`` swaps in the quantization MSE of Appendix A.6.
+
+Givens convention: rotating columns ``(p, q)`` by ``θ`` maps ``z_p ← cosθ·z_p + sinθ·z_q`` and
+``z_q ← −sinθ·z_p + cosθ·z_q``; with ``z_p = r cosφ, z_q = r sinφ`` that is
+``(r cos(φ−θ), r sin(φ−θ))``, Appendix A.4's ``x^(1)``. ``R ← R G`` keeps ``Z = Y R``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torq.formats.config import SCALE_MODES
+from torq.formats.constants import (
+    E2M1_EMAX,
+    E2M1_MAX,
+    E2M1_VALUES,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+)
+
+# J of Section 5.2.2: one bin per positive E2M1 codeword. A codeword's index parity is its
+# mantissa bit, which is what round-half-to-even needs.
+N_CODES = len(E2M1_VALUES)
+
+OBJECTIVES: tuple[str, ...] = ("occupancy", "mse")
+DTYPES: tuple[str, ...] = ("float64", "float32")
+
+_HALF_PI = math.pi / 2
+# Intervals narrower than this are numerical artefacts of near-coincident critical angles:
+# their midpoint cannot be placed reliably on the intended side of both ends.
+_MIN_INTERVAL = 1e-12
+
+
+@dataclass(frozen=True)
+class IntraBlockConfig:
+    """Settings of Algorithm 2; every field is a JSON scalar so the config records as-is.
+
+    ``pairs_per_step`` (``P``) defaults to ``K // 4`` (at least 1) and ``k_top`` to ``K // 2``
+    (at least 2, Appendix A.5's suggestion), resolved against the block size when fitting.
+    ``tol`` is ``ε_intra``: the fit stops once an iteration lowers the loss by less than it.
+    ``max_samples`` (with ``seed``) fits on a random subset of rows, the sampling the end of
+    Appendix A.4 suggests. ``mse_grid`` and ``mse_refine`` set the angle search of
+    ``objective="mse"``.
+    """
+
+    max_iter: int = 10
+    pairs_per_step: int | None = None
+    lam: float = 1.0
+    k_top: int | None = None
+    objective: str = "occupancy"
+    scale_mode: str = "ocp"
+    tol: float = 1e-6
+    seed: int = 0
+    max_samples: int | None = None
+    mse_grid: int = 128
+    mse_refine: int = 32
+    dtype: str = "float64"
+
+    def __post_init__(self) -> None:
+        _check_int("max_iter", self.max_iter, minimum=0)
+        _check_int("pairs_per_step", self.pairs_per_step, minimum=1, optional=True)
+        _check_int("k_top", self.k_top, minimum=2, optional=True)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("max_samples", self.max_samples, minimum=1, optional=True)
+        _check_int("mse_grid", self.mse_grid, minimum=2)
+        _check_int("mse_refine", self.mse_refine, minimum=2)
+        for name in ("lam", "tol"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        if (
+            self.k_top is not None
+            and self.pairs_per_step is not None
+            and self.pairs_per_step > self.k_top // 2
+        ):
+            raise ValueError(
+                f"pairs_per_step={self.pairs_per_step} disjoint pairs do not fit in "
+                f"k_top={self.k_top} candidate columns"
+            )
+        _check_choice("objective", self.objective, OBJECTIVES)
+        _check_choice("scale_mode", self.scale_mode, SCALE_MODES)
+        _check_choice("dtype", self.dtype, DTYPES)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IntraBlockConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown IntraBlockConfig fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def resolved(self, block_size: int) -> tuple[int, int]:
+        """``(k_top, pairs_per_step)`` for blocks of ``block_size`` columns."""
+        if block_size < 2:
+            raise ValueError(f"an intra-block rotation needs at least 2 columns, got {block_size}")
+        k_top = self.k_top if self.k_top is not None else max(2, block_size // 2)
+        n_pairs = (
+            self.pairs_per_step if self.pairs_per_step is not None else max(1, block_size // 4)
+        )
+        if k_top > block_size:
+            raise ValueError(f"k_top={k_top} exceeds the block size {block_size}")
+        if n_pairs > k_top // 2:
+            raise ValueError(
+                f"pairs_per_step={n_pairs} disjoint pairs do not fit in k_top={k_top} columns"
+            )
+        return k_top, n_pairs
+
+
+@dataclass(frozen=True)
+class AngleSearchResult:
+    """One R-step's angles for ``P`` disjoint pairs, solved in sequence (Algorithm 2, l. 7–10).
+
+    ``losses[l]`` is the objective re-evaluated directly after pair ``l`` was applied (or left
+    alone); ``sweep_losses[l]`` is the minimum the search itself predicted for that pair.
+    ``z_norm`` is the input with all accepted rotations applied.
+    """
+
+    pairs: tuple[tuple[int, int], ...]
+    angles: Tensor
+    losses: Tensor
+    sweep_losses: Tensor
+    z_norm: Tensor
+
+
+@dataclass
+class IntraBlockResult:
+    """What Algorithm 2 returns, plus the record of how it got there.
+
+    ``loss_history[t]`` is the objective of ``Z = Y R_t`` with the scales re-derived from
+    ``R_t`` (the loss the quantizer actually sees), ``t = 0`` being the identity.
+    ``rstep_losses[t]`` traces iteration ``t``'s R-step with its scales held fixed: the value
+    before the first pair, then after each pair. ``rotations[t]`` lists ``(p, q, θ)`` of the
+    Givens rotations that iteration applied; ``dropped_rotations`` counts those the R-step
+    found but the re-derived scales turned into a loss.
+    """
+
+    rotation: Tensor
+    loss_history: list[float]
+    rstep_losses: list[list[float]]
+    rotations: list[list[tuple[int, int, float]]]
+    s_step_seconds: list[float]
+    r_step_seconds: list[float]
+    stop_reason: str
+    config: IntraBlockConfig
+    n_samples: int
+    dropped_rotations: int = 0
+    seconds: float = 0.0
+
+    @property
+    def n_rotations(self) -> int:
+        return sum(len(step) for step in self.rotations)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable record (the rotation itself as nested lists)."""
+        return {
+            "rotation": self.rotation.detach().cpu().tolist(),
+            "loss_history": list(self.loss_history),
+            "rstep_losses": [list(step) for step in self.rstep_losses],
+            "rotations": [[list(r) for r in step] for step in self.rotations],
+            "n_rotations": self.n_rotations,
+            "s_step_seconds": list(self.s_step_seconds),
+            "r_step_seconds": list(self.r_step_seconds),
+            "stop_reason": self.stop_reason,
+            "config": self.config.to_dict(),
+            "n_samples": self.n_samples,
+            "dropped_rotations": self.dropped_rotations,
+            "seconds": self.seconds,
+        }
+
+
+def decision_boundaries(dtype: torch.dtype = torch.float64, device: Any = None) -> Tensor:
+    """The decision boundaries ``d_1 … d_{J−1}`` of Section 5.2.2: midpoints of the codewords."""
+    mags = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return (mags[1:] + mags[:-1]) / 2
+
+
+def code_index(z_norm: Tensor) -> Tensor:
+    """Index ``j`` of the E2M1 codeword each element rounds to under Eq. (1) (Section 4).
+
+    Round to nearest with ties to even mantissa and saturation at ±6, so ``p̂_j`` counts
+    exactly the codes MXFP4 would emit. Magnitudes only: signs share a bin.
+    """
+    mag = z_norm.abs()
+    bounds = decision_boundaries(torch.float64).tolist()
+    # Counting the boundaries below each value is several times faster than bucketize for
+    # seven boundaries. A tie on boundary i goes to the even code: up when i is odd.
+    idx = torch.zeros(mag.shape, dtype=torch.int8, device=mag.device)
+    for i, bound in enumerate(bounds):
+        idx += (mag >= bound) if i % 2 else (mag > bound)
+    return idx.long()
+
+
+def quantize_e2m1(z_norm: Tensor) -> Tensor:
+    """``Q_mxFP4`` of Eq. (1) on already-scaled values: nearest E2M1 code, RNE, saturating."""
+    mags = torch.tensor(E2M1_VALUES, dtype=z_norm.dtype, device=z_norm.device)
+    return torch.sign(z_norm) * mags[code_index(z_norm)]
+
+
+def codebook_histogram(z_norm: Tensor, per_column: bool = False) -> Tensor:
+    """Codeword counts ``N_j`` (Section 5.2.2) of a normalized ``(N, K)`` matrix.
+
+    Returns ``(J,)`` counts over all elements, or ``(K, J)`` counts per column
+    (``N_j^(k)`` of Appendix A.5) when ``per_column``.
+    """
+    idx = code_index(z_norm)
+    if not per_column:
+        return torch.bincount(idx.reshape(-1), minlength=N_CODES)
+    n_cols = z_norm.shape[-1]
+    offset = torch.arange(n_cols, device=idx.device) * N_CODES
+    flat = (idx + offset).reshape(-1)
+    return torch.bincount(flat, minlength=n_cols * N_CODES).view(n_cols, N_CODES)
+
+
+def codebook_occupancy_loss(z_norm: Tensor) -> Tensor:
+    """``L_code = Σ_j (p̂_j − 1/J)²``, the occupancy loss defined in Section 5.2.2.
+
+    ``z_norm`` is ``Z S⁻¹``: every element of every row counts once. Returns a float64 scalar.
+    """
+    counts = codebook_histogram(z_norm)
+    return torch.tensor(_occupancy_from_counts(counts, z_norm.numel()), dtype=torch.float64)
+
+
+def block_scales(z: Tensor, scale_mode: str = "ocp") -> Tensor:
+    """S-step of Section 5.2.3 (Algorithm 2's "Eq. (5)"): a power-of-two scale per row.
+
+    Returns shape ``(N,)`` for ``z`` of shape ``(N, K)``, by the quantizer's rule:
+
+    ``"ocp"`` (default): ``2^(⌊log2 amax⌋ − 2)``, the OCP MX rule (method notes §1), which
+    the paper's ``clip_to_pow2(amax / c_max)`` approximates;
+    ``"paper"``: ``2^⌊log2 amax⌋``, the paper's Section 4 formula as written;
+    ``"rceil"``: ``2^⌈log2(amax / 6)⌉``. Exponents are clamped to E8M0's range; an all-zero
+    row gets the smallest E8M0 scale ``2^−127`` (non-zero, and its elements stay in bin 0).
+    """
+    _check_choice("scale_mode", scale_mode, SCALE_MODES)
+    amax = z.abs().amax(dim=-1)
+    # frexp is exact, whereas log2 of a float can land a hair below an integer.
+    if scale_mode == "rceil":
+        mant, exp = torch.frexp(amax / E2M1_MAX)
+        exponent = exp - (mant == 0.5).to(exp.dtype)
+    else:
+        _, exp = torch.frexp(amax)
+        exponent = exp - 1 - (E2M1_EMAX if scale_mode == "ocp" else 0)
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, E8M0_MIN_EXP))
+    exponent = exponent.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    return torch.ldexp(torch.ones_like(amax), exponent)
+
+
+def quantization_mse_loss(z: Tensor, scales: Tensor) -> Tensor:
+    """``L_MSE`` of Appendix A.6, normalized: ``‖Z − S·Q(Z/S)‖²_F / ‖Z‖²_F`` with ``S`` fixed.
+
+    Dividing by ``‖Z‖² = ‖Y‖²`` (rotation-invariant) makes the value unit-free, so one ``tol``
+    serves both objectives; the minimizer is unchanged. Returns a float64 scalar.
+    """
+    scaled = z / scales.unsqueeze(-1)
+    err = (scales.unsqueeze(-1) * (scaled - quantize_e2m1(scaled))).pow(2).sum()
+    energy = z.pow(2).sum()
+    value = err / energy if energy > 0 else err
+    return value.to(torch.float64)
+
+
+def givens(
+    size: int,
+    p: int,
+    q: int,
+    theta: float,
+    dtype: torch.dtype = torch.float64,
+    device: Any = None,
+) -> Tensor:
+    """The Givens matrix ``G_(p,q)(θ)`` of Algorithm 2 (line 9) in this module's convention.
+
+    ``Z G`` rotates columns ``p, q``: ``z_p ← cosθ z_p + sinθ z_q``, ``z_q ← −sinθ z_p + cosθ
+    z_q``, i.e. Appendix A.4's ``(r cos(φ−θ), r sin(φ−θ))``.
+    """
+    if not (0 <= p < size and 0 <= q < size) or p == q:
+        raise ValueError(f"need two distinct columns in [0, {size}), got ({p}, {q})")
+    g = torch.eye(size, dtype=dtype, device=device)
+    c, s = math.cos(theta), math.sin(theta)
+    g[p, p] = c
+    g[q, q] = c
+    g[q, p] = s
+    g[p, q] = -s
+    return g
+
+
+def select_column_pairs(
+    z_norm: Tensor, k_top: int, n_pairs: int, lam: float = 1.0
+) -> list[tuple[int, int]]:
+    """Column-pair selection of Appendix A.5 (imbalance ``h_k``, complementarity ``c_kl``).
+
+    ``H_kl = h_k + h_l + λ c_kl`` over the ``k_top`` most imbalanced columns; the ``n_pairs``
+    disjoint pairs are taken greedily by decreasing ``H`` (ties: lower rank first). Each pair
+    is returned as ``(p, q)`` with ``p < q``.
+    """
+    n_cols = z_norm.shape[-1]
+    if not 2 <= k_top <= n_cols:
+        raise ValueError(f"k_top must be in [2, {n_cols}], got {k_top}")
+    if not 1 <= n_pairs <= k_top // 2:
+        raise ValueError(f"n_pairs must be in [1, {k_top // 2}] for k_top={k_top}, got {n_pairs}")
+    counts = codebook_histogram(z_norm, per_column=True).to(torch.float64)
+    dev = counts / counts.sum(dim=1, keepdim=True).clamp_min(1) - 1.0 / N_CODES
+    h = dev.pow(2).sum(dim=1)
+    pool = torch.sort(h, descending=True, stable=True).indices[:k_top]
+    d_pool = dev[pool]
+    score = h[pool, None] + h[None, pool] - lam * (d_pool @ d_pool.T)
+    rows, cols = torch.triu_indices(k_top, k_top, offset=1)
+    order = torch.sort(score[rows, cols], descending=True, stable=True).indices
+    used: set[int] = set()
+    pairs: list[tuple[int, int]] = []
+    for i, j in zip(rows[order].tolist(), cols[order].tolist(), strict=True):
+        a, b = int(pool[i]), int(pool[j])
+        if a in used or b in used:
+            continue
+        used.update((a, b))
+        pairs.append((min(a, b), max(a, b)))
+        if len(pairs) == n_pairs:
+            break
+    return pairs
+
+
+def exact_angle_search(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> AngleSearchResult:
+    """Exact solver of Appendix A.4 for the R-step's ``P`` disjoint pairs (Algorithm 2, l. 7–10).
+
+    For each pair, every crossing of ``|r cos(φ−θ)|`` or ``|r sin(φ−θ)|`` over a decision
+    boundary is one event that moves one count to the adjacent bin. Both magnitudes feed one
+    histogram and ``θ + π/2`` swaps them (up to sign), so ``L_code`` has period ``π/2``: each
+    (sample, boundary) with ``r > d`` gives exactly one up- and one down-event in ``[0, π/2)``.
+    Sorting the ``M`` events and accumulating their ±1 moves gives the histogram on every
+    interval in ``O(M log M)``; the loss is taken at interval interiors (midpoints), the
+    widest optimal interval wins, and ``θ = 0`` is always a candidate.
+
+    The events of all ``P`` pairs are built in one vectorized pass (disjoint columns do not
+    change each other's events); the sweeps then run in sequence, each on the histogram left
+    by the pairs before it, exactly Algorithm 2's inner loop. A rotation is kept only if the
+    loss re-counted directly at its angle is strictly lower, so the loss never rises.
+    """
+    _check_pairs(pairs, z_norm.shape[-1])
+    zn = z_norm.clone()
+    n_elems = zn.numel()
+    col_counts = codebook_histogram(zn, per_column=True)
+    total_counts = col_counts.sum(dim=0)
+    current = _occupancy_numerator(total_counts, n_elems)
+    events = _pair_events(zn, pairs)
+    angles, losses, sweep_losses = [], [], []
+    scale = float(N_CODES * n_elems) ** 2
+    for (p, q), (ev_angle, ev_code) in zip(pairs, events, strict=True):
+        base = total_counts - col_counts[p] - col_counts[q]
+        theta, predicted = 0.0, current
+        if ev_angle.numel():
+            mids, nums, widths = _occupancy_sweep(
+                zn[:, p], zn[:, q], ev_angle, ev_code, base, n_elems
+            )
+            best = _best_interval(nums, widths)
+            if best is not None and int(nums[best]) < current:
+                theta, predicted = float(mids[best]), int(nums[best])
+        if theta != 0.0:
+            new_p, new_q = _rotate_pair(zn[:, p], zn[:, q], theta)
+            cp, cq = codebook_histogram(new_p), codebook_histogram(new_q)
+            verified = _occupancy_numerator(base + cp + cq, n_elems)
+            if verified < current:
+                zn[:, p], zn[:, q] = new_p, new_q
+                col_counts[p], col_counts[q] = cp, cq
+                total_counts = base + cp + cq
+                current = verified
+            else:
+                theta = 0.0
+        angles.append(theta)
+        losses.append(current / scale)
+        sweep_losses.append(predicted / scale)
+    return _search_result(pairs, angles, losses, sweep_losses, zn)
+
+
+def mse_angle_search(
+    z_norm: Tensor,
+    scales: Tensor,
+    pairs: Sequence[tuple[int, int]],
+    grid: int = 128,
+    refine: int = 32,
+) -> AngleSearchResult:
+    """Angle search for the ``L_MSE`` objective of Appendix A.6 with ``S`` fixed.
+
+    The MSE is continuous and piecewise quadratic in ``θ`` (not piecewise constant), so there
+    is no finite candidate set: ``grid`` angles over one period ``[0, π/2)`` (``θ = 0``
+    included), then ``refine`` angles across the two grid cells around the best. Pairs are
+    solved in sequence like :func:`exact_angle_search`; a rotation is kept only if it
+    strictly lowers the pair's re-computed error. Losses are normalized as in
+    :func:`quantization_mse_loss`.
+    """
+    _check_pairs(pairs, z_norm.shape[-1])
+    zn = z_norm.clone()
+    weight = scales.pow(2)
+    col_err = (weight.unsqueeze(-1) * (zn - quantize_e2m1(zn)).pow(2)).sum(dim=0)
+    energy = float((weight.unsqueeze(-1) * zn.pow(2)).sum())
+    norm = energy if energy > 0 else 1.0
+    step = _HALF_PI / grid
+    coarse = torch.arange(grid, dtype=zn.dtype, device=zn.device) * step
+    angles, losses, sweep_losses = [], [], []
+    for p, q in pairs:
+        u, v = zn[:, p], zn[:, q]
+        start = float(_pair_mse(u, v, weight, coarse[:1])[0])
+        errs = _pair_mse(u, v, weight, coarse)
+        centre = coarse[int(torch.argmin(errs))]
+        fine = centre + torch.linspace(-step, step, refine, dtype=zn.dtype, device=zn.device)
+        fine_errs = _pair_mse(u, v, weight, fine)
+        cand = torch.cat([coarse, fine])
+        cand_errs = torch.cat([errs, fine_errs])
+        best = int(torch.argmin(cand_errs))
+        theta, predicted = 0.0, start
+        if float(cand_errs[best]) < start:
+            theta, predicted = float(cand[best]), float(cand_errs[best])
+            new_u, new_v = _rotate_pair(u, v, theta)
+            verified = float(_pair_mse(new_u, new_v, weight, coarse[:1])[0])
+            if verified < start:
+                zn[:, p], zn[:, q] = new_u, new_v
+                col_err[p] = (weight * (new_u - quantize_e2m1(new_u)).pow(2)).sum()
+                col_err[q] = (weight * (new_v - quantize_e2m1(new_v)).pow(2)).sum()
+            else:
+                theta = 0.0
+        predicted_total = float(col_err.sum()) - float(col_err[p] + col_err[q]) + predicted
+        angles.append(theta)
+        losses.append(float(col_err.sum()) / norm)
+        sweep_losses.append(predicted_total / norm)
+    return _search_result(pairs, angles, losses, sweep_losses, zn)
+
+
+def fit_intra_block_rotation(
+    samples: Tensor, config: IntraBlockConfig | None = None
+) -> IntraBlockResult:
+    """Algorithm 2: alternate S-steps (Section 5.2.3) and R-steps (App. A.4–A.5) from ``R = I``.
+
+    ``samples`` is ``(N, K)``: ``N`` blocks of ``K`` post-inter-rotation activations. Each
+    iteration derives the scales from the current rotation, selects ``P`` pairs, solves
+    their angles with the scales fixed, and re-derives the scales for the new rotation.
+    The R-step can only lower the fixed-scale loss, but new scales can move it back up. If
+    they do, the iteration keeps (in order) only the rotations that lower the re-scaled loss
+    one at a time, and the fit stops when none does; so ``loss_history`` never rises and the
+    result is never worse than the identity. The loop also stops after ``max_iter``
+    iterations, when no pair improves, or when an iteration gains less than ``tol``.
+    The rotation is a product of at most ``max_iter·P`` Givens factors applied to the
+    columns in place, so it stays orthogonal to float rounding without re-orthonormalizing.
+    """
+    cfg = config if config is not None else IntraBlockConfig()
+    start_time = time.perf_counter()
+    y = _prepare_samples(samples, cfg)
+    n_rows, block = y.shape
+    k_top, n_pairs = cfg.resolved(block)
+    rotation = torch.eye(block, dtype=y.dtype, device=y.device)
+
+    t0 = time.perf_counter()
+    z, scales, loss = _s_step(y, rotation, cfg)
+    s_times, r_times = [time.perf_counter() - t0], []
+    history: list[float] = [loss]
+    rstep_losses: list[list[float]] = []
+    applied: list[list[tuple[int, int, float]]] = []
+    stop_reason = "max_iter"
+    dropped = 0
+
+    for _ in range(cfg.max_iter):
+        t0 = time.perf_counter()
+        z_norm = z / scales.unsqueeze(-1)
+        pairs = select_column_pairs(z_norm, k_top, n_pairs, cfg.lam)
+        if cfg.objective == "occupancy":
+            search = exact_angle_search(z_norm, pairs)
+        else:
+            search = mse_angle_search(z_norm, scales, pairs, cfg.mse_grid, cfg.mse_refine)
+        steps = [
+            (p, q, theta)
+            for (p, q), theta in zip(search.pairs, search.angles.tolist(), strict=True)
+            if theta != 0.0
+        ]
+        r_times.append(time.perf_counter() - t0)
+        if not steps:
+            stop_reason = "no_improving_rotation"
+            break
+
+        t0 = time.perf_counter()
+        rstep_losses.append([loss, *search.losses.tolist()])
+        kept, candidate = steps, _apply_givens(rotation, steps)
+        new_z, new_scales, new_loss = _s_step(y, candidate, cfg)
+        if new_loss > loss:
+            # The R-step held the scales fixed and re-derived scales undid its gain: keep,
+            # in order, only the rotations that lower the re-scaled loss on their own.
+            kept, candidate, new_loss = [], rotation, loss
+            for step in steps:
+                trial_rotation = _apply_givens(candidate, [step])
+                trial = _s_step(y, trial_rotation, cfg)
+                if trial[2] < new_loss:
+                    kept.append(step)
+                    candidate, (new_z, new_scales, new_loss) = trial_rotation, trial
+        s_times.append(time.perf_counter() - t0)
+        dropped += len(steps) - len(kept)
+        if not kept:
+            stop_reason = "rescaled_loss_rose"
+            break
+        rotation, z, scales = candidate, new_z, new_scales
+        gain, loss = loss - new_loss, new_loss
+        history.append(loss)
+        applied.append(kept)
+        if gain < cfg.tol:
+            stop_reason = "converged"
+            break
+
+    return IntraBlockResult(
+        rotation=rotation,
+        loss_history=history,
+        rstep_losses=rstep_losses,
+        rotations=applied,
+        s_step_seconds=s_times,
+        r_step_seconds=r_times,
+        stop_reason=stop_reason,
+        config=cfg,
+        n_samples=n_rows,
+        dropped_rotations=dropped,
+        seconds=time.perf_counter() - start_time,
+    )
+
+
+def _s_step(y: Tensor, rotation: Tensor, cfg: IntraBlockConfig) -> tuple[Tensor, Tensor, float]:
+    z = y @ rotation
+    scales = block_scales(z, cfg.scale_mode)
+    if cfg.objective == "occupancy":
+        loss = float(codebook_occupancy_loss(z / scales.unsqueeze(-1)))
+    else:
+        loss = float(quantization_mse_loss(z, scales))
+    return z, scales, loss
+
+
+def _apply_givens(rotation: Tensor, steps: Sequence[tuple[int, int, float]]) -> Tensor:
+    out = rotation.clone()
+    for p, q, theta in steps:
+        new_p, new_q = _rotate_pair(out[:, p], out[:, q], theta)
+        out[:, p], out[:, q] = new_p, new_q
+    return out
+
+
+def _prepare_samples(samples: Tensor, cfg: IntraBlockConfig) -> Tensor:
+    if not isinstance(samples, Tensor) or samples.dim() != 2:
+        raise ValueError("samples must be a 2-D tensor of shape (N blocks, K)")
+    if samples.shape[0] < 1:
+        raise ValueError("samples must contain at least one row")
+    y = samples.detach().to(getattr(torch, cfg.dtype))
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("samples contain NaN or Inf")
+    if cfg.max_samples is not None and y.shape[0] > cfg.max_samples:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        keep = torch.randperm(y.shape[0], generator=gen)[: cfg.max_samples]
+        y = y[keep.sort().values.to(y.device)]
+    return y
+
+
+def _rotate_pair(u: Tensor, v: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+    c, s = math.cos(theta), math.sin(theta)
+    return c * u + s * v, c * v - s * u
+
+
+def _occupancy_from_counts(counts: Tensor, n_elems: int) -> float:
+    return _occupancy_numerator(counts, n_elems) / float(N_CODES * n_elems) ** 2
+
+
+def _occupancy_numerator(counts: Tensor, n_elems: int) -> int:
+    # J²T²·L_code as an exact integer: comparisons between candidate angles never round.
+    return int((N_CODES * counts.to(torch.int64) - n_elems).pow(2).sum())
+
+
+def _fold(angle: Tensor) -> Tensor:
+    folded = torch.remainder(angle, _HALF_PI)
+    # remainder of a tiny negative number can round up to the period itself.
+    return torch.where(folded >= _HALF_PI, folded - _HALF_PI, folded)
+
+
+def _pair_events(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
+    """Critical angles in ``[0, π/2)`` of every pair, each with a signed event code.
+
+    The code is ``±(i + 1)`` for a crossing of boundary ``d_i``: ``+`` when the magnitude
+    rises through it (a count moves from bin ``i`` to ``i + 1``), ``−`` when it falls.
+    """
+    ps = [p for p, _ in pairs]
+    qs = [q for _, q in pairs]
+    # Pair-major layout keeps each pair's slice contiguous for the masked selections below.
+    u, v = z_norm[:, ps].T.contiguous(), z_norm[:, qs].T.contiguous()
+    r = torch.hypot(u, v).unsqueeze(-1)
+    phi = torch.atan2(v, u).unsqueeze(-1)
+    bounds = decision_boundaries(z_norm.dtype, z_norm.device)
+    crosses = r > bounds
+    # atan2(√((r−d)(r+d)), d) is arccos(d/r) without arccos's lost digits near d ≈ r.
+    alpha = torch.atan2(torch.sqrt(((r - bounds) * (r + bounds)).clamp_min(0)), bounds)
+    code = torch.arange(1, bounds.numel() + 1, dtype=torch.int8, device=z_norm.device)
+    code = code.expand_as(crosses)
+    out = []
+    for pair in range(len(pairs)):
+        mask = crosses[pair]
+        ph, al = phi[pair].expand_as(mask)[mask], alpha[pair][mask]
+        c = code[pair][mask]
+        out.append((torch.cat([_fold(ph - al), _fold(ph + al)]), torch.cat([c, -c])))
+    return out
+
+
+def _occupancy_sweep(
+    u: Tensor,
+    v: Tensor,
+    ev_angle: Tensor,
+    ev_code: Tensor,
+    base: Tensor,
+    n_elems: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The loss on every interval between consecutive critical angles, in one sorted sweep.
+
+    Returns the interval midpoints (in ``[0, π/2)``), the exact integer numerators
+    ``J²T²·L_code`` and the interval widths, one entry per sorted event (the interval
+    after it, the last one wrapping round to the first event plus ``π/2``).
+    """
+    ev_angle, order = torch.sort(ev_angle)
+    ev_code = ev_code[order].long()
+    widths = torch.diff(ev_angle, append=ev_angle[:1] + _HALF_PI)
+    n_events = ev_angle.numel()
+    rise = ev_code.sign()
+    bound = ev_code.abs() - 1
+    delta = torch.zeros(n_events, N_CODES, dtype=torch.int64, device=u.device)
+    delta.scatter_(1, bound.unsqueeze(1), -rise.unsqueeze(1))
+    delta.scatter_(1, (bound + 1).unsqueeze(1), rise.unsqueeze(1))
+    counts = delta.cumsum_(dim=0)
+    # One histogram counted directly anchors the running sums; it is taken inside the
+    # widest gap, the angle safest from landing on the wrong side of an event.
+    gap = int(torch.argmax(widths))
+    su, sv = _rotate_pair(u, v, float(ev_angle[gap] + widths[gap] / 2))
+    anchor = codebook_histogram(su) + codebook_histogram(sv) + base - counts[gap]
+    counts += anchor
+    # Σ_j (J c_j − T)² = J² Σ_j c_j² − J T², since the counts always sum to T.
+    nums = counts.pow_(2).sum(dim=1).mul_(N_CODES * N_CODES).sub_(N_CODES * n_elems**2)
+    mids = _fold(ev_angle + widths / 2)
+    return mids, nums, widths
+
+
+def _best_interval(nums: Tensor, widths: Tensor) -> int | None:
+    usable = widths > _MIN_INTERVAL
+    if not bool(usable.any()):
+        return None
+    masked = torch.where(usable, nums, torch.full_like(nums, torch.iinfo(nums.dtype).max))
+    best = masked.min()
+    # Among equally good intervals the widest midpoint is the most robust angle.
+    tied = usable & (nums == best)
+    return int(torch.argmax(torch.where(tied, widths, torch.full_like(widths, -1.0))))
+
+
+def _pair_mse(u: Tensor, v: Tensor, weight: Tensor, thetas: Tensor) -> Tensor:
+    """Weighted E2M1 squared error of columns ``(u, v)`` rotated by each of ``thetas``."""
+    out = torch.empty_like(thetas)
+    # Chunk the (N, angles) products to bound memory at a few million elements.
+    chunk = max(1, (1 << 21) // max(1, u.numel()))
+    for start in range(0, thetas.numel(), chunk):
+        th = thetas[start : start + chunk]
+        c, s = torch.cos(th), torch.sin(th)
+        ru = u[:, None] * c + v[:, None] * s
+        rv = v[:, None] * c - u[:, None] * s
+        err = (ru - quantize_e2m1(ru)).pow(2) + (rv - quantize_e2m1(rv)).pow(2)
+        out[start : start + chunk] = weight @ err
+    return out
+
+
+def _search_result(
+    pairs: Sequence[tuple[int, int]],
+    angles: list[float],
+    losses: list[float],
+    sweep_losses: list[float],
+    zn: Tensor,
+) -> AngleSearchResult:
+    as_tensor = {"dtype": torch.float64}
+    return AngleSearchResult(
+        pairs=tuple((int(p), int(q)) for p, q in pairs),
+        angles=torch.tensor(angles, **as_tensor),
+        losses=torch.tensor(losses, **as_tensor),
+        sweep_losses=torch.tensor(sweep_losses, **as_tensor),
+        z_norm=zn,
+    )
+
+
+def _check_pairs(pairs: Sequence[tuple[int, int]], n_cols: int) -> None:
+    seen: set[int] = set()
+    for p, q in pairs:
+        if not (0 <= p < n_cols and 0 <= q < n_cols) or p == q:
+            raise ValueError(f"pair ({p}, {q}) is not two distinct columns of {n_cols}")
+        if p in seen or q in seen:
+            raise ValueError(f"pairs must be disjoint; column reused in {list(pairs)}")
+        seen.update((p, q))
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,75 @@
+"""The TORQ transform ``T`` in its structured form, applied online and fused offline.
+
+An activation ``x ∈ R^d``, ``d = B·K``, is viewed as a ``B×K`` matrix (block ``b`` is
+elements ``b·K … b·K+K−1``). The forward transform (Algorithm 3, steps 2–3) is
+
+    ``Y[:, k] = R_k X[:, k]``  (inter-block, one ``B×B`` per position ``k``),
+    ``Z = Y R_intra``          (intra-block, one ``K×K`` shared by all blocks),
+
+costing ``O(d·(B + K))`` per token instead of a dense ``d×d`` product. Because ``T`` is
+orthogonal, ``W' = W Tᵀ`` (Algorithm 3, step 5, option B) satisfies ``W' T x = W x``;
+row ``o`` of ``W'`` is ``T`` applied to row ``o`` of ``W``, so fusion reuses the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BlockRotation(nn.Module):
+    """The online forward transform ``z = T x`` (inter-block, then intra-block)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        r_inter: torch.Tensor | None = None,
+        r_intra: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if r_inter is None and r_intra is None:
+            raise ValueError("BlockRotation needs an inter-block or an intra-block rotation")
+        if r_inter is not None and (
+            r_inter.dim() != 3
+            or r_inter.shape[0] != block_size
+            or r_inter.shape[1] != r_inter.shape[2]
+        ):
+            raise ValueError(f"r_inter must be [K={block_size}, B, B], got {tuple(r_inter.shape)}")
+        if r_intra is not None and tuple(r_intra.shape) != (block_size, block_size):
+            raise ValueError(
+                f"r_intra must be [{block_size}, {block_size}], got {tuple(r_intra.shape)}"
+            )
+        self.block_size = block_size
+        self.n_blocks = r_inter.shape[1] if r_inter is not None else None
+        self.register_buffer("r_inter", None if r_inter is None else r_inter.to(dtype).contiguous())
+        self.register_buffer("r_intra", None if r_intra is None else r_intra.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        k = self.block_size
+        if d % k or (self.n_blocks is not None and d != self.n_blocks * k):
+            raise ValueError(
+                f"input width {d} does not match the transform's {self.n_blocks}×{k} blocks"
+            )
+        lead = x.shape[:-1]
+        y = x.reshape(-1, d // k, k)
+        if self.r_inter is not None:
+            # y[t, a, k] = Σ_b R_k[a, b] x[t, b, k]
+            y = torch.einsum("kab,tbk->tak", self.r_inter.to(y.dtype), y)
+        if self.r_intra is not None:
+            y = y @ self.r_intra.to(y.dtype)
+        return y.reshape(*lead, d)
+
+
+@torch.no_grad()
+def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> torch.Tensor:
+    """``W' = W Tᵀ`` (Algorithm 3, option B), computed in float64 and returned in W's dtype."""
+    w64 = weight.detach().to(torch.float64)
+    t64 = BlockRotation(
+        transform.block_size,
+        None if transform.r_inter is None else transform.r_inter.to(torch.float64),
+        None if transform.r_intra is None else transform.r_intra.to(torch.float64),
+        dtype=torch.float64,
+    ).to(weight.device)
+    return t64(w64).to(weight.dtype)

@@ -1,0 +1,70 @@
+"""Model surgery: swap every linear layer inside the decoder stack for a quantized one.
+
+Embeddings, lm_head, norms and the attention products stay in float (method-notes §2,
+"Kept in high precision"); MoE routers stay in float as well, because they choose which
+weights run rather than carrying features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from torq.models.architecture import decoder_layers
+from torq.surgery.qlinear import QuantConfig, QuantExperts, QuantLinear, is_fused_experts
+
+TransformFactory = Callable[[str, nn.Linear], nn.Module | None]
+
+
+def is_router(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """A MoE router: a linear (or linear-like) ``gate`` next to an ``experts`` module."""
+    return name.rsplit(".", 1)[-1] == "gate" and parent is not None and hasattr(parent, "experts")
+
+
+def quantize_layer(
+    layer: nn.Module,
+    config: QuantConfig,
+    prefix: str = "",
+    input_transforms: TransformFactory | None = None,
+) -> dict[str, int]:
+    """Replace, in place, each ``nn.Linear`` (and fused MoE experts) of one decoder layer.
+
+    ``input_transforms(name, linear)`` may return the online transform ``T`` for that layer
+    (its inverse must already be fused into ``linear.weight``). Linears that are already
+    :class:`QuantLinear` are left as they are. Returns counts of what was replaced.
+    """
+    counts = {"linear": 0, "experts": 0, "kept_router": 0}
+    named = dict(layer.named_modules())
+    for name, module in list(named.items()):
+        if not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = named[parent_name] if parent_name else layer
+        if is_router(name, module, parent):
+            counts["kept_router"] += 1
+            continue
+        if isinstance(module, nn.Linear) and not isinstance(module, QuantLinear):
+            t = input_transforms(f"{prefix}{name}", module) if input_transforms else None
+            setattr(parent, attr, QuantLinear.from_linear(module, config, t))
+            counts["linear"] += 1
+        elif is_fused_experts(module) and not isinstance(module, QuantExperts):
+            setattr(parent, attr, QuantExperts(module, config))
+            counts["experts"] += 1
+    return counts
+
+
+def quantize_model(
+    model: nn.Module,
+    config: QuantConfig,
+    input_transforms: TransformFactory | None = None,
+) -> dict[str, int]:
+    """Replace, in place, each ``nn.Linear`` of the decoder layers by a :class:`QuantLinear`.
+
+    Returns the total counts of :func:`quantize_layer` over all layers.
+    """
+    total = {"linear": 0, "experts": 0, "kept_router": 0}
+    for li, layer in enumerate(decoder_layers(model)):
+        for key, n in quantize_layer(layer, config, f"layers.{li}.", input_transforms).items():
+            total[key] += n
+    return total

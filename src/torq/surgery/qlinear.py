@@ -1,0 +1,224 @@
+"""Quantized layers for simulated ("fake-quant") W4A4 inference.
+
+A quantized linear computes ``y = Q_a(T x) · Q_w(W')ᵀ + b``: the optional online input
+transform ``T`` (identity for RTN; the TORQ or Hadamard rotation for later methods), then
+block quantization of the activation along the reduction dimension, then a float matmul with
+weights that were quantized once, offline, with blocks along their input dimension. This is
+the computation of the paper's Algorithm 3 (Appendix A.3) with Option B (weight fusion).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torq.formats import FormatSpec, fake_quantize, get_format
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What to quantize: weight and activation formats (``None`` keeps that side in float)."""
+
+    weight: FormatSpec | None
+    activation: FormatSpec | None
+
+    @classmethod
+    def from_names(
+        cls, weight: str | None, activation: str | None, scale_mode: str = "ocp"
+    ) -> QuantConfig:
+        def spec(name: str | None) -> FormatSpec | None:
+            if name is None or name.lower() in ("", "none", "fp", "float"):
+                return None
+            mode = scale_mode if name.lower() == "mxfp4" else "ocp"
+            return get_format(name.lower(), mode)
+
+        return cls(weight=spec(weight), activation=spec(activation))
+
+    @property
+    def label(self) -> str:
+        w = self.weight.name if self.weight else "fp"
+        a = self.activation.name if self.activation else "fp"
+        return f"W[{w}]A[{a}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "weight": self.weight.to_dict() if self.weight else None,
+            "activation": self.activation.to_dict() if self.activation else None,
+        }
+
+
+class ActivationQuantizer(nn.Module):
+    """``x ↦ Q_a(T x)``: the online transform, then block fake-quantization of the activation.
+
+    Linear layers that read the same tensor (q/k/v; gate/up) share one instance, which keeps
+    the result for the last input it saw: the transform and the quantization then run once
+    per tensor instead of once per layer. The cache holds the input only weakly and checks
+    its version counter, so a new or modified tensor is always recomputed; it is dropped
+    once every consumer has been served, so no activation outlives the forward pass.
+    """
+
+    def __init__(self, fmt: FormatSpec | None, transform: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.transform = transform
+        self.consumers = 0
+        self._last: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
+        self._pending = 0
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform is not None:
+            x = self.transform(x)
+        if self.fmt is not None:
+            x = fake_quantize(x, self.fmt)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform is None and self.fmt is None:
+            return x
+        try:
+            version = x._version
+        except RuntimeError:  # inference-mode tensors have no version counter
+            return self._compute(x)
+        last = self._last
+        if last is not None and last[0]() is x and last[1] == version:
+            self._pending -= 1
+            if self._pending <= 0:
+                self._last = None
+            return last[2]
+        out = self._compute(x)
+        self._pending = self.consumers - 1
+        self._last = (weakref.ref(x), version, out) if self._pending > 0 else None
+        return out
+
+    def clear_cache(self) -> None:
+        self._last = None
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with fake-quantized weights and on-the-fly fake-quantized inputs.
+
+    ``weight`` holds ``Q_w(W Tᵀ)`` already de-quantized to float (quantized once at
+    construction); ``input_transform``, when present, is the online forward transform ``T``
+    applied to the activation before quantization (Appendix A.3, steps 2–4). Layers that
+    read the same tensor may share one ``input_quantizer``.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        config: QuantConfig,
+        input_transform: nn.Module | None = None,
+        input_quantizer: ActivationQuantizer | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.config = config
+        if input_quantizer is None:
+            input_quantizer = ActivationQuantizer(config.activation, input_transform)
+        elif input_transform is not None and input_quantizer.transform is not input_transform:
+            raise ValueError("input_transform and input_quantizer.transform differ")
+        input_quantizer.consumers += 1
+        self.input_quantizer = input_quantizer
+        with torch.no_grad():
+            w = weight.detach()
+            if config.weight is not None:
+                w = fake_quantize(w, config.weight)
+            self.weight = nn.Parameter(w.clone(), requires_grad=False)
+            self.bias = (
+                nn.Parameter(bias.detach().clone(), requires_grad=False)
+                if bias is not None
+                else None
+            )
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, config: QuantConfig, input_transform: nn.Module | None = None
+    ) -> QuantLinear:
+        return cls(linear.weight, linear.bias, config, input_transform)
+
+    @property
+    def input_transform(self) -> nn.Module | None:
+        return self.input_quantizer.transform
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input_quantizer(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.input_quantizer(x), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, {self.config.label}"
+        )
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A mixture-of-experts block stored as 3D tensors (transformers >= 5 layout)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and hasattr(module, "act_fn")
+    )
+
+
+class QuantExperts(nn.Module):
+    """Fused MoE experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) in W4A4.
+
+    Each expert is two linear layers, so the same rule applies: weights quantized with
+    blocks along their input (last) dimension; the expert input (the shared hidden state)
+    and each expert's ``down_proj`` input are fake-quantized online. Routing stays in float.
+    """
+
+    def __init__(self, experts: nn.Module, config: QuantConfig) -> None:
+        super().__init__()
+        extra = [
+            n
+            for n, _ in experts.named_parameters(recurse=False)
+            if n not in ("gate_up_proj", "down_proj")
+        ]
+        if extra or getattr(experts, "is_transposed", False):
+            raise NotImplementedError(
+                f"fused experts {type(experts).__name__} with {extra or 'transposed weights'} "
+                "are not supported yet"
+            )
+        self.config = config
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.act_fn = experts.act_fn
+        with torch.no_grad():
+            gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+            if config.weight is not None:
+                gu, dn = fake_quantize(gu, config.weight), fake_quantize(dn, config.weight)
+            self.gate_up_proj = nn.Parameter(gu.clone(), requires_grad=False)
+            self.down_proj = nn.Parameter(dn.clone(), requires_grad=False)
+
+    def _qa(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(x, self.config.activation) if self.config.activation is not None else x
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        # Quantization is per token along the hidden dimension, so quantizing the whole
+        # input once equals quantizing each expert's gathered rows.
+        xq = self._qa(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            if e < 0 or e >= self.num_experts:
+                continue
+            token_idx, k_pos = torch.where(top_k_index == e)
+            gate, up = F.linear(xq[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = self._qa(self.act_fn(gate) * up)
+            y = F.linear(h, self.down_proj[e]) * top_k_weights[token_idx, k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out

@@ -1,0 +1,73 @@
+"""Layer-wise calibration capture on tiny models of every architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.conftest import tiny_model
+from torq.calibration.capture import BlockStatistics, calibrate_layerwise, capture_layer_inputs
+
+
+def test_block_covariance_matches_direct_computation() -> None:
+    torch.manual_seed(0)
+    st = BlockStatistics(width=12, block_size=4, reservoir=10, seed=0)
+    xs = [torch.randn(2, 7, 12) for _ in range(3)]
+    for x in xs:
+        st.update(x)
+    allx = torch.cat([x.reshape(-1, 12) for x in xs]).double().reshape(-1, 3, 4)
+    expected = torch.stack([allx[:, :, k].T @ allx[:, :, k] for k in range(4)]) / allx.shape[0]
+    assert torch.allclose(st.covariance(), expected)
+    assert st.count == 42
+    assert st.sample.shape == (10, 12)
+    # Every reservoir row is one of the rows seen.
+    rows = torch.cat([x.reshape(-1, 12) for x in xs])
+    assert all(((rows - s).abs().sum(-1) == 0).any() for s in st.sample)
+
+
+def test_reservoir_is_roughly_uniform() -> None:
+    st = BlockStatistics(width=4, block_size=4, reservoir=200, seed=1)
+    for i in range(50):
+        st.update(torch.full((40, 4), float(i)))
+    firsts = st.sample[:, 0]
+    # 2000 items, 200 kept: the first and second halves are each near 100.
+    assert 60 < int((firsts < 25).sum()) < 140
+
+
+def test_layerwise_replay_reproduces_the_model(arch: str) -> None:
+    """With a no-op solver, the layer-by-layer replay gives the float model's hidden states."""
+    model = tiny_model(arch)
+    windows = torch.randint(0, model.config.vocab_size, (3, 16))
+    seen_groups: list[list[str]] = []
+    last_layer_cov: dict[str, torch.Tensor] = {}
+
+    def solver(li, layer, groups, stats):
+        seen_groups.append([g.name for g in groups])
+        for g in groups:
+            assert stats[g.name].count == 3 * 16
+        if li == model.config.num_hidden_layers - 1:
+            last_layer_cov["qkv"] = stats["q_proj+k_proj+v_proj"].covariance()
+        return {}
+
+    records, times = calibrate_layerwise(
+        copy.deepcopy(model), windows, solver, block_size=16, reservoir=8, progress=False
+    )
+    assert len(records) == model.config.num_hidden_layers
+    assert times.forward_seconds > 0
+    expected = {"q_proj+k_proj+v_proj", "o_proj"}
+    if arch != "qwen3_moe":
+        expected |= {"gate_proj+up_proj", "down_proj"}
+    assert set(seen_groups[0]) == expected
+    # The last layer's q/k/v input statistics equal those of an ordinary full forward.
+    inputs: list[torch.Tensor] = []
+    q_proj = model.model.layers[-1].self_attn.q_proj
+    handle = q_proj.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, 64)))
+    with torch.no_grad():
+        model(input_ids=windows)
+    handle.remove()
+    x = torch.cat(inputs).double().reshape(-1, 4, 16)
+    direct = torch.einsum("tbk,tck->kbc", x, x) / x.shape[0]
+    torch.testing.assert_close(last_layer_cov["qkv"], direct, rtol=1e-4, atol=1e-6)
+    hidden, kwargs = capture_layer_inputs(model, windows)
+    assert len(hidden) == 3 and len(kwargs) == model.config.num_hidden_layers

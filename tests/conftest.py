@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny randomly initialised models of every supported architecture,
+a tiny offline tokenizer, and a tiny data directory laid out like ``../shared/data``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text")
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Vocabulary size of the tiny BPE tokenizer below (small models keep tests fast).
+TINY_VOCAB = 384
+
+
+def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB):
+    from transformers import AutoConfig
+
+    extra: dict = {}
+    if model_type == "qwen3_moe":
+        extra = {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    if model_type == "qwen2":
+        extra = {"use_sliding_window": False}
+    return AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        **extra,
+    )
+
+
+def tiny_model(model_type: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(model_type, vocab_size), dtype=torch.float32
+    )
+    # from_config uses small init; widen it so activations have realistic spread.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request) -> str:
+    return request.param
+
+
+TINY_TEXT = (
+    " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical "
+    "role @-@ playing video game developed by Sega and Media.Vision for the PlayStation Portable . "
+    "Released in January 2011 in Japan , it is the third game in the Valkyria series . \n"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A byte-level BPE trained on a few sentences: offline and instant."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<eos>"], show_progress=False
+    )
+    tok.train_from_iterator([TINY_TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    assert len(fast) <= TINY_VOCAB
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    (root / "wikitext-2-raw").mkdir()
+    (root / "wikitext-2-raw" / "wiki.test.raw").write_text(TINY_TEXT * 40, encoding="utf-8")
+    return root
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, tiny_tokenizer) -> Path:
+    """A tiny llama saved as an ordinary Hugging Face folder."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "tiny-llama")
+    tiny_tokenizer.save_pretrained(tmp_path / "tiny-llama")
+    return tmp_path / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    env = os.environ.get("TORQ_DATA_DIR")
+    path = Path(env) if env else SHARED_DATA
+    if not (path / "wikitext-2-raw" / "wiki.test.raw").is_file():
+        pytest.fail(f"real-model tests need the shared data; not found under {path}")
+    return path

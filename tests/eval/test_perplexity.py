@@ -1,0 +1,56 @@
+"""Perplexity windows, the loss-equality property and the data-directory rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from torq.errors import TorqError
+from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval.data import DATA_DIR_ENV
+
+
+def test_windows_are_non_overlapping_and_drop_the_tail(tiny_tokenizer, tiny_data_dir) -> None:
+    text = load_wikitext2_test(tiny_data_dir)
+    ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
+    w = windows_from_text(text, tiny_tokenizer, seqlen=64)
+    assert w.shape == (len(ids) // 64, 64)
+    assert w.flatten().tolist() == ids[: w.numel()]
+    assert windows_from_text(text, tiny_tokenizer, 64, max_windows=2).shape == (2, 64)
+    with pytest.raises(TorqError, match="fewer than one window"):
+        windows_from_text("short", tiny_tokenizer, seqlen=4096)
+
+
+def test_perplexity_equals_the_models_own_loss(arch: str) -> None:
+    model = tiny_model(arch)
+    torch.manual_seed(0)
+    windows = torch.randint(0, model.config.vocab_size, (3, 48))
+    res = perplexity(model, windows, batch_size=2, progress=False)
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    assert res.ppl == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-6)
+    assert res.n_tokens == 3 * 48 and res.n_windows == 3
+    assert res.tokens_per_s > 0
+
+
+def test_nan_model_is_reported() -> None:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.fill_(float("nan"))
+    with pytest.raises(TorqError, match="non-finite"):
+        perplexity(model, torch.zeros(1, 8, dtype=torch.long), progress=False)
+
+
+def test_missing_file_names_the_expected_path(tmp_path) -> None:
+    with pytest.raises(TorqError, match=str(tmp_path / "wikitext-2-raw" / "wiki.test.raw")):
+        load_wikitext2_test(tmp_path)
+    with pytest.raises(TorqError, match="data directory not found"):
+        load_wikitext2_test(tmp_path / "nope")
+
+
+def test_environment_variable_is_the_default(tiny_data_dir, monkeypatch) -> None:
+    monkeypatch.setenv(DATA_DIR_ENV, str(tiny_data_dir))
+    assert load_wikitext2_test().startswith(" = Valkyria")

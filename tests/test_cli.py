@@ -1,0 +1,148 @@
+"""The command line: one-line errors, and a full run that records what produced it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torq.cli import main
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--format", "mxfp5"], "unknown format 'mxfp5'"),
+        (["run", "--max-windows", "0"], "positive integer"),
+        (["run", "--scale-mode", "banana"], "invalid choice"),
+        (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
+        (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: smollm2-135m"),
+    ],
+)
+def test_bad_arguments_give_one_line(argv, needle, capsys) -> None:
+    code, _, err = _run(argv, capsys)
+    assert code == 2
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_lists(capsys) -> None:
+    assert _run(["methods"], capsys)[1].count("\n") >= 2
+    assert "smollm2-135m" in _run(["models"], capsys)[1]
+
+
+def test_run_end_to_end_on_a_tiny_checkpoint(
+    tiny_checkpoint, tiny_data_dir, tmp_path, capsys
+) -> None:
+    out = tmp_path / "res.json"
+    argv = [
+        "run",
+        "--model",
+        str(tiny_checkpoint),
+        "--methods",
+        "fp,rtn",
+        "--seqlen",
+        "64",
+        "--max-windows",
+        "3",
+        "--data-dir",
+        str(tiny_data_dir),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    code, stdout, _ = _run(argv, capsys)
+    assert code == 0
+    assert "| fp |" in stdout and "| rtn |" in stdout
+    res = json.loads(out.read_text())
+    assert [r["method"] for r in res["rows"]] == ["fp", "rtn"]
+    fp, rtn = res["rows"]
+    assert math.isfinite(fp["ppl"]) and math.isfinite(rtn["ppl"]) and fp["ppl"] != rtn["ppl"]
+    assert (fp["weights"], rtn["weights"], rtn["activations"]) == ("fp", "mxfp4", "mxfp4")
+    assert res["eval"] == {"dataset": "wikitext-2-raw test", "n_windows": 3, "seqlen": 64}
+    assert res["config"]["methods"] == ["fp", "rtn"] and res["config"]["max_windows"] == 3
+    for key in ("command", "versions", "machine", "wall_seconds", "date", "quant_config"):
+        assert res[key]
+    assert rtn["eval_tokens_per_s"] > 0
+    assert out.with_suffix(".md").read_text().startswith("`")
+
+
+def test_weight_only_flag(tiny_checkpoint, tiny_data_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "w.json"
+    argv = [
+        "run",
+        "--model",
+        str(tiny_checkpoint),
+        "--methods",
+        "rtn",
+        "--a-format",
+        "none",
+        "--format",
+        "nvfp4",
+        "--seqlen",
+        "64",
+        "--max-windows",
+        "1",
+        "--data-dir",
+        str(tiny_data_dir),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert _run(argv, capsys)[0] == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert (row["weights"], row["activations"]) == ("nvfp4", "fp")
+
+
+def test_console_script_module_entry() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torq.cli", "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "run" in proc.stdout
+
+
+@pytest.mark.slow
+def test_real_model_fp_and_rtn(shared_data, tmp_path, capsys) -> None:
+    """SmolLM2-135M, one 512-token window: FP equals its own loss; W4A4 RTN is worse."""
+    from torq.eval import load_wikitext2_test, windows_from_text
+    from torq.models import load
+
+    out = tmp_path / "real.json"
+    argv = [
+        "run",
+        "--model",
+        "smollm2-135m",
+        "--methods",
+        "fp,rtn",
+        "--seqlen",
+        "512",
+        "--max-windows",
+        "1",
+        "--data-dir",
+        str(shared_data),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert _run(argv, capsys)[0] == 0
+    fp, rtn = json.loads(out.read_text())["rows"]
+    lm = load("smollm2-135m")
+    w = windows_from_text(load_wikitext2_test(shared_data), lm.tokenizer, 512, 1)
+    with torch.no_grad():
+        loss = lm.model(input_ids=w, labels=w).loss.item()
+    assert fp["ppl"] == pytest.approx(math.exp(loss), rel=1e-5)
+    assert rtn["ppl"] > 1.2 * fp["ppl"]
