@@ -290,7 +290,7 @@ def test_compiled_kernel_can_be_disabled_or_fail_to_build(monkeypatch, tmp_path)
 
         cpu_kernel.load_kernel.cache_clear()
         monkeypatch.delenv("TORQ_CPU_KERNEL")
-        monkeypatch.setenv("TORQ_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("TORQ_CACHE", str(tmp_path))
         monkeypatch.setenv("CC", "false")
         with pytest.warns(RuntimeWarning, match="pure-torch"):
             assert cpu_kernel.load_kernel() is None

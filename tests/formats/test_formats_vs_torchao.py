@@ -1,5 +1,7 @@
-"""Bit-exact agreement with torchao's MXFP4 (FLOOR scale mode) and NVFP4, and the two
-documented places where torq follows the OCP spec instead of torchao."""
+"""Bit-exact agreement with torchao's MXFP4 (FLOOR scale mode) and NVFP4, and the three
+documented places where torq departs from torchao: MXFP4 blocks with the smallest scale
+2**-127 and blocks holding +-Inf (torq follows the OCP rule), and NVFP4 tensors whose
+amax / 2688 underflows (torq floors the tensor scale instead of dividing by zero)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.formats.formats_testing import (
     non_finite_blocks,
     random_activations,
 )
+from torq.formats.constants import NVFP4_MIN_TENSOR_SCALE, NVFP4_TENSOR_SCALE_DIVISOR
 
 pytest.importorskip("torchao.prototype.mx_formats")
 logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -30,7 +33,7 @@ from torchao.prototype.mx_formats.nvfp4_tensor import (  # noqa: E402
 FP4 = torch.float4_e2m1fn_x2
 RANDOM = random_activations(rows=256, width=768, seed=0)  # 6 x 196,608 = 1.18M values
 # Below this tensor amax, amax / (448 * 6) is under 2**-121 and torq floors the scale.
-NVFP4_SMALLEST_EXACT_AMAX = 448.0 * 6.0 * 2.0**-121
+NVFP4_SMALLEST_EXACT_AMAX = NVFP4_TENSOR_SCALE_DIVISOR * NVFP4_MIN_TENSOR_SCALE
 
 
 def torchao_mxfp4(
@@ -49,7 +52,7 @@ def torchao_nvfp4(
     floored at 2**-121 as torq does."""
     tensor_scale = per_tensor_amax_to_scale(torch.max(torch.abs(x)))
     if floor_tensor_scale:
-        tensor_scale = tensor_scale.clamp(min=2.0**-121)
+        tensor_scale = tensor_scale.clamp(min=NVFP4_MIN_TENSOR_SCALE)
     nv = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=tensor_scale)
     return (
         nv.dequantize(x.dtype),
@@ -220,7 +223,7 @@ def test_nvfp4_all_zero_tensor() -> None:
     ours = tf.fake_quantize(x, "nvfp4")
     assert_bits_equal(ours, x)
     packed = tf.quantize(x, "nvfp4")
-    assert packed.tensor_scale is not None and packed.tensor_scale.item() == 2.0**-121
+    assert packed.tensor_scale is not None and packed.tensor_scale.item() == NVFP4_MIN_TENSOR_SCALE
 
 
 @pytest.mark.parametrize("row", range(3))

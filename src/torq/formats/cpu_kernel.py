@@ -34,6 +34,7 @@ import torch
 
 from torq.formats.config import SCALE_MODES, FormatSpec
 from torq.formats.kernels import check_fast_path_tensors
+from torq.paths import cache_dir
 
 # Below this many blocks per thread, handing work to another thread costs more than it saves.
 MIN_BLOCKS_PER_THREAD = 4096
@@ -117,11 +118,7 @@ _NATIVE_FLAGS = ("-march=native",)
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TORQ_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "torq",
-    )
-    return Path(root) / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _cpu_signature() -> str:

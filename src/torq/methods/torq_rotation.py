@@ -20,6 +20,7 @@ from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
 from torq.calibration.data import CalibrationConfig, calibration_windows
+from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
@@ -46,7 +47,7 @@ class TorqSettings:
 
 
 def build_group_transform(
-    stats: BlockStatistics, settings: TorqSettings
+    stats: BlockStatistics, settings: TorqSettings, fmt: FormatSpec | None = None
 ) -> tuple[BlockRotation, dict[str, Any]]:
     """``T`` for one input group: inter-block ``R_k`` from ``Σ_k``, then ``R_intra`` on blocks."""
     k = settings.block_size
@@ -70,7 +71,22 @@ def build_group_transform(
             "stop_reason": result.stop_reason,
             "samples": result.n_samples,
         }
-    return BlockRotation(k, r_inter, r_intra, dtype=torch.float32), record
+    transform = BlockRotation(k, r_inter, r_intra, dtype=torch.float32)
+    if fmt is not None and stats.sample.shape[0]:
+        # Diagnostic: relative activation quantization error on the sampled tokens, without
+        # and with the transform (T is orthogonal, so the two are directly comparable).
+        x = stats.sample
+        record["act_rel_err"] = {
+            "rtn": relative_quant_error(x, fmt),
+            "transformed": relative_quant_error(transform(x), fmt),
+        }
+    return transform, record
+
+
+def relative_quant_error(x: torch.Tensor, fmt: FormatSpec) -> float:
+    """``‖x − Q(x)‖² / ‖x‖²`` of block fake quantization along the last dimension."""
+    err = (x - fake_quantize(x, fmt)).double().pow(2).sum()
+    return float(err / x.double().pow(2).sum().clamp_min(1e-300))
 
 
 class TorqLayerSolver:
@@ -91,7 +107,9 @@ class TorqLayerSolver:
         record: dict[str, Any] = {}
         for g in groups:
             t0 = time.perf_counter()
-            transform, rec = build_group_transform(stats[g.name], self.settings)
+            transform, rec = build_group_transform(
+                stats[g.name], self.settings, self.qconfig.activation
+            )
             shared = ActivationQuantizer(self.qconfig.activation, transform)
             for name in g.members:
                 linear = modules[name]

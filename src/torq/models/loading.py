@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError
+from torq.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,6 @@ class LoadedModel:
             "hidden_size": getattr(cfg, "hidden_size", None),
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
         }
-
-
-def cache_dir() -> Path:
-    """The conversion cache: ``$TORQ_CACHE`` or ``~/.cache/torq``."""
-    return Path(os.environ.get("TORQ_CACHE", Path.home() / ".cache" / "torq")).expanduser()
 
 
 def known_models() -> list[str]:
