@@ -33,21 +33,11 @@ from pathlib import Path
 import torch
 
 import torq.formats as tf
+from common import time_runs
 from torq.formats import cpu_kernel, kernels
 from torq.formats.reference import fake_quantize_reference
 
 SHAPES = ((4096, 4096), (2048, 576), (2048, 1536))
-
-
-def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall times of ``repeats`` runs of ``fn``, after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def torchao_mxfp4() -> Callable[[torch.Tensor], torch.Tensor] | None:

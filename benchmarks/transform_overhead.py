@@ -20,26 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from common import time_runs
 from torq.formats import fake_quantize, get_format
 from torq.results import machine_info, versions
 from torq.rotations.transform import BlockRotation
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(time_runs(fn, repeats))
 
 
 def _orthogonal(*shape: int, gen: torch.Generator) -> torch.Tensor:

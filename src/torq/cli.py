@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--objective", choices=("occupancy", "mse"), default="occupancy", help="intra-block loss"
     )
     t.add_argument(
+        "--intra-init",
+        choices=("identity", "hadamard"),
+        default="identity",
+        help="start Algorithm 2 from I (paper) or from the block Hadamard (variant)",
+    )
+    t.add_argument(
         "--intra-samples",
         type=_positive_int,
         default=None,
@@ -182,6 +188,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             k_top=args.k_top,
             objective=args.objective,
             max_samples=args.intra_samples,
+            init=args.intra_init,
             seed=args.calib_seed,
         ),
         calibration=CalibrationConfig(

@@ -54,3 +54,13 @@ def test_missing_file_names_the_expected_path(tmp_path) -> None:
 def test_environment_variable_is_the_default(tiny_data_dir, monkeypatch) -> None:
     monkeypatch.setenv(DATA_DIR_ENV, str(tiny_data_dir))
     assert load_wikitext2_test().startswith(" = Valkyria")
+
+
+def test_without_a_data_dir_the_hub_fallback_fails_clearly(monkeypatch) -> None:
+    """No data directory: the hub is the fallback; offline (or without `datasets`) that is
+    a one-line error naming both ways to fix it, never a hang or a traceback."""
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(TorqError, match="--data-dir"):
+        load_wikitext2_test()

@@ -76,3 +76,17 @@ def test_w4a4_torq_runs_and_is_finite(sequential, corpus, tiny_tokenizer) -> Non
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 300, (1, 16))).logits
     assert torch.isfinite(out).all()
+
+
+def test_block_hadamard_baseline_is_exact_in_float(arch) -> None:
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    q = copy.deepcopy(model)
+    get_method("had32").apply(q, QuantConfig(None, None), MethodContext())
+    with torch.no_grad():
+        out = q(input_ids=ids).logits
+    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    qlinears = [m for m in q.modules() if isinstance(m, QuantLinear)]
+    assert qlinears and all(isinstance(m.input_transform, BlockRotation) for m in qlinears)

@@ -426,3 +426,24 @@ def test_config_round_trips_through_json():
     assert IntraBlockConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError):
         IntraBlockConfig.from_dict({"max_iters": 3})
+
+
+def test_hadamard_init_never_ends_above_the_hadamard() -> None:
+    """init='hadamard' starts at H_K; the fitted loss can only go down from there."""
+    from torq.rotations.hadamard import hadamard_matrix
+
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn(1024, 32, generator=gen, dtype=torch.float64)
+    y[:, 3] *= 20.0
+    result = fit_intra_block_rotation(y, IntraBlockConfig(max_iter=3, init="hadamard"))
+    h = hadamard_matrix(32)
+    z = y @ h
+    start = float(codebook_occupancy_loss(z / block_scales(z).unsqueeze(-1)))
+    assert result.loss_history[0] == pytest.approx(start)
+    assert result.loss_history[-1] <= start
+    eye = torch.eye(32, dtype=torch.float64)
+    assert torch.allclose(result.rotation.T @ result.rotation, eye, atol=1e-10)
+    with pytest.raises(ValueError, match="Hadamard"):
+        fit_intra_block_rotation(
+            torch.randn(64, 18, dtype=torch.float64), IntraBlockConfig(init="hadamard")
+        )

@@ -1,5 +1,6 @@
 """Quantization methods behind one registry (``fp``, ``rtn``, ``torq`` and its ablations)."""
 
+from torq.methods.hadamard import Hadamard32
 from torq.methods.registry import METHODS, Method, MethodContext, get_method, register_method
 from torq.methods.rtn import FullPrecision, RoundToNearest
 from torq.methods.torq_rotation import Torq, TorqInter, TorqIntra, TorqSettings
@@ -7,6 +8,7 @@ from torq.methods.torq_rotation import Torq, TorqInter, TorqIntra, TorqSettings
 __all__ = [
     "METHODS",
     "FullPrecision",
+    "Hadamard32",
     "Method",
     "MethodContext",
     "RoundToNearest",

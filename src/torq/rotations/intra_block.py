@@ -35,12 +35,14 @@ from torq.formats.constants import (
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
 )
+from torq.rotations.hadamard import hadamard_matrix, has_hadamard
 
 # J of Section 5.2.2: one bin per positive E2M1 codeword. A codeword's index parity is its
 # mantissa bit, which is what round-half-to-even needs.
 N_CODES = len(E2M1_VALUES)
 
 OBJECTIVES: tuple[str, ...] = ("occupancy", "mse")
+INITS: tuple[str, ...] = ("identity", "hadamard")
 DTYPES: tuple[str, ...] = ("float64", "float32")
 
 _HALF_PI = math.pi / 2
@@ -73,6 +75,7 @@ class IntraBlockConfig:
     mse_grid: int = 128
     mse_refine: int = 32
     dtype: str = "float64"
+    init: str = "identity"
 
     def __post_init__(self) -> None:
         _check_int("max_iter", self.max_iter, minimum=0)
@@ -98,6 +101,7 @@ class IntraBlockConfig:
                 f"k_top={self.k_top} candidate columns"
             )
         _check_choice("objective", self.objective, OBJECTIVES)
+        _check_choice("init", self.init, INITS)
         _check_choice("scale_mode", self.scale_mode, SCALE_MODES)
         _check_choice("dtype", self.dtype, DTYPES)
 
@@ -448,7 +452,8 @@ def mse_angle_search(
 def fit_intra_block_rotation(
     samples: Tensor, config: IntraBlockConfig | None = None
 ) -> IntraBlockResult:
-    """Algorithm 2: alternate S-steps (Section 5.2.3) and R-steps (App. A.4–A.5) from ``R = I``.
+    """Algorithm 2: alternate S-steps (Section 5.2.3) and R-steps (App. A.4–A.5) from ``R = I``
+    (or, with ``init="hadamard"``, from the normalized Hadamard ``H_K``, a variant of ours).
 
     ``samples`` is ``(N, K)``: ``N`` blocks of ``K`` post-inter-rotation activations. Each
     iteration derives the scales from the current rotation, selects ``P`` pairs, solves
@@ -466,7 +471,14 @@ def fit_intra_block_rotation(
     y = _prepare_samples(samples, cfg)
     n_rows, block = y.shape
     k_top, n_pairs = cfg.resolved(block)
-    rotation = torch.eye(block, dtype=y.dtype, device=y.device)
+    if cfg.init == "hadamard":
+        # Start from the fully mixing block Hadamard (BRQ-style) instead of the identity:
+        # the S/R steps can then only lower the loss below that of the Hadamard itself.
+        if not has_hadamard(block):
+            raise ValueError(f"init='hadamard' needs a Hadamard matrix of order {block}")
+        rotation = hadamard_matrix(block, dtype=y.dtype).to(y.device)
+    else:
+        rotation = torch.eye(block, dtype=y.dtype, device=y.device)
 
     t0 = time.perf_counter()
     z, scales, loss = _s_step(y, rotation, cfg)
