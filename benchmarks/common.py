@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -15,3 +18,14 @@ def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+def save(out: str | Path, record: dict[str, Any], markdown: str) -> Path:
+    """Print the markdown table and write ``out`` (JSON) with the table beside it (``.md``)."""
+    print(markdown)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**record, "markdown": markdown}, indent=2, default=str) + "\n")
+    path.with_suffix(".md").write_text(markdown + "\n")
+    print(f"wrote {path}")
+    return path

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
 
+from common import save
 from torq.calibration.data import CalibrationConfig
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
 from torq.formats import fake_quantize, get_format
@@ -114,10 +113,6 @@ def main() -> None:
     table += [
         f"| {r['method']} | {r['setting']} | {r['ppl']:.2f} | {r['ppl'] / fp:.2f} |" for r in rows
     ]
-    md = "\n".join(table)
-    print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "W4A4 error budget",
         "date": now_iso(),
@@ -128,8 +123,7 @@ def main() -> None:
         "versions": versions(),
         "machine": machine_info(),
     }
-    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(md + "\n")
+    save(args.out, record, "\n".join(table))
 
 
 if __name__ == "__main__":

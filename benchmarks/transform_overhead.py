@@ -18,15 +18,13 @@ Usage: ``python benchmarks/transform_overhead.py [--tokens 2048] [--out results/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import time_runs
+from common import save, time_runs
 from torq.formats import fake_quantize, get_format
 from torq.results import machine_info, versions
 from torq.rotations.transform import BlockRotation
@@ -94,10 +92,6 @@ def main() -> None:
             f"| {r['group']} | {r['width']} | {r['matmul_ms']:.2f} | {r['quantize_vs_matmul']:.3f} "
             f"| {r['transform_vs_matmul']:.3f} | {r['dense_rotation_vs_matmul']:.3f} |"
         )
-    md = "\n".join(table)
-    print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "TORQ online transform overhead vs the layer matmul (CPU)",
         "args": vars(args),
@@ -106,9 +100,7 @@ def main() -> None:
         "versions": versions(),
         "machine": machine_info(),
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    out.with_suffix(".md").write_text(md + "\n")
-    print(f"wrote {out}")
+    save(args.out, record, "\n".join(table))
 
 
 if __name__ == "__main__":
