@@ -98,7 +98,7 @@ def _find_distribution_file(dist_name: str, relpath: str) -> Path | None:
             if p.is_file():
                 return p
     top = relpath.split("/", 1)[0]
-    spec = importlib.util.find_spec(top) if importlib.util.find_spec is not None else None
+    spec = importlib.util.find_spec(top)
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
             p = Path(loc) / relpath.split("/", 1)[1]
@@ -204,7 +204,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if key.count("/") == 1 and not key.startswith((".", "/", "~")):
         try:
             return _from_folder(key, f"hub:{key}", dtype)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise TorqError(
                 f"could not load hub model '{key}' ({exc.__class__.__name__}); "
                 f"known embedded defaults: {', '.join(known_models())}"
