@@ -13,7 +13,7 @@ export TORQ_DATA_DIR ?= $(abspath $(DATA_DIR))
 endif
 DEMO_WINDOWS ?= 16
 
-.PHONY: setup demo test lint bench-formats clean
+.PHONY: setup demo test lint bench-formats bench-kernels clean
 
 setup: $(VENV)/.torq-installed
 
@@ -38,6 +38,10 @@ lint: setup
 
 bench-formats: setup
 	$(BIN)/python benchmarks/formats.py --out results/bench_formats.json
+
+# Needs a CUDA GPU and a CUDA build of torch (README, "Installing on a GPU machine").
+bench-kernels:
+	python3 benchmarks/kernels.py --out results/gpu/bench_kernels.json
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .ruff_cache

@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, torq's Triton kernels run in Triton's CPU interpreter. Triton reads this
+# when it is first imported (torchao imports it too), so it is set before any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

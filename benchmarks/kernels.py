@@ -1,0 +1,535 @@
+"""MXFP4 W4A4 kernels on a GPU: decode and prefill speed against bf16, bandwidth, memory,
+the online transform's cost, and an end-to-end decode of a Llama-3-8B-shaped model.
+
+Run on a CUDA machine: ``python benchmarks/kernels.py --out results/bench_kernels.json``.
+Every speed figure is a ratio against ``torch.nn.functional.linear`` in bf16 measured in
+the same run. Timing: each measured call sequence is captured in a CUDA graph (so the
+Python launch overhead is out, for bf16 and MXFP4 alike), cycling through enough copies of
+the weights and inputs that they do not fit in L2; the graph is replayed many times, each
+replay timed with CUDA events, and the median replay over the number of calls is the time
+per call. Correctness of every kernel configuration is checked against the fake-quant
+reference on the same run before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save
+from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
+from torq.kernels.linear import TUNED_CONFIGS, quantize_activation
+from torq.rotations.hadamard import hadamard_matrix
+from torq.rotations.transform import BlockRotation
+
+# Llama-3-8B: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, 32 layers.
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+}
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (in K, out N)
+
+
+def _k(bm, bn, bk, split=1, warps=4, stages=3, kind="dot", a_mode=0, swap=False) -> KernelConfig:
+    return KernelConfig(bm, bn, bk, split, warps, stages, kind, a_mode, swap)
+
+
+# batch 1 only. Small tiles and split-K: a memory-bound kernel needs many programs in
+# flight (docs/kernels-notes.md). The float gemv and the multi-row dp4a kernel measured
+# there were slower everywhere and are gone.
+GEMV_CANDIDATES = [
+    _k(1, 16, 512, kind="gemv_dp4a"),
+    _k(1, 16, 512, split=2, kind="gemv_dp4a"),
+    _k(1, 16, 512, split=4, kind="gemv_dp4a"),
+    _k(1, 32, 512, split=4, kind="gemv_dp4a"),
+    _k(1, 32, 1024, split=2, warps=8, kind="gemv_dp4a"),
+    _k(1, 64, 512, split=4, warps=8, kind="gemv_dp4a"),
+    _k(1, 8, 512, split=4, warps=2, kind="gemv_dp4a"),
+    _k(1, 16, 256, split=8, kind="gemv_dp4a"),
+]
+DECODE_CANDIDATES = [
+    _k(16, 64, 256, split=2, a_mode=2, swap=True),
+    _k(16, 64, 256, split=4, a_mode=2, swap=True),
+    _k(16, 64, 512, split=4, a_mode=0, swap=True),
+    _k(16, 64, 256, kind="dot_scaled", a_mode=2),
+    _k(16, 32, 256, split=2, kind="dot_scaled", a_mode=2),
+    _k(16, 32, 256, split=4, kind="dot_scaled", a_mode=2),
+    _k(16, 16, 256, split=4, kind="dot_scaled", a_mode=2),
+    _k(16, 32, 256, split=4, a_mode=2),
+    _k(16, 16, 512, split=4, a_mode=2),
+    _k(16, 32, 256, split=4, a_mode=0),
+    _k(16, 32, 256, split=4, kind="dot_scaled", a_mode=0),
+]
+PREFILL_CANDIDATES = [
+    _k(0, 0, 32, kind="dequant_gemm"),
+    _k(32, 256, 32, kind="dequant_gemm", a_mode=1),
+    _k(16, 512, 32, kind="dequant_gemm", a_mode=1),
+    _k(64, 256, 32, kind="dequant_gemm", a_mode=1),
+    _k(64, 512, 32, kind="dequant_gemm"),
+    _k(16, 1024, 32, kind="dequant_gemm", a_mode=1),
+    _k(128, 128, 64, warps=8, a_mode=2, swap=True),
+    _k(128, 256, 64, warps=8, a_mode=2, swap=True),
+    _k(256, 128, 64, warps=8, a_mode=2, swap=True),
+    _k(128, 128, 128, warps=8, a_mode=2, swap=True),
+    _k(128, 128, 64, warps=4, a_mode=2, swap=True),
+    _k(128, 128, 64, warps=8, a_mode=2),
+    _k(256, 128, 64, warps=8, a_mode=2),
+    _k(128, 256, 64, warps=8, a_mode=2),
+    _k(128, 128, 64, warps=8, stages=4, a_mode=2),
+    _k(128, 128, 32, warps=8, stages=4, a_mode=2),
+    _k(256, 128, 32, warps=8, stages=4, a_mode=2),
+    _k(128, 128, 128, warps=8, kind="dot_scaled", a_mode=2),
+]
+L2_FLUSH_BYTES = 4 * 50 * 2**20  # cycle through > 4× a 50 MB L2
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def graph_time(calls: list[Callable[[], object]], replays: int = 50) -> float:
+    """Median seconds per call of ``calls`` captured once in a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def measured_bandwidth() -> tuple[float, float]:
+    """(copy, read) bandwidth in bytes/s: a device-to-device copy of 1 GiB counting bytes
+    read plus written, and a sum over 2 GiB (bytes read)."""
+    n = 2**30 // 2
+    src = torch.empty(2 * n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    t_copy = graph_time([lambda: dst.copy_(src[:n])], replays=20)
+    acc = torch.empty((), dtype=torch.float32, device="cuda")
+    t_read = graph_time([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=acc)], replays=20)
+    return 4 * n / t_copy, 4 * n / t_read
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+
+
+def make_weights(k: int, n: int, copies: int, gen: torch.Generator) -> list[torch.Tensor]:
+    return [
+        (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16() for _ in range(copies)
+    ]
+
+
+def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: dict[str, Any] = {"decode": [], "prefill": [], "configs": {}}
+    for k, n in SHAPES:
+        bf16_bytes = n * k * 2
+        packed_bytes = n * k // 2 + n * k // 32
+        copies = copies_for(packed_bytes)
+        w_float = make_weights(k, n, copies, gen)
+        w_packed = [MXFP4Weight.from_float(w) for w in w_float]
+        for batch in (1, 4, 16):
+            xs = [
+                torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
+                for _ in range(copies)
+            ]
+            ref_b = reference_linear(xs[0].float(), w_packed[0])
+            pairs = list(zip(xs, w_packed, strict=True))
+            candidates = (GEMV_CANDIDATES if batch == 1 else []) + DECODE_CANDIDATES
+            best: tuple[float, KernelConfig, float] | None = None
+            tried = []
+            for cfg in candidates[: 3 if quick else None]:
+                y = mxfp4_linear(xs[0], w_packed[0], config=cfg)
+                err = rel_err(y.float(), ref_b)
+                ok = err < 1e-2 and not torch.isnan(y).any()
+                t = graph_time(
+                    [
+                        (lambda xx=xx, ww=ww, c=cfg: mxfp4_linear(xx, ww, config=c))
+                        for xx, ww in pairs
+                    ]
+                )
+                tried.append({"config": cfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
+                if ok and (best is None or t < best[0]):
+                    best = (t, cfg, err)
+            assert best is not None, f"no decode configuration was correct for {k}->{n}"
+            out["configs"][f"decode {k}->{n} batch {batch}"] = tried
+            t_bf16 = graph_time(
+                [
+                    (lambda xx=xx, ww=ww: F.linear(xx, ww))
+                    for xx, ww in zip(xs, w_float, strict=True)
+                ]
+            )
+            t_q, cfg, err = best
+            TUNED_CONFIGS[(batch, n, k)] = cfg
+            out["decode"].append(
+                {
+                    "shape": f"{k}->{n}",
+                    "batch": batch,
+                    "bf16_us": t_bf16 * 1e6,
+                    "mxfp4_us": t_q * 1e6,
+                    "speedup": t_bf16 / t_q,
+                    "mxfp4_bw_fraction": (packed_bytes + batch * k * 2) / t_q / bandwidth,
+                    "bf16_bw_fraction": (bf16_bytes + batch * k * 2) / t_bf16 / bandwidth,
+                    "rel_err_vs_reference": err,
+                    "config": cfg.__dict__,
+                    "bytes_bf16": bf16_bytes,
+                    "bytes_mxfp4": packed_bytes,
+                }
+            )
+            print(out["decode"][-1], flush=True)
+        # prefill at 2048 tokens
+        m = 2048
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+        ref_p = reference_linear(xs[0].float(), w_packed[0])
+        t_bf16 = graph_time(
+            [
+                (lambda xx=xx, ww=ww: F.linear(xx, ww))
+                for xx, ww in zip(xs, w_float[:2], strict=True)
+            ]
+        )
+        bestp: tuple[float, KernelConfig, float] | None = None
+        triedp = []
+        for pcfg in PREFILL_CANDIDATES[: 2 if quick else None]:
+            y = mxfp4_linear(xs[0], w_packed[0], config=pcfg)
+            err = rel_err(y.float(), ref_p)
+            ok = err < 1e-2 and not torch.isnan(y).any()
+            t = graph_time(
+                [
+                    (lambda xx=xx, ww=ww, pcfg=pcfg: mxfp4_linear(xx, ww, config=pcfg))
+                    for xx, ww in zip(xs, w_packed[:2], strict=True)
+                ]
+            )
+            triedp.append({"config": pcfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
+            if ok and (bestp is None or t < bestp[0]):
+                bestp = (t, pcfg, err)
+        assert bestp is not None, f"no prefill configuration was correct for {k}->{n}"
+        out["configs"][f"prefill {k}->{n}"] = triedp
+        TUNED_CONFIGS[(m, n, k)] = bestp[1]
+        t_pre = graph_time([(lambda xx=xx: quantize_activation(xx)) for xx in xs])
+        out["prefill"].append(
+            {
+                "shape": f"{k}->{n}",
+                "tokens": m,
+                "bf16_us": t_bf16 * 1e6,
+                "mxfp4_us": bestp[0] * 1e6,
+                "ratio_bf16_over_mxfp4": t_bf16 / bestp[0],
+                "prepass_us": t_pre * 1e6,
+                "bf16_tflops": 2 * m * n * k / t_bf16 / 1e12,
+                "mxfp4_tflops": 2 * m * n * k / bestp[0] / 1e12,
+                "rel_err_vs_reference": bestp[2],
+                "config": bestp[1].__dict__,
+            }
+        )
+        print(out["prefill"][-1], flush=True)
+        del w_float, w_packed
+        torch.cuda.empty_cache()
+    return out
+
+
+def transform_cost() -> list[dict[str, Any]]:
+    """The online transform's cost against the layer's own matmul (K = 4096, N = 4096)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k, n = 4096, 4096
+    copies = copies_for(n * k // 2)
+    w_float = make_weights(k, n, copies, gen)
+    w_packed = [MXFP4Weight.from_float(w) for w in w_float]
+    h = hadamard_matrix(32, dtype=torch.float32).cuda()
+    b = k // 32
+    q, _ = torch.linalg.qr(torch.randn(32, b, b, device="cuda", generator=gen))
+    inter = BlockRotation(32, r_inter=q, dtype=torch.bfloat16).cuda()
+    rows = []
+    for m in (1, 16, 2048):
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(copies)]
+        pairs = list(zip(xs, w_packed, strict=True))
+        t_plain = graph_time([(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww)) for xx, ww in pairs])
+        t_block = graph_time(
+            [(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww, block_transform=h)) for xx, ww in pairs]
+        )
+        t_inter = graph_time([(lambda xx=xx: inter(xx)) for xx in xs])
+        ref = reference_linear(xs[0].float(), w_packed[0], block_transform=h)
+        y = mxfp4_linear(xs[0], w_packed[0], block_transform=h)
+        rows.append(
+            {
+                "tokens": m,
+                "matmul_us": t_plain * 1e6,
+                "with_fused_32x32_us": t_block * 1e6,
+                "fused_32x32_overhead": t_block / t_plain - 1,
+                "torq_inter_block_us": t_inter * 1e6,
+                "torq_inter_over_matmul": t_inter / t_plain,
+                "rel_err_with_hadamard": rel_err(y.float(), ref),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+class _Decoder(torch.nn.Module):
+    """A Llama-shaped decoder for one-token steps against a fixed-size KV cache."""
+
+    def __init__(self, cfg: dict[str, int], packed: bool, context: int, gen: torch.Generator):
+        super().__init__()
+        d, f = cfg["hidden_size"], cfg["intermediate_size"]
+        h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.h, self.kvh, self.hd = h, kvh, d // h
+        self.eps = cfg["rms_norm_eps"]
+        self.layers = []
+        dev = "cuda"
+
+        def lin(n: int, k: int) -> Any:
+            w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).bfloat16()
+            return MXFP4Weight.from_float(w) if packed else w
+
+        for _ in range(cfg["num_hidden_layers"]):
+            self.layers.append(
+                {
+                    "q": lin(d, d),
+                    "k": lin(kvh * self.hd, d),
+                    "v": lin(kvh * self.hd, d),
+                    "o": lin(d, d),
+                    "gate": lin(f, d),
+                    "up": lin(f, d),
+                    "down": lin(d, f),
+                    "n1": torch.ones(d, device=dev, dtype=torch.bfloat16),
+                    "n2": torch.ones(d, device=dev, dtype=torch.bfloat16),
+                    "kc": torch.randn(
+                        1, kvh, context + 1, self.hd, device=dev, generator=gen
+                    ).bfloat16(),
+                    "vc": torch.randn(
+                        1, kvh, context + 1, self.hd, device=dev, generator=gen
+                    ).bfloat16(),
+                }
+            )
+        self.embed = (
+            torch.randn(cfg["vocab_size"], d, device=dev, generator=gen) * 0.02
+        ).bfloat16()
+        self.head = self.embed  # tied; lm_head stays bf16 in both variants
+        self.norm = torch.ones(d, device=dev, dtype=torch.bfloat16)
+        self.packed = packed
+        self.context = context
+
+    def _lin(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        return mxfp4_linear(x, w) if self.packed else F.linear(x, w)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).bfloat16() * w
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        x = self.embed[token].view(1, -1)
+        for layer in self.layers:
+            a = self._rms(x, layer["n1"])
+            q = self._lin(a, layer["q"]).view(1, self.h, 1, self.hd)
+            k = self._lin(a, layer["k"]).view(1, self.kvh, 1, self.hd)
+            v = self._lin(a, layer["v"]).view(1, self.kvh, 1, self.hd)
+            layer["kc"][:, :, self.context : self.context + 1].copy_(k)
+            layer["vc"][:, :, self.context : self.context + 1].copy_(v)
+            att = F.scaled_dot_product_attention(q, layer["kc"], layer["vc"], enable_gqa=True)
+            x = x + self._lin(att.reshape(1, -1), layer["o"])
+            a = self._rms(x, layer["n2"])
+            g = self._lin(a, layer["gate"])
+            u = self._lin(a, layer["up"])
+            x = x + self._lin(F.silu(g) * u, layer["down"])
+        return F.linear(self._rms(x, self.norm), self.head)
+
+    def weight_bytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            for name in ("q", "k", "v", "o", "gate", "up", "down"):
+                w = layer[name]
+                total += w.nbytes if self.packed else w.numel() * 2
+        return total
+
+
+def end_to_end(context: int, layers: int | None) -> dict[str, Any]:
+    cfg = dict(LLAMA3_8B)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    res: dict[str, Any] = {"config": cfg, "context": context, "batch": 1}
+    token = torch.tensor([11], device="cuda")
+    logits = {}
+    for packed in (False, True):
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        torch.cuda.reset_peak_memory_stats()
+        model = _Decoder(cfg, packed, context, gen)
+        t = graph_time([lambda model=model: model.step(token)], replays=30)
+        name = "mxfp4" if packed else "bf16"
+        logits[name] = model.step(token).float()
+        res[name] = {
+            "step_ms": t * 1e3,
+            "tokens_per_s": 1 / t,
+            "linear_weight_GB": model.weight_bytes() / 1e9,
+            "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9,
+        }
+        print(name, res[name], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    res["speedup"] = res["mxfp4"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    res["logit_cosine"] = float(F.cosine_similarity(logits["bf16"], logits["mxfp4"]).mean())
+    return res
+
+
+def device_info() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        smi = "nvidia-smi not found"
+    import triton
+
+    return {
+        "name": props.name,
+        "sms": props.multi_processor_count,
+        "nvidia_smi": smi,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def markdown(rec: dict[str, Any]) -> str:
+    bw = rec["bandwidth_GBps"]
+    lines = [
+        f"Device: {rec['device']['nvidia_smi']} · torch {rec['device']['torch']} · "
+        f"triton {rec['device']['triton']} · measured read bandwidth {bw:.0f} GB/s "
+        f"(copy, read + write: {rec['copy_bandwidth_GBps']:.0f} GB/s); % of bw below is of "
+        "the read bandwidth",
+        "",
+        "#### Decode (MXFP4 W4A4 vs bf16 `F.linear`)",
+        "",
+        "| K→N | batch | bf16 µs | MXFP4 µs | speed-up | MXFP4 % of bw | bf16 % | rel. err |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rec["decode"]:
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['bf16_us']:.1f} | {r['mxfp4_us']:.1f} | "
+            f"{r['speedup']:.2f}× | {100 * r['mxfp4_bw_fraction']:.0f}% | "
+            f"{100 * r['bf16_bw_fraction']:.0f}% | {r['rel_err_vs_reference']:.1e} |"
+        )
+    lines += [
+        "",
+        "#### Prefill, 2048 tokens",
+        "",
+        "| K→N | bf16 µs | MXFP4 µs | bf16/MXFP4 | pre-pass µs | bf16 TFLOP/s | MXFP4 TFLOP/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rec["prefill"]:
+        lines.append(
+            f"| {r['shape']} | {r['bf16_us']:.0f} | {r['mxfp4_us']:.0f} | "
+            f"{r['ratio_bf16_over_mxfp4']:.2f}× | {r['prepass_us']:.0f} | "
+            f"{r['bf16_tflops']:.0f} | {r['mxfp4_tflops']:.0f} |"
+        )
+    if rec.get("transform"):
+        lines += [
+            "",
+            "#### Online transform, K = N = 4096",
+            "",
+            "| tokens | matmul µs | + fused 32×32 block transform | TORQ inter-block (torch) µs "
+            "| inter / matmul |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in rec["transform"]:
+            lines.append(
+                f"| {r['tokens']} | {r['matmul_us']:.1f} | "
+                f"{100 * r['fused_32x32_overhead']:+.0f}% | {r['torq_inter_block_us']:.1f} | "
+                f"{r['torq_inter_over_matmul']:.2f} |"
+            )
+    if rec.get("end_to_end"):
+        e = rec["end_to_end"]
+        lines += [
+            "",
+            f"#### End to end: Llama-3-8B-shaped decoder ({e['config']['num_hidden_layers']} "
+            f"layers, random weights), batch 1, context {e['context']}",
+            "",
+            "| weights | step ms | tokens/s | linear weights GB | peak GB |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for name in ("bf16", "mxfp4"):
+            r = e[name]
+            lines.append(
+                f"| {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r['linear_weight_GB']:.2f} | {r['peak_memory_GB']:.2f} |"
+            )
+        lines.append("")
+        lines.append(
+            f"Speed-up {e['speedup']:.2f}×; mean cosine of the two models' logits "
+            f"{e['logit_cosine']:.3f} (same random weights)."
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/bench_kernels.json")
+    p.add_argument("--quick", action="store_true", help="fewer configurations")
+    p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--e2e-layers", type=int, default=None, help="fewer layers (default 32)")
+    p.add_argument("--context", type=int, default=2048)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    t0 = time.time()
+    bw_copy, bw = measured_bandwidth()
+    rec: dict[str, Any] = {
+        "kind": "torq.bench.kernels",
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_info(),
+        "bandwidth_GBps": bw / 1e9,
+        "copy_bandwidth_GBps": bw_copy / 1e9,
+    }
+    print(rec, flush=True)
+    rec.update(decode_and_prefill(bw, args.quick))
+    rec["transform"] = transform_cost()
+    if not args.skip_e2e:
+        rec["end_to_end"] = end_to_end(args.context, args.e2e_layers)
+    rec["wall_seconds"] = time.time() - t0
+    save(args.out, rec, markdown(rec))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

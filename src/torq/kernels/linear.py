@@ -1,0 +1,516 @@
+"""Packed MXFP4 linear layers: real W4A4 inference on GPUs, the fake-quant reference elsewhere.
+
+:class:`PackedMXFP4Linear` holds only the packed weight (two E2M1 codes per byte, one E8M0
+scale byte per 32 inputs) and computes ``y = Q(T x) · Q(W')ᵀ + b`` (the paper's
+Algorithm 3, option B). On a CUDA device it runs the Triton kernels of
+:mod:`torq.kernels.triton_mxfp4`: one fused launch for 1–16 tokens (the activation is
+quantized inside the matmul), a quantization pre-pass plus a tiled matmul for more. On a
+CPU it runs the reference: :func:`torq.formats.fake_quantize` on the activation and the
+dequantized weight, which is the same arithmetic, so the same model code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torq.formats import dequantize, fake_quantize, get_format, quantize
+from torq.formats.packed import PackedTensor
+
+BLOCK = 32
+# Up to this many tokens the default is the decode launch (1: gemv_dp4a).
+DECODE_MAX_TOKENS = 16
+# From this many tokens the default is the prefill path (a bf16 scratch copy of the weight
+# and the vendor GEMM). Between the two the tensor-core decode launch is used; this
+# boundary is an estimate (the scratch decode costs about as much as the decode launch at
+# a few hundred tokens), not a measurement.
+PREFILL_MIN_TOKENS = 256
+# Scale bytes above this (block amax >= 2**115) overflow the kernel's bf16 decode.
+MAX_KERNEL_SCALE_BYTE = 240
+
+Backend = Literal["auto", "triton", "reference"]
+
+
+KERNEL_KINDS = ("gemv_dp4a", "dequant_gemm", "dot", "dot_scaled")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One kernel launch: which kernel, its tiles, and where the activation comes from.
+
+    * ``kind``: ``"gemv_dp4a"`` (one token, exact int8 ``dp4a`` block dot products on the
+      CUDA cores), ``"dequant_gemm"`` (prefill: the weight is decoded to a bf16
+      scratch buffer and the vendor GEMM multiplies it with the activation's MXFP4
+      values; ``a_mode`` 1 there selects K permuted within blocks, and ``block_m`` /
+      ``block_n`` the decode kernel's tile), ``"dot"`` (tensor cores, both operands
+      decoded by hand) or ``"dot_scaled"`` (tensor cores, the weight through Triton's
+      ``tl.dot_scaled``).
+    * ``a_mode``: 0, the matmul quantizes the raw activation itself (one launch); 1, a
+      pre-pass packs it and the matmul decodes it; 2, a pre-pass writes its dequantized
+      MXFP4 values (exact in bf16) and the matmul reads them.
+    * ``swap_ab`` (``dot`` only): compute ``outᵀ = W · Aᵀ`` so that the decoded weight is
+      the matrix unit's register operand.
+    * ``split_k > 1`` splits the reduction over programs (atomic float32 adds).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    kind: str = "dot"
+    a_mode: int = 0
+    swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KERNEL_KINDS:
+            raise ValueError(f"unknown kernel kind {self.kind!r}")
+        if self.a_mode not in (0, 1, 2):
+            raise ValueError(f"a_mode must be 0, 1 or 2, got {self.a_mode}")
+        if self.kind in ("dot_scaled",) and self.a_mode == 1:
+            raise ValueError("dot_scaled reads the activation as values (a_mode 0 or 2)")
+        if self.block_k % BLOCK:
+            raise ValueError(f"block_k must be a multiple of {BLOCK}")
+
+
+# Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/RESULTS.md §6)
+# for the Llama-3-8B layer shapes.
+GEMV_CONFIG = KernelConfig(
+    block_m=1, block_n=32, block_k=512, split_k=4, num_warps=4, kind="gemv_dp4a"
+)
+DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, a_mode=2)
+PREFILL_CONFIG = KernelConfig(block_m=16, block_n=512, block_k=32, kind="dequant_gemm", a_mode=1)
+QUANT_CONFIG = KernelConfig(block_m=32, block_n=0, block_k=128, num_warps=4, num_stages=1)
+
+
+# Launches measured fastest for (tokens, N, K), filled by benchmarks/kernels.py's sweep.
+TUNED_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {}
+
+
+def tuned_needs_plain_input(cfg: KernelConfig | None) -> bool:
+    """Whether a launch cannot take a block transform (gemv_dp4a with fewer than 16 blocks
+    of 32 per tile)."""
+    return cfg is not None and cfg.kind == "gemv_dp4a" and cfg.block_k < 512
+
+
+def default_config(
+    tokens: int, out_features: int, in_features: int, has_block_transform: bool
+) -> KernelConfig:
+    """The launch used for ``tokens`` rows unless the caller passes one."""
+    tuned = TUNED_CONFIGS.get((tokens, out_features, in_features))
+    transform_ok = not has_block_transform or not tuned_needs_plain_input(tuned)
+    if tuned is not None and transform_ok:
+        return tuned
+    if tokens == 1:
+        return GEMV_CONFIG
+    if tokens <= DECODE_MAX_TOKENS or tokens < PREFILL_MIN_TOKENS:
+        return DECODE_CONFIG
+    return PREFILL_CONFIG
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether Triton can be imported here (its kernels then run on CUDA or, with
+    ``TRITON_INTERPRET=1``, in Triton's CPU interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor, backend: Backend) -> bool:
+    """Resolve ``backend`` for an input: Triton on CUDA (or in the interpreter), else reference."""
+    if backend == "reference":
+        return False
+    runnable = triton_importable() and (x.is_cuda or interpreter_enabled())
+    if backend == "triton":
+        if not runnable:
+            raise RuntimeError(
+                "the Triton backend needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 "
+                "for Triton's CPU interpreter)"
+            )
+        return True
+    return runnable and x.is_cuda
+
+
+@dataclass
+class MXFP4Weight:
+    """A weight ``W [N, K]`` in packed MXFP4: ``codes uint8 [N, Kp/2]``, ``scales uint8
+    [N, Kp/32]`` (E8M0), ``Kp = ceil(K/32)·32``; padding elements are code 0."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.codes.shape[0])
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> MXFP4Weight:
+        """Quantize a float weight with the OCP scale rule (method notes, section 1)."""
+        if weight.dim() != 2:
+            raise ValueError(f"a linear weight is 2-D [out, in], got shape {tuple(weight.shape)}")
+        if not torch.isfinite(weight).all():
+            raise ValueError("the weight holds NaN or Inf; refusing to pack it")
+        packed = quantize(weight.detach(), get_format("mxfp4"))
+        if int(packed.scales.max()) > MAX_KERNEL_SCALE_BYTE:
+            raise ValueError("weight magnitudes of 2**115 or more are outside the kernel's range")
+        return cls(packed.codes.contiguous(), packed.scales.contiguous(), int(weight.shape[1]))
+
+    def to_packed_tensor(self) -> PackedTensor:
+        return PackedTensor(
+            fmt=get_format("mxfp4"),
+            codes=self.codes,
+            scales=self.scales,
+            tensor_scale=None,
+            shape=(self.out_features, self.in_features),
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.to_packed_tensor(), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel()
+
+
+def _check_block_transform(t: torch.Tensor | None) -> None:
+    if t is not None and tuple(t.shape) != (BLOCK, BLOCK):
+        raise ValueError(f"the block transform must be {BLOCK}×{BLOCK}, got {tuple(t.shape)}")
+
+
+def apply_block_transform(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Multiply every block of 32 along the last dim by ``t``: ``y_b = t · x_b``."""
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"a block transform needs a width divisible by {BLOCK}, got {k}")
+    blocks = x.reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    return (blocks @ t.to(x.dtype).T).reshape(x.shape)
+
+
+def reference_linear(
+    x: torch.Tensor,
+    weight: MXFP4Weight,
+    bias: torch.Tensor | None = None,
+    block_transform: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fake-quant definition of :func:`mxfp4_linear`, computed in float32."""
+    if block_transform is not None:
+        x = apply_block_transform(x, block_transform)
+    xq = fake_quantize(x.float(), get_format("mxfp4"))
+    w = weight.dequantize(torch.float32).to(x.device)
+    out = F.linear(xq, w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    block_transform: torch.Tensor | None = None,
+    config: KernelConfig = QUANT_CONFIG,
+    values_dtype: torch.dtype | None = None,
+    permuted: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation pre-pass on a 2-D ``x [M, K]``: (optional block transform, then)
+    MXFP4 codes ``uint8 [M, Kp/2]`` and E8M0 scales ``uint8 [M, Kp/32]`` (paper eq. 1).
+
+    With ``values_dtype``, it returns instead the dequantized values ``[M, Kp]`` in that
+    dtype (exact in bf16 and float32) and an empty scale tensor; ``permuted`` writes each
+    block of 32 as its even elements, then its odd ones (see :func:`dequantize_weight`)."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    _check_block_transform(block_transform)
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    kp = (k + BLOCK - 1) // BLOCK * BLOCK
+    if values_dtype is not None:
+        codes = torch.empty((m, kp), dtype=values_dtype, device=x.device)
+        scales = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
+    else:
+        codes = torch.empty((m, kp // 2), dtype=torch.uint8, device=x.device)
+        scales = torch.empty((m, kp // BLOCK), dtype=torch.uint8, device=x.device)
+    t_t = _transposed(block_transform, x.dtype)
+    grid = (tk.cdiv(m, config.block_m), tk.cdiv(kp, config.block_k))
+    tk._mx_quantize_kernel[grid](
+        x,
+        t_t if t_t is not None else x,
+        codes,
+        scales,
+        m,
+        k,
+        x.stride(0),
+        codes.stride(0),
+        scales.stride(0),
+        HAS_T=t_t is not None,
+        WRITE_VALUES=values_dtype is not None,
+        PERMUTED=permuted,
+        BM=config.block_m,
+        BK=config.block_k,
+        num_warps=config.num_warps,
+    )
+    return codes, scales
+
+
+def dequantize_weight(
+    weight: MXFP4Weight,
+    dtype: torch.dtype = torch.bfloat16,
+    block: tuple[int, int] = (32, 256),
+    permuted: bool = False,
+) -> torch.Tensor:
+    """The packed weight decoded to ``[N, Kp]`` in ``dtype`` (exact in bf16) by a Triton
+    kernel; the padding columns are zero. ``permuted`` writes each block of 32 as its even
+    elements, then its odd ones (no nibble interleaving); pair it with an activation
+    written in the same order (:func:`quantize_activation`), since a product over K does
+    not depend on the order of K."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    n = weight.out_features
+    kp = weight.codes.shape[1] * 2
+    out = torch.empty((n, kp), dtype=dtype, device=weight.codes.device)
+    grid = (tk.cdiv(n, block[0]), tk.cdiv(kp, block[1]))
+    tk._mx_dequantize_kernel[grid](
+        weight.codes,
+        weight.scales,
+        out,
+        n,
+        kp,
+        weight.codes.stride(0),
+        weight.scales.stride(0),
+        out.stride(0),
+        PERMUTED=permuted,
+        BR=block[0],
+        BK=block[1],
+    )
+    return out
+
+
+def _transposed(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(dtype).T.contiguous()
+
+
+def mxfp4_linear(
+    x: torch.Tensor,
+    weight: MXFP4Weight,
+    bias: torch.Tensor | None = None,
+    block_transform: torch.Tensor | None = None,
+    *,
+    backend: Backend = "auto",
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y = Q(T x) · Q(W)ᵀ + bias`` for packed MXFP4 ``W`` (paper Algorithm 3, option B).
+
+    ``x [..., K]``; ``block_transform`` is an optional ``32×32`` matrix ``T`` applied to every
+    block of 32 of ``x`` before quantization (a 32-point Hadamard, TORQ's intra-block
+    rotation). The output has ``x``'s dtype. ``backend="auto"`` runs Triton on CUDA tensors
+    and the reference elsewhere. ``out`` (2-D ``[tokens, N]``, ``x``'s dtype, contiguous) receives
+    the result when given.
+    """
+    _check_block_transform(block_transform)
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(
+            f"input width {x.shape[-1]} does not match the weight's {weight.in_features} inputs"
+        )
+    if not use_triton(x, backend):
+        y = reference_linear(x, weight, bias, block_transform)
+        if out is not None:
+            out.copy_(y.reshape(out.shape))
+            return out
+        return y
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    m = x2.shape[0]
+    n = weight.out_features
+    cfg = config or default_config(m, n, weight.in_features, block_transform is not None)
+    if out is not None and (
+        tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
+    if cfg.kind == "gemv_dp4a" and m != 1:
+        raise ValueError("the gemv kernel takes one token")
+    if cfg.kind == "gemv_dp4a" and block_transform is not None and cfg.block_k < 512:
+        raise ValueError("gemv_dp4a with a block transform needs block_k >= 512")
+    result = out
+    if cfg.split_k > 1:
+        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    elif out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _launch(x2, weight, bias, block_transform, cfg, out)
+    if result is not None:
+        if result is not out:
+            result.copy_(out)
+        return result
+    return out.to(x.dtype).reshape(*lead, n)
+
+
+def _launch(
+    x2: torch.Tensor,
+    weight: MXFP4Weight,
+    bias: torch.Tensor | None,
+    block_transform: torch.Tensor | None,
+    cfg: KernelConfig,
+    out: torch.Tensor,
+) -> None:
+    from torq.kernels import triton_mxfp4 as tk
+
+    m, k = x2.shape
+    n = weight.out_features
+    dot_bf16 = not interpreter_enabled()
+    even_k = k % cfg.block_k == 0  # then no tile needs a mask along K
+    if cfg.kind == "dequant_gemm":
+        values_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
+        permuted = cfg.a_mode == 1  # for dequant_gemm, a_mode 1 selects the permuted order
+        a, _ = quantize_activation(
+            x2, block_transform, values_dtype=values_dtype, permuted=permuted
+        )
+        block = (cfg.block_m or 32, cfg.block_n or 256)
+        w = dequantize_weight(weight, values_dtype, block=block, permuted=permuted)
+        b = None if bias is None else bias.to(values_dtype)
+        out.copy_(F.linear(a, w, b))
+        return
+    if cfg.kind == "gemv_dp4a":
+        words = weight.codes.view(torch.int32)
+        grid = (tk.cdiv(n, cfg.block_n), cfg.split_k)
+        t_t = _transposed(block_transform, torch.float32)
+        tk._mx_gemv_dp4a_kernel[grid](
+            x2,
+            t_t if t_t is not None else x2,
+            words,
+            weight.scales,
+            bias if bias is not None else x2,
+            out,
+            n,
+            k,
+            words.stride(0),
+            weight.scales.stride(0),
+            HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k,
+            EVEN_K=even_k,
+            USE_ASM=not interpreter_enabled(),
+            HAS_T=t_t is not None,
+            BN=cfg.block_n,
+            BK=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return
+    t_t = _transposed(block_transform, x2.dtype)
+    if cfg.a_mode == 0:
+        a, a_scales, stride_as = x2, x2, 0
+    elif cfg.a_mode == 1:
+        a, a_scales = quantize_activation(x2, block_transform)
+        stride_as = a_scales.stride(0)
+    else:
+        values_dtype = torch.bfloat16 if dot_bf16 else torch.float32
+        a, a_scales = quantize_activation(x2, block_transform, values_dtype=values_dtype)
+        stride_as = 0
+    grid = (tk.cdiv(m, cfg.block_m), tk.cdiv(n, cfg.block_n), cfg.split_k)
+    tk._mx_matmul_kernel[grid](
+        a,
+        a_scales,
+        t_t if t_t is not None else x2,
+        weight.codes,
+        weight.scales,
+        bias if bias is not None else x2,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        stride_as,
+        weight.codes.stride(0),
+        weight.scales.stride(0),
+        out.stride(0),
+        A_MODE=cfg.a_mode,
+        HAS_T=cfg.a_mode == 0 and t_t is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=cfg.split_k,
+        DOT_BF16=dot_bf16,
+        DOT_SCALED=cfg.kind == "dot_scaled",
+        EVEN_K=even_k,
+        SWAP_AB=cfg.swap_ab and cfg.kind == "dot",
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BK=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+class PackedMXFP4Linear(nn.Module):
+    """A linear layer stored as packed MXFP4 (4.25 bits per weight) with W4A4 arithmetic.
+
+    ``input_transform`` is the online transform ``T`` whose inverse was fused into the
+    weight (``W' = W Tᵀ``): a ``32×32`` block matrix (``block_transform``) runs inside the
+    kernel; a general module (for example TORQ's per-position inter-block rotation) runs
+    before it in torch.
+    """
+
+    def __init__(
+        self,
+        weight: MXFP4Weight,
+        bias: torch.Tensor | None = None,
+        block_transform: torch.Tensor | None = None,
+        input_transform: nn.Module | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        _check_block_transform(block_transform)
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.backend: Backend = backend
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("bias", bias)
+        self.register_buffer("block_transform", block_transform)
+        self.input_transform = input_transform
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        block_transform: torch.Tensor | None = None,
+        input_transform: nn.Module | None = None,
+        backend: Backend = "auto",
+    ) -> PackedMXFP4Linear:
+        """Pack ``linear``'s (already transform-fused) weight; the bias stays in float."""
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(
+            MXFP4Weight.from_float(linear.weight),
+            bias,
+            block_transform,
+            input_transform,
+            backend,
+        )
+
+    @property
+    def weight_packed(self) -> MXFP4Weight:
+        return MXFP4Weight(self.codes, self.scales, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return mxfp4_linear(x, self.weight_packed, bias, self.block_transform, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, block_transform={self.block_transform is not None}"
+        )

@@ -1,0 +1,249 @@
+"""The Triton MXFP4 kernels against torq's fake-quant reference.
+
+On a machine without a GPU they run in Triton's interpreter (see conftest.py); on a GPU
+the same tests run the compiled kernels, and the ``cuda`` tests below add bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torq.formats import fake_quantize, get_format, quantize
+from torq.kernels import (
+    KernelConfig,
+    MXFP4Weight,
+    PackedMXFP4Linear,
+    mxfp4_linear,
+    quantize_activation,
+    reference_linear,
+)
+from torq.kernels.linear import apply_block_transform
+from torq.rotations.hadamard import hadamard_matrix
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# A kernel and the reference add the same exact products in a different order.
+FP32_ACCUMULATION_RTOL = 1e-5
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _special_activation(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k).roll(7)
+    x[0, : min(k, 32)] = 0.0  # an all-zero block
+    if m > 1:
+        x[1, 3] = float("nan")  # a NaN block
+    if m > 2:
+        x[2, -1] = float("inf")  # an Inf block
+    if m > 3:
+        x[3, :5] = -0.0
+        x[3, 5:9] = torch.tensor([1e-40, -3e-39, 2.5, -2.75])  # subnormals, ties
+    if m > 4:
+        x[4] *= 1e30  # scales near the top of the range
+    return x
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 32), (5, 96), (33, 100), (70, 320)])
+def test_quantize_prepass_is_bit_exact(m: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = _special_activation(m, k, gen).to(DEVICE)
+    codes, scales = quantize_activation(x)
+    ref = quantize(x, get_format("mxfp4"))
+    assert torch.equal(codes.cpu(), ref.codes.cpu())
+    assert torch.equal(scales.cpu(), ref.scales.cpu())
+
+
+def _signed_permutation(gen: torch.Generator) -> torch.Tensor:
+    perm = torch.randperm(32, generator=gen)
+    signs = torch.randint(0, 2, (32,), generator=gen) * 2.0 - 1.0
+    return torch.eye(32)[perm] * signs[:, None]
+
+
+def test_quantize_prepass_with_exact_block_transform() -> None:
+    """A signed permutation is exact in any precision: codes must match bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    t = _signed_permutation(gen)
+    x = torch.randn(19, 128, generator=gen)
+    codes, scales = quantize_activation(x.to(DEVICE), t.to(DEVICE))
+    ref = quantize(apply_block_transform(x, t), get_format("mxfp4"))
+    assert torch.equal(codes.cpu(), ref.codes)
+    assert torch.equal(scales.cpu(), ref.scales)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 40, 96), (3, 64, 256), (16, 17, 320), (17, 50, 160), (40, 130, 100), (131, 9, 64)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_reference(m: int, n: int, k: int, with_bias: bool) -> None:
+    """Decode (≤ 16 tokens, fused quantization) and prefill (pre-pass + matmul) paths; shapes
+    that are not multiples of the tiles; every output element written (poisoned with NaN)."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = MXFP4Weight.from_float(torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(m, k, generator=gen) * 3
+    ref = reference_linear(x, weight, bias)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), k)
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    y = mxfp4_linear(
+        x.to(DEVICE),
+        dev_weight,
+        None if bias is None else bias.to(DEVICE),
+        backend="triton",
+        out=out,
+    )
+    assert y.data_ptr() == out.data_ptr()
+    assert not torch.isnan(y).any()
+    assert _rel_err(y.cpu(), ref) < FP32_ACCUMULATION_RTOL
+
+
+def test_split_k_decode_path() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = MXFP4Weight.from_float(torch.randn(48, 512, generator=gen))
+    x = torch.randn(2, 512, generator=gen)
+    ref = reference_linear(x, weight)
+    cfg = KernelConfig(block_m=16, block_n=32, block_k=64, split_k=3)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 512)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, backend="triton", config=cfg)
+    assert _rel_err(y.cpu(), ref) < FP32_ACCUMULATION_RTOL
+
+
+@pytest.mark.parametrize("m", [1, 2, 24, 300])
+def test_linear_with_block_transform(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    weight = MXFP4Weight.from_float(torch.randn(24, 128, generator=gen))
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 128)
+    x = torch.randn(m, 128, generator=gen)
+    # exact transform: the same codes, so fp32-accumulation agreement
+    t = _signed_permutation(gen)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, block_transform=t.to(DEVICE), backend="triton")
+    assert _rel_err(y.cpu(), reference_linear(x, weight, block_transform=t)) < 1e-5
+    # a normalized Hadamard: entries are inexact, so an element sitting on a rounding
+    # boundary may round the other way; the results still agree closely
+    h = hadamard_matrix(32, dtype=torch.float32)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, block_transform=h.to(DEVICE), backend="triton")
+    ref = reference_linear(x, weight, block_transform=h)
+    assert not torch.isnan(y).any()
+    assert _rel_err(y.cpu(), ref) < 2e-2
+
+
+def test_packed_linear_equals_fake_quant_linear() -> None:
+    """The CPU fallback is torq's fake-quant path: fake-quantized weight, activation."""
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(96, 20)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(20, 96, generator=gen))
+    layer = PackedMXFP4Linear.from_linear(linear, backend="reference")
+    x = torch.randn(4, 7, 96, generator=gen)
+    fmt = get_format("mxfp4")
+    expected = nn.functional.linear(
+        fake_quantize(x, fmt), fake_quantize(linear.weight.detach(), fmt), linear.bias
+    )
+    torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
+    assert layer(x).shape == (4, 7, 20)
+    triton_layer = PackedMXFP4Linear.from_linear(linear, backend="triton").to(DEVICE)
+    assert _rel_err(triton_layer(x.to(DEVICE)).cpu(), expected.detach()) < 1e-5
+
+
+def test_packed_memory() -> None:
+    weight = MXFP4Weight.from_float(torch.randn(64, 256))
+    assert weight.nbytes == 64 * 256 // 2 + 64 * 256 // 32
+    # 4.25 bits per weight: 16 / 4.25 = 3.76x smaller than bf16
+    assert 64 * 256 * 2 / weight.nbytes == pytest.approx(16 / 4.25)
+
+
+def test_bad_inputs() -> None:
+    weight = MXFP4Weight.from_float(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="input width"):
+        mxfp4_linear(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="32×32"):
+        mxfp4_linear(torch.randn(2, 64), weight, block_transform=torch.eye(16))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        MXFP4Weight.from_float(torch.tensor([[float("nan")] * 32]))
+    with pytest.raises(ValueError, match="2-D"):
+        MXFP4Weight.from_float(torch.randn(64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_cuda_bf16_inputs(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    weight = MXFP4Weight.from_float(torch.randn(512, 1024, generator=gen) * 0.02)
+    x = torch.randn(m, 1024, generator=gen).bfloat16()
+    ref = reference_linear(x.float(), weight).double()
+    dev_weight = MXFP4Weight(weight.codes.cuda(), weight.scales.cuda(), 1024)
+    y = mxfp4_linear(x.cuda(), dev_weight)
+    assert y.dtype == torch.bfloat16
+    # only the final bf16 rounding of the output differs
+    assert _rel_err(y.float().cpu(), ref.float()) < 4e-3
+
+
+KERNEL_VARIANTS = [
+    KernelConfig(1, 16, 64, kind="gemv_dp4a"),
+    KernelConfig(1, 8, 128, split_k=2, kind="gemv_dp4a"),
+    KernelConfig(16, 32, 64, a_mode=0),
+    KernelConfig(16, 32, 64, a_mode=1),
+    KernelConfig(16, 32, 64, a_mode=2),
+    KernelConfig(16, 32, 64, split_k=2, a_mode=0),
+    KernelConfig(16, 32, 64, a_mode=2, swap_ab=True),
+    KernelConfig(0, 0, 32, kind="dequant_gemm"),
+    KernelConfig(16, 64, 32, kind="dequant_gemm", a_mode=1),
+    KernelConfig(16, 32, 64, kind="dot_scaled", a_mode=0),
+    KernelConfig(32, 32, 64, kind="dot_scaled", a_mode=2),
+]
+
+
+VARIANT_CASES = [
+    (cfg, shape)
+    for cfg in KERNEL_VARIANTS
+    for shape in [(1, 40, 96), (5, 50, 160), (33, 20, 224)]
+    if cfg.kind != "gemv_dp4a" or shape[0] == 1  # the gemv kernel takes one token
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "shape"),
+    VARIANT_CASES,
+    ids=[f"{c.kind}-a{c.a_mode}-s{c.split_k}-x{int(c.swap_ab)}-{s}" for c, s in VARIANT_CASES],
+)
+def test_every_kernel_variant(cfg: KernelConfig, shape: tuple[int, int, int]) -> None:
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(11 * m + k)
+    weight = MXFP4Weight.from_float(torch.randn(n, k, generator=gen))
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), k)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, bias.to(DEVICE), backend="triton", config=cfg)
+    assert not torch.isnan(y).any()
+    assert _rel_err(y.cpu(), reference_linear(x, weight, bias)) < FP32_ACCUMULATION_RTOL
+
+
+def test_kernel_config_validation() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        KernelConfig(16, 16, 64, kind="cublas")
+    with pytest.raises(ValueError, match="dot_scaled"):
+        KernelConfig(16, 16, 64, kind="dot_scaled", a_mode=1)
+    weight = MXFP4Weight.from_float(torch.randn(8, 64).to(DEVICE))
+    with pytest.raises(ValueError, match="takes one token"):
+        mxfp4_linear(
+            torch.randn(2, 64, device=DEVICE),
+            weight,
+            backend="triton",
+            config=KernelConfig(1, 16, 64, kind="gemv_dp4a"),
+        )
+
+
+def test_dequantize_weight_kernel_is_exact() -> None:
+    from torq.kernels.linear import dequantize_weight
+
+    gen = torch.Generator().manual_seed(5)
+    weight = MXFP4Weight.from_float(torch.randn(37, 100, generator=gen) * 0.1)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 100)
+    w = dequantize_weight(dev_weight, torch.float32).cpu()
+    assert torch.equal(w[:, :100], weight.dequantize(torch.float32))
+    assert torch.equal(w[:, 100:], torch.zeros(37, 28))
