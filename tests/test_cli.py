@@ -29,7 +29,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--max-windows", "0"], "positive integer"),
         (["run", "--scale-mode", "banana"], "invalid choice"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
-        (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: smollm2-135m"),
+        (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
     ],
 )
 def test_bad_arguments_give_one_line(argv, needle, capsys) -> None:
@@ -73,7 +73,13 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
     fp, rtn = res["rows"]
     assert math.isfinite(fp["ppl"]) and math.isfinite(rtn["ppl"]) and fp["ppl"] != rtn["ppl"]
     assert (fp["weights"], rtn["weights"], rtn["activations"]) == ("fp", "mxfp4", "mxfp4")
-    assert res["eval"] == {"dataset": "wikitext-2-raw test", "n_windows": 3, "seqlen": 64}
+    assert res["eval"] == {
+        "dataset": "wikitext-2-raw test",
+        "n_windows": 3,
+        "seqlen": 64,
+        "zeroshot_tasks": [],
+        "zeroshot_limit": None,
+    }
     assert res["config"]["methods"] == ["fp", "rtn"] and res["config"]["max_windows"] == 3
     for key in ("command", "versions", "machine", "wall_seconds", "date", "quant_config"):
         assert res[key]

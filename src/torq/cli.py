@@ -1,6 +1,7 @@
 """The ``torq`` command line: a thin layer over :mod:`torq.pipeline` and :mod:`torq.models`.
 
 torq run --model smollm2-135m --methods fp,rtn --format mxfp4 --max-windows 40
+torq eval --model smollm2-135m --methods fp,rtn --tasks arc_easy,piqa --limit 100
 torq models
 """
 
@@ -48,14 +49,39 @@ def _format_name(value: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torq.formats import SCALE_MODES
-
     parser = _Parser(
         prog="torq", description="TORQ: rotation-based MXFP4 W4A4 quantization of LLMs"
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="quantize a model with several methods and compare perplexity")
+    _add_run_arguments(run)
+    ev = sub.add_parser(
+        "eval",
+        help="like run, plus the paper's zero-shot tasks through lm-evaluation-harness",
+    )
+    _add_run_arguments(ev)
+    ev.add_argument(
+        "--tasks",
+        default="all",
+        help="comma-separated: arc_challenge, arc_easy, hellaswag, lambada_openai, piqa, "
+        "winogrande, or 'all' (read from <data-dir>/zeroshot/, hub fallback)",
+    )
+    ev.add_argument(
+        "--limit", type=_positive_int, default=None, help="first N examples of each task"
+    )
+    ev.add_argument("--task-batch-size", type=_positive_int, default=8, help="lm-eval batch size")
+    ev.add_argument("--skip-ppl", action="store_true", help="zero-shot tasks only")
+
+    sub.add_parser("models", help="list the embedded default models")
+    sub.add_parser("methods", help="list the registered quantization methods")
+    return parser
+
+
+def _add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """Arguments shared by ``torq run`` and ``torq eval``."""
+    from torq.formats import SCALE_MODES
+
     run.add_argument(
         "--model", default="smollm2-135m", help="embedded default, HF folder, .gguf or hub id"
     )
@@ -155,10 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="token vectors sampled per input group for the intra-block solver",
     )
 
-    sub.add_parser("models", help="list the embedded default models")
-    sub.add_parser("methods", help="list the registered quantization methods")
-    return parser
-
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(text).name or text).strip("_") or "model"
@@ -213,6 +235,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         torq=torq_settings,
     )
+    if args.command == "eval":
+        from torq.eval.zeroshot import parse_tasks
+
+        config.tasks = parse_tasks(args.tasks)
+        config.task_limit = args.limit
+        config.task_batch_size = args.task_batch_size
+        config.skip_ppl = args.skip_ppl
     result = run(config, progress=not args.no_progress)
     table = markdown_table(result)
     out = Path(
@@ -232,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="torq: %(message)s")
     try:
-        if args.command == "run":
+        if args.command in ("run", "eval"):
             return _cmd_run(args)
         if args.command == "models":
             from torq.models.loading import EMBEDDED_MODELS

@@ -40,6 +40,11 @@ class RunConfig:
     data_dir: str | None = None
     seed: int = 0
     torq: TorqSettings = field(default_factory=TorqSettings)
+    # zero-shot tasks through lm-eval (``torq eval``); empty: perplexity only
+    tasks: list[str] = field(default_factory=list)
+    task_limit: int | None = None
+    task_batch_size: int = 8
+    skip_ppl: bool = False
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -50,11 +55,12 @@ class MethodRow:
     method: str
     weights: str
     activations: str
-    ppl: float
+    ppl: float | None
     quantize_seconds: float
     eval_seconds: float
     eval_tokens_per_s: float
     details: dict[str, Any] = field(default_factory=dict)
+    zeroshot: dict[str, Any] | None = None  # headline scores (acc_norm / acc) and average
 
 
 def run(
@@ -69,8 +75,12 @@ def run(
     torch.manual_seed(config.seed)
     if loaded is None:
         loaded = load(config.model)
-    text = load_wikitext2_test(config.data_dir)
-    windows = windows_from_text(text, loaded.tokenizer, config.seqlen, config.max_windows)
+    if config.skip_ppl and not config.tasks:
+        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    windows = None
+    if not config.skip_ppl:
+        text = load_wikitext2_test(config.data_dir)
+        windows = windows_from_text(text, loaded.tokenizer, config.seqlen, config.max_windows)
 
     rows: list[MethodRow] = []
     for method in methods:
@@ -86,7 +96,26 @@ def run(
         )
         details = method.apply(model, qconfig, ctx)
         t_quant = time.perf_counter() - t0
-        res = perplexity(model, windows, config.batch_size, progress, desc=method.name)
+        res = (
+            None
+            if windows is None
+            else perplexity(model, windows, config.batch_size, progress, desc=method.name)
+        )
+        zeroshot = None
+        if config.tasks:
+            from torq.eval.zeroshot import evaluate_zeroshot
+
+            zs = evaluate_zeroshot(
+                model,
+                loaded.tokenizer,
+                config.tasks,
+                data_dir=config.data_dir,
+                limit=config.task_limit,
+                batch_size=config.task_batch_size,
+                progress=progress,
+            )
+            zeroshot = {**zs["scores"], "seconds": zs["seconds"], "limit": zs["limit"]}
+            details["lm_eval"] = zs["lm_eval"]
         rows.append(
             MethodRow(
                 method=method.name,
@@ -94,11 +123,12 @@ def run(
                 activations=qconfig.activation.name
                 if method.quantizes and qconfig.activation
                 else "fp",
-                ppl=res.ppl,
+                ppl=None if res is None else res.ppl,
                 quantize_seconds=t_quant,
-                eval_seconds=res.seconds,
-                eval_tokens_per_s=res.tokens_per_s,
-                details={**details, "perplexity": res.to_dict()},
+                eval_seconds=0.0 if res is None else res.seconds,
+                eval_tokens_per_s=0.0 if res is None else res.tokens_per_s,
+                details={**details, "perplexity": None if res is None else res.to_dict()},
+                zeroshot=zeroshot,
             )
         )
         if model is not loaded.model:
@@ -114,8 +144,10 @@ def run(
         "model": loaded.describe(),
         "eval": {
             "dataset": "wikitext-2-raw test",
-            "n_windows": int(windows.shape[0]),
-            "seqlen": int(windows.shape[1]),
+            "n_windows": 0 if windows is None else int(windows.shape[0]),
+            "seqlen": config.seqlen,
+            "zeroshot_tasks": list(config.tasks),
+            "zeroshot_limit": config.task_limit,
         },
         "rows": [asdict(r) for r in rows],
         "wall_seconds": time.perf_counter() - t_start,
@@ -125,23 +157,46 @@ def run(
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The comparison table: one row per method, PPL and its ratio to the FP row."""
+    """The comparison table: one row per method, PPL and its ratio to the FP row, and the
+    zero-shot scores (acc_norm where the task has it, else acc; percent) when evaluated."""
     rows = result["rows"]
-    fp = next((r["ppl"] for r in rows if r["method"] == "fp"), None)
-    out = [
-        "| method | W | A | PPL | ×FP | quantize s | eval tok/s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        ratio = f"{r['ppl'] / fp:.2f}" if fp else "–"
-        out.append(
-            f"| {r['method']} | {r['weights']} | {r['activations']} | {r['ppl']:.2f} | {ratio} "
-            f"| {r['quantize_seconds']:.1f} | {r['eval_tokens_per_s']:.0f} |"
-        )
+    fp = next((r["ppl"] for r in rows if r["method"] == "fp" and r["ppl"] is not None), None)
+    tasks = list(result["eval"].get("zeroshot_tasks") or [])
+    if tasks:
+        from torq.eval.zeroshot import TASKS
+
+        head = "| method | W | A | Wiki2 PPL | " + " | ".join(TASKS[t].label for t in tasks)
+        out = [head + " | Avg |", "| --- | --- | --- | ---: |" + " ---: |" * (len(tasks) + 1)]
+        for r in rows:
+            z = r["zeroshot"]["tasks"]
+            ppl = "–" if r["ppl"] is None else f"{r['ppl']:.2f}"
+            cells = " | ".join(f"{100 * z[t]['value']:.1f}" for t in tasks)
+            out.append(
+                f"| {r['method']} | {r['weights']} | {r['activations']} | {ppl} | {cells} "
+                f"| {100 * r['zeroshot']['average']:.1f} |"
+            )
+    else:
+        out = [
+            "| method | W | A | PPL | ×FP | quantize s | eval tok/s |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for r in rows:
+            ratio = f"{r['ppl'] / fp:.2f}" if fp else "–"
+            out.append(
+                f"| {r['method']} | {r['weights']} | {r['activations']} | {r['ppl']:.2f} | "
+                f"{ratio} | {r['quantize_seconds']:.1f} | {r['eval_tokens_per_s']:.0f} |"
+            )
     ev = result["eval"]
     out.append("")
-    out.append(
-        f"WikiText-2 raw test, {ev['n_windows']} windows × {ev['seqlen']} tokens; "
-        f"model {result['config']['model']}."
-    )
+    notes = []
+    if ev["n_windows"]:
+        notes.append(f"WikiText-2 raw test, {ev['n_windows']} windows × {ev['seqlen']} tokens")
+    if tasks:
+        limit = ev.get("zeroshot_limit")
+        notes.append(
+            "zero-shot (lm-eval, 0-shot, acc_norm where defined, else acc; "
+            + (f"first {limit} examples per task" if limit else "full tasks")
+            + ")"
+        )
+    out.append("; ".join(notes) + f"; model {result['config']['model']}.")
     return "\n".join(out)

@@ -1,0 +1,249 @@
+"""Zero-shot accuracy through lm-evaluation-harness, offline (the paper's Tables 1, 9–13).
+
+The six tasks of the paper are lm-eval's built-in ``arc_challenge``, ``arc_easy``,
+``hellaswag``, ``lambada_openai``, ``piqa`` and ``winogrande``. For each one a task config
+is generated that ``include:``s the built-in config, so prompts, metrics and splits are
+exactly the standard ones, and only swaps the dataset for the local JSON file of the data
+directory (``zeroshot/`` in ``../shared/data``; ``dataset_path: json``). Where the data
+directory lacks a file, the built-in task and its hub dataset are used if the hub is
+reachable; otherwise the error names the file it expected.
+
+The model object is evaluated in process (wrapped as lm-eval's ``HFLM``), so a quantized
+model is scored as it is, not reloaded. The paper reports ``acc_norm`` where a task has
+it, else ``acc``; :func:`headline_scores` does the same and adds the average.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torq.errors import TorqError
+from torq.eval.data import DATA_DIR_ENV, resolve_data_dir
+
+
+@dataclass(frozen=True)
+class ZeroShotTask:
+    """A paper task: lm-eval's built-in config and the local file that replaces its data."""
+
+    name: str
+    builtin_yaml: str  # relative to lm_eval/tasks
+    local_file: str  # relative to the data directory
+    split: str  # the split lm-eval scores ("test" or "validation")
+    label: str  # column name in the paper's tables
+
+
+TASKS: dict[str, ZeroShotTask] = {
+    t.name: t
+    for t in (
+        ZeroShotTask(
+            "arc_challenge",
+            "arc/arc_challenge.yaml",
+            "zeroshot/arc_challenge_test.jsonl",
+            "test",
+            "ARC-C",
+        ),
+        ZeroShotTask(
+            "arc_easy", "arc/arc_easy.yaml", "zeroshot/arc_easy_test.jsonl", "test", "ARC-E"
+        ),
+        ZeroShotTask(
+            "hellaswag",
+            "hellaswag/hellaswag.yaml",
+            "zeroshot/hellaswag_validation.jsonl",
+            "validation",
+            "Hella",
+        ),
+        ZeroShotTask(
+            "lambada_openai",
+            "lambada/lambada_openai.yaml",
+            "zeroshot/lambada_openai_test.jsonl",
+            "test",
+            "LAMBADA",
+        ),
+        ZeroShotTask(
+            "piqa", "piqa/piqa.yaml", "zeroshot/piqa_validation.jsonl", "validation", "PIQA"
+        ),
+        ZeroShotTask(
+            "winogrande",
+            "winogrande/default.yaml",
+            "zeroshot/winogrande_xl_validation.jsonl",
+            "validation",
+            "WinG",
+        ),
+    )
+}
+PAPER_TASKS = tuple(TASKS)
+LOCAL_PREFIX = "torq_"
+
+
+def parse_tasks(spec: str) -> list[str]:
+    """``"all"`` or a comma-separated list of the paper's task names."""
+    names = (
+        list(PAPER_TASKS)
+        if spec.strip().lower() == "all"
+        else [t.strip() for t in spec.split(",") if t.strip()]
+    )
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise TorqError(
+            f"unknown zero-shot task(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(PAPER_TASKS)} or 'all'"
+        )
+    return names
+
+
+def _lm_eval_tasks_dir() -> Path:
+    try:
+        import lm_eval
+    except ImportError:
+        raise TorqError(
+            "zero-shot evaluation needs lm-evaluation-harness: pip install 'torq-mx[eval]'"
+        ) from None
+    return Path(lm_eval.__file__).resolve().parent / "tasks"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether huggingface.co answers on its HTTPS port (the fallback needs it)."""
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_task_yaml(task: ZeroShotTask, data_file: Path, tasks_dir: Path) -> str:
+    """The generated config: the built-in task, its data swapped for ``data_file``."""
+    builtin = tasks_dir / task.builtin_yaml
+    if not builtin.is_file():
+        raise TorqError(f"lm-eval has no built-in config {builtin}; unsupported lm-eval version")
+    splits = {"training_split": "null", "validation_split": "null", "test_split": "null"}
+    splits[f"{task.split}_split"] = task.split
+    lines = [
+        f"include: {builtin}",
+        f"task: {LOCAL_PREFIX}{task.name}",
+        "tag: []",
+        "dataset_path: json",
+        "dataset_name: null",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    {task.split}: {data_file}",
+        *(f"{k}: {v}" for k, v in splits.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> dict[str, str]:
+    """Write the offline configs into ``config_dir``; map each paper task to the lm-eval
+    task name to run (the local config, or the built-in one as the hub fallback)."""
+    tasks_dir = _lm_eval_tasks_dir()
+    root = resolve_data_dir(data_dir)
+    run_names: dict[str, str] = {}
+    missing: list[Path] = []
+    for name in names:
+        task = TASKS[name]
+        data_file = None if root is None else root / task.local_file
+        if data_file is not None and data_file.is_file():
+            (config_dir / f"{LOCAL_PREFIX}{name}.yaml").write_text(
+                local_task_yaml(task, data_file.resolve(), tasks_dir)
+            )
+            run_names[name] = f"{LOCAL_PREFIX}{name}"
+        else:
+            run_names[name] = name
+            if data_file is not None:
+                missing.append(data_file)
+    if any(v == k for k, v in run_names.items()) and not hub_reachable():
+        where = (
+            f"expected {', '.join(str(m) for m in missing)}"
+            if missing
+            else f"no data directory given (--data-dir or ${DATA_DIR_ENV})"
+        )
+        raise TorqError(
+            f"zero-shot data not found ({where}) and the Hugging Face hub is not reachable"
+        )
+    return run_names
+
+
+def headline_scores(results: dict[str, Any], run_names: dict[str, str]) -> dict[str, Any]:
+    """``acc_norm`` where the task has it, else ``acc`` (as the paper), and their average."""
+    scores: dict[str, Any] = {}
+    for name, run_name in run_names.items():
+        r = results[run_name]
+        metric = "acc_norm,none" if "acc_norm,none" in r else "acc,none"
+        stderr = r.get(metric.replace(",", "_stderr,"))
+        scores[name] = {
+            "metric": metric.split(",")[0],
+            "value": float(r[metric]),
+            "stderr": None if stderr in (None, "N/A") else float(stderr),
+        }
+    values = [s["value"] for s in scores.values()]
+    return {"tasks": scores, "average": sum(values) / len(values)}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def evaluate_zeroshot(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    tasks: list[str],
+    data_dir: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score ``model`` (in process) on the paper's zero-shot tasks through lm-eval.
+
+    Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
+    versions>, "seconds": wall time, "limit": limit}``.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    names = [parse_tasks(t)[0] for t in tasks] if tasks else list(PAPER_TASKS)
+    device = next(model.parameters()).device
+    with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
+        run_names = prepare_tasks(names, data_dir, Path(tmp))
+        manager = TaskManager(include_path=tmp)
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            device=str(device),
+            max_length=getattr(model.config, "max_position_embeddings", 2048),
+        )
+        t0 = time.perf_counter()
+        out = simple_evaluate(
+            model=lm,
+            tasks=list(run_names.values()),
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=0,
+            log_samples=False,
+            bootstrap_iters=1000,
+            verbosity="WARNING" if not progress else "INFO",
+        )
+        seconds = time.perf_counter() - t0
+    if out is None:
+        raise TorqError("lm-eval returned no results")
+    return {
+        "scores": headline_scores(out["results"], run_names),
+        "lm_eval": _jsonable(
+            {k: out.get(k) for k in ("results", "configs", "versions", "n-shot", "n-samples")}
+        ),
+        "seconds": seconds,
+        "limit": limit,
+    }

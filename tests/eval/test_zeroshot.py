@@ -1,0 +1,115 @@
+"""Zero-shot tasks through lm-evaluation-harness, offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torq.cli import main
+from torq.errors import TorqError
+from torq.eval import zeroshot as zs
+
+pytest.importorskip("lm_eval")
+
+ARC = {
+    "id": "q1",
+    "question": "Which of these is a liquid at room temperature?",
+    "choices": {"text": ["water", "iron", "salt", "wood"], "label": ["A", "B", "C", "D"]},
+    "answerKey": "A",
+}
+PIQA = {"goal": "Open a jar.", "sol1": "Twist the lid.", "sol2": "Eat the lid.", "label": 0}
+
+
+def _zeroshot_dir(root: Path) -> Path:
+    (root / "zeroshot").mkdir(parents=True, exist_ok=True)
+    rows = [json.dumps({**ARC, "id": f"q{i}"}) for i in range(6)]
+    (root / "zeroshot" / "arc_easy_test.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "zeroshot" / "piqa_validation.jsonl").write_text(
+        "\n".join(json.dumps(PIQA) for _ in range(6)) + "\n"
+    )
+    return root
+
+
+def test_parse_tasks() -> None:
+    assert zs.parse_tasks("all") == list(zs.PAPER_TASKS)
+    assert zs.parse_tasks("piqa, arc_easy") == ["piqa", "arc_easy"]
+    with pytest.raises(TorqError, match="unknown zero-shot task"):
+        zs.parse_tasks("arc_easy,mmlu")
+
+
+def test_generated_config_includes_the_builtin_task(tmp_path) -> None:
+    data = _zeroshot_dir(tmp_path / "data")
+    names = zs.prepare_tasks(["arc_easy", "piqa"], str(data), tmp_path)
+    assert names == {"arc_easy": "torq_arc_easy", "piqa": "torq_piqa"}
+    text = (tmp_path / "torq_arc_easy.yaml").read_text()
+    assert "include: " in text and text.split("include: ")[1].split("\n")[0].endswith(
+        "arc/arc_easy.yaml"
+    )
+    assert "dataset_path: json" in text
+    assert f"test: {(data / 'zeroshot' / 'arc_easy_test.jsonl').resolve()}" in text
+    assert "validation: " in (tmp_path / "torq_piqa.yaml").read_text()
+
+
+def test_missing_file_without_hub_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    data = _zeroshot_dir(tmp_path / "data")
+    monkeypatch.setattr(zs, "hub_reachable", lambda timeout=3.0: False)
+    expected = data / "zeroshot" / "hellaswag_validation.jsonl"
+    with pytest.raises(TorqError, match=f"expected {expected}.*hub is not reachable"):
+        zs.prepare_tasks(["arc_easy", "hellaswag"], str(data), tmp_path)
+
+
+def test_headline_scores_prefer_acc_norm() -> None:
+    results = {
+        "torq_arc_easy": {"acc,none": 0.5, "acc_norm,none": 0.6, "acc_norm_stderr,none": 0.1},
+        "torq_winogrande": {"acc,none": 0.7, "acc_stderr,none": 0.05},
+    }
+    s = zs.headline_scores(results, {"arc_easy": "torq_arc_easy", "winogrande": "torq_winogrande"})
+    assert s["tasks"]["arc_easy"] == {"metric": "acc_norm", "value": 0.6, "stderr": 0.1}
+    assert s["tasks"]["winogrande"]["metric"] == "acc"
+    assert s["average"] == pytest.approx(0.65)
+
+
+def test_eval_command_on_a_tiny_checkpoint(tiny_checkpoint, tiny_data_dir, tmp_path, capsys):
+    """The whole offline plumbing: local task configs, lm-eval on the in-process quantized
+    model, scores and the full lm-eval output in the result JSON, the paper's columns."""
+    _zeroshot_dir(tiny_data_dir)
+    out = tmp_path / "zs.json"
+    code = main(
+        [
+            "eval", "--model", str(tiny_checkpoint), "--methods", "fp,rtn",
+            "--tasks", "arc_easy,piqa", "--limit", "4", "--seqlen", "64", "--max-windows", "2",
+            "--data-dir", str(tiny_data_dir), "--no-progress", "--out", str(out),
+        ]
+    )  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "| ARC-E | PIQA | Avg |" in stdout
+    res = json.loads(out.read_text())
+    for row in res["rows"]:
+        z = row["zeroshot"]
+        assert set(z["tasks"]) == {"arc_easy", "piqa"}
+        assert all(0.0 <= t["value"] <= 1.0 for t in z["tasks"].values())
+        assert z["limit"] == 4
+        lm = row["details"]["lm_eval"]
+        assert lm["n-samples"]["torq_arc_easy"]["effective"] == 4
+        assert "acc_norm,none" in lm["results"]["torq_piqa"]
+        assert row["ppl"] is not None
+
+
+@pytest.mark.slow
+def test_fp_model_is_above_chance_on_arc_easy(shared_data) -> None:
+    """The real SmolLM2-135M through the offline task: ARC-Easy acc_norm on its first 40
+    questions must be clearly above chance (0.25; measured 0.44 on the first 50)."""
+    from torq.models import load
+
+    lm = load("smollm2-135m")
+    res = zs.evaluate_zeroshot(
+        lm.model, lm.tokenizer, ["arc_easy"], data_dir=str(shared_data), limit=40,
+        batch_size=8, progress=False,
+    )  # fmt: skip
+    score = res["scores"]["tasks"]["arc_easy"]
+    assert score["metric"] == "acc_norm"
+    assert score["value"] > 0.32
+    assert res["lm_eval"]["n-samples"]["torq_arc_easy"]["effective"] == 40
