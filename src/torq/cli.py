@@ -174,6 +174,10 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=None,
         help="blocks the intra-block solver fits on (default: all sampled)",
     )
+    t.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ dampening (× mean diag H)")
+    t.add_argument(
+        "--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal"
+    )
     t.add_argument(
         "--reservoir",
         type=_positive_int,
@@ -200,6 +204,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from torq.methods.torq_rotation import TorqSettings
     from torq.rotations.inter_block import InterBlockConfig
     from torq.rotations.intra_block import IntraBlockConfig
+    from torq.surgery.gptq import GPTQConfig
 
     torq_settings = TorqSettings(
         inter=InterBlockConfig(construction=args.inter, angle=args.angle, shared=args.shared_inter),
@@ -234,6 +239,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         seed=args.seed,
         torq=torq_settings,
+        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks

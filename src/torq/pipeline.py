@@ -22,6 +22,7 @@ from torq.methods.registry import MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel, load
 from torq.results import command_line, machine_info, now_iso, versions
+from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -40,6 +41,7 @@ class RunConfig:
     data_dir: str | None = None
     seed: int = 0
     torq: TorqSettings = field(default_factory=TorqSettings)
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
     # zero-shot tasks through lm-eval (``torq eval``); empty: perplexity only
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None
@@ -90,6 +92,7 @@ def run(
             tokenizer=loaded.tokenizer,
             options={
                 "torq_settings": config.torq,
+                "gptq_config": config.gptq,
                 "data_dir": config.data_dir,
                 "progress": progress,
             },

@@ -48,7 +48,9 @@ class LinearGroup:
 class BlockStatistics:
     """Streaming ``Σ_k`` (per-position block covariance) and a token reservoir for one group."""
 
-    def __init__(self, width: int, block_size: int, reservoir: int, seed: int) -> None:
+    def __init__(
+        self, width: int, block_size: int, reservoir: int, seed: int, hessian: bool = False
+    ) -> None:
         if width % block_size:
             raise ValueError(
                 f"input width {width} is not a multiple of the block size {block_size}"
@@ -62,6 +64,8 @@ class BlockStatistics:
         self.sample = torch.empty(0, width, dtype=torch.float32)
         self._seen = 0
         self._gen = torch.Generator().manual_seed(seed)
+        # Σ x xᵀ over the tokens (float64), for GPTQ; only when asked for
+        self.xtx = torch.zeros(width, width, dtype=torch.float64) if hessian else None
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
@@ -70,6 +74,9 @@ class BlockStatistics:
             raise ValueError("calibration activations contain NaN or Inf")
         xb = x.to(torch.float64).reshape(-1, self.n_blocks, self.block_size)
         self.cov += torch.einsum("tbk,tck->kbc", xb, xb)
+        if self.xtx is not None:
+            x64 = xb.reshape(-1, self.width)
+            self.xtx += (x64.T @ x64).cpu()
         self.count += x.shape[0]
         self._reservoir(x.float().cpu())
 
@@ -93,6 +100,12 @@ class BlockStatistics:
     def covariance(self) -> torch.Tensor:
         """``Σ_k`` as an expectation (``[K, B, B]``)."""
         return self.cov / max(self.count, 1)
+
+    def hessian(self) -> torch.Tensor:
+        """``E[x xᵀ]`` (``[d, d]``, float64): GPTQ's Hessian up to a constant factor."""
+        if self.xtx is None:
+            raise ValueError("these statistics were captured without the Hessian")
+        return self.xtx / max(self.count, 1)
 
 
 @dataclass
@@ -219,12 +232,14 @@ def calibrate_layerwise(
     sequential: bool = False,
     seed: int = 0,
     progress: bool = True,
+    hessian: bool = False,
 ) -> tuple[list[dict[str, Any]], CaptureTimes]:
     """Capture statistics layer by layer and let ``solve_layer`` transform each layer in place.
 
     ``solve_layer(index, layer, groups, stats)`` builds and fuses the layer's transforms and
     quantizes it; it returns a JSON-able record. With ``sequential`` the next layer's inputs
     are recomputed through the quantized layer; otherwise they come from the float layer.
+    With ``hessian`` each group's statistics also hold ``Σ x xᵀ`` (for GPTQ).
     """
     times = CaptureTimes()
     t0 = time.perf_counter()
@@ -238,7 +253,9 @@ def calibrate_layerwise(
         kwargs = layer_kwargs[li]
         groups = discover_groups(layer, hidden[0], kwargs)
         stats = {
-            g.name: BlockStatistics(g.width, block_size, reservoir, seed=seed * 1000 + li * 10 + gi)
+            g.name: BlockStatistics(
+                g.width, block_size, reservoir, seed=seed * 1000 + li * 10 + gi, hessian=hessian
+            )
             for gi, g in enumerate(groups)
         }
         modules = dict(layer.named_modules())

@@ -1,11 +1,14 @@
-"""Quantization methods behind one registry (``fp``, ``rtn``, ``torq`` and its ablations)."""
+"""Quantization methods behind one registry (``fp``, ``rtn``, ``had32``, ``gptq``, ``torq``
+and its ablations; ``<method>+gptq`` composes a method with GPTQ weights)."""
 
+from torq.methods.gptq import GPTQ
 from torq.methods.hadamard import Hadamard32
 from torq.methods.registry import METHODS, Method, MethodContext, get_method, register_method
 from torq.methods.rtn import FullPrecision, RoundToNearest
 from torq.methods.torq_rotation import Torq, TorqInter, TorqIntra, TorqSettings
 
 __all__ = [
+    "GPTQ",
     "METHODS",
     "FullPrecision",
     "Hadamard32",

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from torq.errors import TorqError
+from torq.methods.gptq import FixedTransformSolver, calibrated_apply, gptq_config
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
@@ -23,10 +24,25 @@ from torq.surgery.qlinear import QuantConfig
 
 class _BlockHadamard(Method):
     group_size: ClassVar[int] = 32
+    supports_gptq = True
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         g = self.group_size
         transform = BlockRotation(g, None, hadamard_matrix(g))
+        if self.gptq_enabled:
+            cfg = gptq_config(ctx)
+
+            def transform_for(width: int) -> nn.Module:
+                if width % g:
+                    raise TorqError(f"input width {width} is not a multiple of {g}")
+                return transform
+
+            solver = FixedTransformSolver(transform_for, config, cfg)
+            return {
+                "group_size": g,
+                "gptq": cfg.__dict__,
+                **calibrated_apply(model, config, ctx, solver),
+            }
 
         def factory(name: str, linear: nn.Linear) -> nn.Module:
             if linear.in_features % g:

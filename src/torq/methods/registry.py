@@ -30,6 +30,9 @@ class Method:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     quantizes: ClassVar[bool] = True
+    # whether ``<name>+gptq`` exists: the method's transforms, then GPTQ weights
+    supports_gptq: ClassVar[bool] = False
+    gptq_enabled: bool = False
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         raise NotImplementedError
@@ -49,10 +52,28 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 
 def get_method(name: str) -> Method:
-    """Instantiate a registered method by name; unknown names list the known ones."""
+    """Instantiate a registered method by name; ``<method>+gptq`` composes a method's
+    transforms with GPTQ weights (``rtn+gptq`` is ``gptq``). Unknown names list the known
+    ones."""
+    key = name.strip().lower()
+    if key.endswith("+gptq"):
+        base = key[: -len("+gptq")]
+        if base == "rtn":
+            return get_method("gptq")
+        cls = METHODS.get(base)
+        if cls is None or not cls.supports_gptq:
+            composable = sorted(n for n, c in METHODS.items() if c.supports_gptq)
+            raise TorqError(
+                f"unknown method '{name}': '+gptq' composes with rtn, {', '.join(composable)}"
+            )
+        method = cls()
+        method.gptq_enabled = True
+        method.name = key  # type: ignore[misc]
+        return method
     try:
-        return METHODS[name.strip().lower()]()
+        return METHODS[key]()
     except KeyError:
         raise TorqError(
             f"unknown method '{name}'; known methods: {', '.join(sorted(METHODS))}"
+            f" (and <method>+gptq)"
         ) from None

@@ -21,12 +21,13 @@ from torch import nn
 from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
 from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.formats import FormatSpec, fake_quantize
+from torq.methods.gptq import GroupSolver, gptq_config
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
-from torq.surgery.apply import quantize_layer
-from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantLinear
+from torq.rotations.transform import BlockRotation
+from torq.surgery.gptq import GPTQConfig
+from torq.surgery.qlinear import QuantConfig
 
 
 @dataclass
@@ -89,48 +90,26 @@ def relative_quant_error(x: torch.Tensor, fmt: FormatSpec) -> float:
     return float(err / x.double().pow(2).sum().clamp_min(1e-300))
 
 
-class TorqLayerSolver:
-    """Builds, fuses and quantizes one decoder layer's transforms (the calibration callback)."""
+class TorqLayerSolver(GroupSolver):
+    """Builds, fuses and quantizes one decoder layer's transforms (the calibration callback);
+    with ``gptq`` the fused weights are quantized by GPTQ instead of RTN."""
 
-    def __init__(self, settings: TorqSettings, qconfig: QuantConfig) -> None:
+    def __init__(
+        self, settings: TorqSettings, qconfig: QuantConfig, gptq: GPTQConfig | None = None
+    ) -> None:
+        super().__init__(qconfig, gptq)
         self.settings = settings
-        self.qconfig = qconfig
 
-    def __call__(
-        self,
-        index: int,
-        layer: nn.Module,
-        groups: list[LinearGroup],
-        stats: dict[str, BlockStatistics],
-    ) -> dict[str, Any]:
-        modules = dict(layer.named_modules())
-        record: dict[str, Any] = {}
-        for g in groups:
-            t0 = time.perf_counter()
-            transform, rec = build_group_transform(
-                stats[g.name], self.settings, self.qconfig.activation
-            )
-            shared = ActivationQuantizer(self.qconfig.activation, transform)
-            for name in g.members:
-                linear = modules[name]
-                parent_name, _, attr = name.rpartition(".")
-                parent = modules[parent_name] if parent_name else layer
-                fused = fuse_inverse_into_weight(linear.weight, transform)
-                setattr(
-                    parent,
-                    attr,
-                    QuantLinear(fused, linear.bias, self.qconfig, input_quantizer=shared),
-                )
-            rec["seconds"] = time.perf_counter() - t0
-            record[g.name] = rec
-        # Whatever the groups did not cover (fused MoE experts) falls back to RTN.
-        record["rtn_fallback"] = quantize_layer(layer, self.qconfig)
-        return record
+    def transform(
+        self, group: LinearGroup, stats: BlockStatistics
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        return build_group_transform(stats, self.settings, self.qconfig.activation)
 
 
 class _TorqBase(Method):
     use_inter: ClassVar[bool] = True
     use_intra: ClassVar[bool] = True
+    supports_gptq = True
 
     def settings(self, ctx: MethodContext) -> TorqSettings:
         base: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
@@ -149,18 +128,21 @@ class _TorqBase(Method):
             ctx.tokenizer, settings.calibration, ctx.options.get("data_dir")
         )
         t_data = time.perf_counter() - t0
+        gptq = gptq_config(ctx) if self.gptq_enabled else None
         records, times = calibrate_layerwise(
             model,
             windows,
-            TorqLayerSolver(settings, config),
+            TorqLayerSolver(settings, config, gptq),
             block_size=settings.block_size,
             reservoir=settings.reservoir_tokens,
             sequential=settings.sequential,
             seed=settings.calibration.seed,
             progress=ctx.options.get("progress", True),
+            hessian=gptq is not None,
         )
         return {
             "settings": settings.to_dict(),
+            "gptq": None if gptq is None else gptq.__dict__,
             "calibration_seconds": {
                 "data": t_data,
                 "capture_forward": times.forward_seconds,

@@ -105,7 +105,8 @@ class QuantLinear(nn.Module):
     ``weight`` holds ``Q_w(W Tᵀ)`` already de-quantized to float (quantized once at
     construction); ``input_transform``, when present, is the online forward transform ``T``
     applied to the activation before quantization (Appendix A.3, steps 2–4). Layers that
-    read the same tensor may share one ``input_quantizer``.
+    read the same tensor may share one ``input_quantizer``. ``weight_quantized`` says the
+    weight is already on the format's grid (GPTQ), so it is kept as given.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class QuantLinear(nn.Module):
         config: QuantConfig,
         input_transform: nn.Module | None = None,
         input_quantizer: ActivationQuantizer | None = None,
+        weight_quantized: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
@@ -128,7 +130,7 @@ class QuantLinear(nn.Module):
         self.input_quantizer = input_quantizer
         with torch.no_grad():
             w = weight.detach()
-            if config.weight is not None:
+            if config.weight is not None and not weight_quantized:
                 w = fake_quantize(w, config.weight)
             self.weight = nn.Parameter(w.clone(), requires_grad=False)
             self.bias = (

@@ -1,0 +1,183 @@
+"""GPTQ weight quantization on the grid of a block-scaled 4-bit format.
+
+GPTQ (Frantar et al., 2023) quantizes a weight ``W [N, K]`` one input column at a time
+and pushes each column's error onto the columns not yet quantized, weighted by the
+inverse Hessian of the layer's reconstruction loss ``‖W X − Ŵ X‖²``, ``H = 2 X Xᵀ`` over the
+calibration inputs ``X``. Here the grid is the target format's: the blocks of 32 (16 for
+NVFP4) run along the input dimension, and each block's scale is fitted when GPTQ reaches the
+block's first column, from the block's weights as the earlier columns' updates left them
+(or, with ``act_order``, from the original weights, since columns are then visited out of
+block order). Dampening adds ``damp · mean(diag H)`` to the diagonal.
+
+With an online transform ``T`` (TORQ, Hadamard), the layer computes ``W' (T x)``, so the
+Hessian is that of the transformed inputs, ``T H Tᵀ``: :func:`transform_hessian`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torq.formats import FormatSpec
+from torq.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
+from torq.formats.packing import exact_pow2
+from torq.formats.reference import (
+    mx_scale_exponent,
+    nvfp4_tensor_scale,
+    round_to_e2m1,
+    round_to_int4,
+)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ's knobs (defaults: the GPTQ paper's)."""
+
+    damp: float = 0.01
+    act_order: bool = False
+    lazy_batch: int = 128
+
+    def __post_init__(self) -> None:
+        if not self.damp >= 0:
+            raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.lazy_batch < 1 or self.lazy_batch % 32:
+            raise ValueError(f"lazy_batch must be a positive multiple of 32, got {self.lazy_batch}")
+
+
+class _BlockGrid:
+    """The format's quantizer for one block of columns: fit the scales, round a column."""
+
+    def __init__(self, fmt: FormatSpec, weight: torch.Tensor) -> None:
+        if fmt.name not in ("mxfp4", "mxint4", "nvfp4"):
+            raise ValueError(f"GPTQ supports mxfp4, mxint4 and nvfp4, not {fmt.name}")
+        self.fmt = fmt
+        self.tensor_scale = (
+            nvfp4_tensor_scale(weight.abs().amax().float()) if fmt.name == "nvfp4" else None
+        )
+
+    def scales(self, block: torch.Tensor) -> torch.Tensor:
+        """Per-row scale ``[N, 1]`` (float64) for a block ``[N, width]`` of columns."""
+        amax = block.abs().amax(dim=1, keepdim=True)
+        if self.fmt.name == "nvfp4":
+            assert self.tensor_scale is not None
+            s = (amax.float() / E2M1_MAX) / self.tensor_scale
+            s = s.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+            return (s * self.tensor_scale).double()
+        exponent = mx_scale_exponent(amax.float(), self.fmt)
+        return exact_pow2(exponent, torch.float32).double()
+
+    def quantize(self, column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Round a column ``[N]`` with its rows' scales ``[N]``; back in float64."""
+        v = column / scale
+        q = round_to_int4(v) if self.fmt.name == "mxint4" else round_to_e2m1(v)
+        return q * scale
+
+
+def transform_hessian(h: torch.Tensor, transform: torch.nn.Module | None) -> torch.Tensor:
+    """``T H Tᵀ`` for a row-wise transform module ``T`` (``x ↦ T x`` on the last dim)."""
+    if transform is None:
+        return h
+    t = transform.to(h.device)
+    with torch.no_grad():
+        th = _apply(t, h)  # rows of H transformed: (T Hᵀ)ᵀ = H Tᵀ since H is symmetric
+        return _apply(t, th.T.contiguous())
+
+
+def _apply(t: torch.nn.Module, m: torch.Tensor) -> torch.Tensor:
+    dtype = m.dtype
+    buffers = {n: b for n, b in t.named_buffers() if b is not None}
+    if buffers and next(iter(buffers.values())).dtype != dtype:
+        t = _cast_module(t, dtype)
+    return t(m)
+
+
+def _cast_module(t: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    import copy
+
+    c = copy.deepcopy(t)
+    for name, b in list(c.named_buffers()):
+        if b is not None and b.is_floating_point():
+            owner = c
+            *path, leaf = name.split(".")
+            for p in path:
+                owner = getattr(owner, p)
+            setattr(owner, leaf, b.to(dtype))
+    return c
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    fmt: FormatSpec,
+    config: GPTQConfig | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Quantize ``weight [N, K]`` with GPTQ on ``fmt``'s grid (Frantar et al., Alg. 1).
+
+    ``hessian [K, K]`` is ``Σ x xᵀ`` (any positive scale) over the layer's calibration
+    inputs. Returns the de-quantized weight (on the grid, in ``weight``'s dtype) and a record
+    with GPTQ's proxy loss ``½ Σ (w − q)² / [L]_jj²`` (``L`` the Cholesky factor of ``H⁻¹``).
+    """
+    cfg = config or GPTQConfig()
+    n, k = weight.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}], got {tuple(hessian.shape)}")
+    if not torch.isfinite(hessian).all():
+        raise ValueError("the Hessian holds NaN or Inf")
+    block = fmt.block_size
+    w = weight.detach().to(torch.float64).clone()
+    h = hessian.detach().to(torch.float64).clone()
+    grid = _BlockGrid(fmt, w)
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += cfg.damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+
+    # Static scales (act_order): fitted from the original weight, block by block.
+    n_blocks = (k + block - 1) // block
+    static = (
+        torch.cat([grid.scales(w[:, b * block : (b + 1) * block]) for b in range(n_blocks)], 1)
+        if cfg.act_order
+        else None
+    )
+    perm = torch.argsort(torch.diag(h), descending=True) if cfg.act_order else None
+    if perm is not None:
+        w = w[:, perm]
+        h = h[perm][:, perm]
+
+    hinv = torch.linalg.cholesky(h)
+    hinv = torch.cholesky_inverse(hinv)
+    hinv = torch.linalg.cholesky(hinv, upper=True)
+
+    q_all = torch.zeros_like(w)
+    loss = torch.zeros((), dtype=torch.float64)
+    scale = torch.ones(n, 1, dtype=torch.float64, device=w.device)
+    for i1 in range(0, k, cfg.lazy_batch):
+        i2 = min(i1 + cfg.lazy_batch, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        h1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            orig = int(perm[col]) if perm is not None else col
+            if static is not None:
+                scale = static[:, orig // block : orig // block + 1]
+            elif orig % block == 0:
+                # the block's columns as the earlier columns' updates left them; a lazy
+                # batch is a whole number of blocks, so the block lies inside it
+                scale = grid.scales(w1[:, i : i + min(block, k - orig)])
+            wc = w1[:, i]
+            qc = grid.quantize(wc, scale[:, 0])
+            q_all[:, col] = qc
+            d = h1[i, i]
+            e = (wc - qc) / d
+            loss += ((wc - qc) ** 2).sum() / d**2
+            w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        q_all = q_all[:, inverse]
+    return q_all.to(weight.dtype), {"proxy_loss": float(loss) / 2}
