@@ -258,6 +258,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     write_json_atomic(out, result)
     out.with_suffix(".md").write_text(f"`{result['command']}`\n\n{table}\n")
     print(table)
+    if config.tasks and not config.skip_ppl:
+        from torq.eval.figure import accuracy_perplexity_figure
+
+        print(f"figure {accuracy_perplexity_figure(result, out.with_suffix('.png'))}")
     print(f"\nsaved {out} ({result['wall_seconds']:.0f} s)")
     return 0
 

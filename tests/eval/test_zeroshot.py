@@ -96,6 +96,9 @@ def test_eval_command_on_a_tiny_checkpoint(tiny_checkpoint, tiny_data_dir, tmp_p
         assert lm["n-samples"]["torq_arc_easy"]["effective"] == 4
         assert "acc_norm,none" in lm["results"]["torq_piqa"]
         assert row["ppl"] is not None
+    # the Figure-1-style plot is written next to the result
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
