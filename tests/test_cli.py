@@ -152,3 +152,22 @@ def test_real_model_fp_and_rtn(shared_data, tmp_path, capsys) -> None:
         loss = lm.model(input_ids=w, labels=w).loss.item()
     assert fp["ppl"] == pytest.approx(math.exp(loss), rel=1e-5)
     assert rtn["ppl"] > 1.2 * fp["ppl"]
+
+
+def test_partial_results_are_saved_after_each_method(tiny_checkpoint, tiny_data_dir) -> None:
+    """A long comparison loses nothing that already ran: ``on_row`` gets the record after
+    each method but the last, marked incomplete."""
+    from torq.pipeline import RunConfig, run
+
+    seen = []
+    cfg = RunConfig(
+        model=str(tiny_checkpoint),
+        methods=["fp", "rtn", "had32"],
+        seqlen=64,
+        max_windows=1,
+        data_dir=str(tiny_data_dir),
+    )
+    final = run(cfg, progress=False, on_row=lambda rec: seen.append(rec))
+    assert [len(r["rows"]) for r in seen] == [1, 2]
+    assert not any(r["complete"] for r in seen) and final["complete"]
+    assert [r["method"] for r in final["rows"]] == ["fp", "rtn", "had32"]

@@ -248,15 +248,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.task_limit = args.limit
         config.task_batch_size = args.task_batch_size
         config.skip_ppl = args.skip_ppl
-    result = run(config, progress=not args.no_progress)
-    table = markdown_table(result)
     out = Path(
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     )
-    result["table"] = table
-    write_json_atomic(out, result)
-    out.with_suffix(".md").write_text(f"`{result['command']}`\n\n{table}\n")
+
+    def save(record: dict) -> str:
+        table = markdown_table(record)
+        record["table"] = table
+        write_json_atomic(out, record)
+        status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
+        out.with_suffix(".md").write_text(f"`{record['command']}`\n\n{table}{status}\n")
+        return table
+
+    result = run(config, progress=not args.no_progress, on_row=save)
+    table = save(result)
     print(table)
     if config.tasks and not config.skip_ppl:
         from torq.eval.figure import accuracy_perplexity_figure

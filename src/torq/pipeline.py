@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,9 +67,16 @@ class MethodRow:
 
 
 def run(
-    config: RunConfig, loaded: LoadedModel | None = None, progress: bool = True
+    config: RunConfig,
+    loaded: LoadedModel | None = None,
+    progress: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every method of ``config`` on the same model and windows; return the result record."""
+    """Run every method of ``config`` on the same model and windows; return the result record.
+
+    ``on_row`` receives the record as it stands after each method (``"complete": False``
+    until the last), so a long comparison can be saved as it goes.
+    """
     if not config.methods:
         raise TorqError("no methods given")
     methods = [get_method(m) for m in config.methods]
@@ -137,9 +145,24 @@ def run(
         if model is not loaded.model:
             del model
             gc.collect()
+        if on_row is not None and len(rows) < len(methods):
+            on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
+    return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def _record(
+    config: RunConfig,
+    qconfig: QuantConfig,
+    loaded: LoadedModel,
+    windows: torch.Tensor | None,
+    rows: list[MethodRow],
+    t_start: float,
+    complete: bool,
+) -> dict[str, Any]:
     return {
         "kind": "torq.run",
+        "complete": complete,
         "date": now_iso(),
         "command": command_line(),
         "config": asdict(config),
