@@ -1,0 +1,230 @@
+"""What the peer-library scripts share: arguments, model and window loading, evaluation, JSON.
+
+Every peer script quantizes the same float model that ``torq.models.load`` returns and then
+scores the peer's fake-quantized model with torq's own WikiText-2 perplexity
+(``torq.eval``), so its number sits beside ``torq run`` numbers measured the same way.
+
+``--model tiny-llama`` (and ``tiny-smollm2-shape``) builds a small randomly initialised
+Llama instead, with random token windows: a smoke test of the peer's API on this machine
+that downloads nothing and takes seconds. Its perplexity means nothing beyond "finite".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.results import command_line, machine_info, now_iso, versions, write_json_atomic
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Random-weight Llama shapes for smoke tests (vocabulary 384, embeddings tied like SmolLM2).
+TINY_MODELS: dict[str, dict[str, int]] = {
+    "tiny-llama": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    # SmolLM2-135M's widths (hidden 576, MLP 1536, head_dim 64, 9 / 3 heads), two layers:
+    # checks that a peer's rotations accept the real model's non-power-of-two sizes.
+    "tiny-smollm2-shape": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
+}
+TINY_VOCAB = 384
+
+
+@dataclass
+class Subject:
+    """The float model a peer quantizes, with its evaluation windows."""
+
+    model: nn.Module
+    windows: torch.Tensor
+    describe: dict[str, Any]
+    tiny: bool
+
+
+def add_common_args(parser: argparse.ArgumentParser, peer: str) -> None:
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="anything torq.models.load accepts, or a smoke-test model: "
+        + ", ".join(sorted(TINY_MODELS)),
+    )
+    parser.add_argument(
+        "--max-windows", type=int, default=16, help="evaluate the first N WikiText-2 windows"
+    )
+    parser.add_argument("--seqlen", type=int, default=2048, help="perplexity window length")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="data directory laid out like ../shared/data (default: $TORQ_DATA_DIR, "
+        "else ../shared/data beside the repository when it exists)",
+    )
+    parser.add_argument(
+        "--out", default=None, help=f"result JSON (default results/peers/{peer}-<model>.json)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device for quantization and evaluation",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random rotations")
+    parser.add_argument(
+        "--with-fp",
+        action="store_true",
+        help="also evaluate the float model on the same windows before quantizing",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def resolve_data_dir(arg: str | None) -> str | None:
+    if arg is not None:
+        return arg
+    if os.environ.get("TORQ_DATA_DIR"):
+        return os.environ["TORQ_DATA_DIR"]
+    beside = REPO_ROOT.parent / "shared" / "data"
+    return str(beside) if beside.is_dir() else None
+
+
+def _tiny_model(name: str) -> nn.Module:
+    """A random Llama saved to a temporary folder, so ``config.name_or_path`` can be reloaded
+    (llm-compressor's ``oneshot`` re-reads the config from there)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        **TINY_MODELS[name],
+    )
+    model = LlamaForCausalLM(config).eval()
+    folder = tempfile.mkdtemp(prefix=f"{name}-")
+    model.save_pretrained(folder)
+    model.config.name_or_path = folder
+    return model
+
+
+def load_subject(args: argparse.Namespace) -> Subject:
+    """The float model and its windows (WikiText-2 test, or random ids for a tiny model)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.model in TINY_MODELS:
+        model = _tiny_model(args.model)
+        gen = torch.Generator().manual_seed(args.seed)
+        windows = torch.randint(0, TINY_VOCAB, (args.max_windows, args.seqlen), generator=gen)
+        describe = {
+            "source": f"random init ({args.model})",
+            "model_type": "llama",
+            **TINY_MODELS[args.model],
+            "vocab_size": TINY_VOCAB,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+        }
+        return Subject(model.to(args.device), windows, describe, tiny=True)
+    from torq.models import load
+
+    lm = load(args.model)
+    text = load_wikitext2_test(resolve_data_dir(args.data_dir))
+    windows = windows_from_text(text, lm.tokenizer, args.seqlen, args.max_windows)
+    return Subject(lm.model.to(args.device), windows, lm.describe(), tiny=False)
+
+
+def evaluate(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> dict:
+    """torq's perplexity, plus whether the logits of the first window are all finite."""
+    with torch.no_grad():
+        first = windows[:1].to(next(model.parameters()).device)
+        finite = bool(torch.isfinite(model(input_ids=first, use_cache=False).logits).all())
+    result = perplexity(model, windows, progress=progress, desc=desc).to_dict()
+    result["first_window_logits_finite"] = finite
+    return result
+
+
+def first_window_nll(model: nn.Module, windows: torch.Tensor) -> float:
+    """Mean token NLL on the first window: a cheap check that a rotation alone (quantization
+    switched off) leaves the float model's function unchanged."""
+    return perplexity(model, windows[:1], progress=False).mean_nll
+
+
+@contextmanager
+def timed() -> Any:
+    box: dict[str, float] = {}
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box["seconds"] = time.perf_counter() - start
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def default_out(peer: str, model: str) -> Path:
+    slug = Path(model).name.replace(".gguf", "").replace("/", "_") or "model"
+    return REPO_ROOT / "results" / "peers" / f"{peer}-{slug}.json"
+
+
+def save_record(
+    args: argparse.Namespace, peer: str, subject: Subject, record: dict[str, Any]
+) -> Path:
+    """Write the result JSON with the command, versions, machine and model, and print it."""
+    payload = {
+        "peer": peer,
+        "created": now_iso(),
+        "command": command_line(),
+        "args": vars(args),
+        "model": {"name": args.model, **subject.describe},
+        "eval": {
+            "dataset": "random token ids" if subject.tiny else "wikitext-2-raw test",
+            "seqlen": args.seqlen,
+            "n_windows": int(subject.windows.shape[0]),
+            "harness": "torq.eval.perplexity",
+        },
+        **record,
+        "versions": versions(),
+        "machine": machine_info(),
+    }
+    out = Path(args.out) if args.out else default_out(peer, args.model)
+    write_json_atomic(out, payload)
+    ppl = record.get("quantized", {}).get("ppl", float("nan"))
+    fp = record.get("fp", {}).get("ppl")
+    fp_text = f"  FP {fp:.3f}" if fp is not None else ""
+    quant_s = record.get("quantize_seconds", float("nan"))
+    print(f"{peer} on {args.model}: W4A4 PPL {ppl:.3f}{fp_text}  (quantize {quant_s:.1f} s)")
+    print(f"wrote {out}")
+    return out
+
+
+def rotation_check(nll_float: float, nll_rotated: float) -> dict[str, float | bool]:
+    return {
+        "first_window_nll_float": nll_float,
+        "first_window_nll_rotated_unquantized": nll_rotated,
+        "abs_diff": abs(nll_rotated - nll_float),
+        "equivalent": math.isclose(nll_rotated, nll_float, rel_tol=1e-4, abs_tol=1e-4),
+    }
