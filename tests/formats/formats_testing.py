@@ -116,6 +116,10 @@ def brute_force_scale_exponent(amax: float, name: str, scale_mode: str) -> int:
         exponent = _floor_log2(amax)
     elif scale_mode == "ocp":
         exponent = _floor_log2(amax) - 2
+    elif scale_mode == "nearest":  # one binade up when amax / 2**(floor(log2 amax) - 2) >= 7
+        exponent = _floor_log2(amax) - 2
+        if Fraction(amax) >= 7 * Fraction(2) ** exponent:
+            exponent += 1
     else:  # rceil: the smallest power of two X with amax / X <= 6
         exponent = _floor_log2(amax) - 4
         while Fraction(amax) > 6 * Fraction(2) ** exponent:

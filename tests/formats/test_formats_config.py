@@ -13,7 +13,7 @@ import torq.formats as tf
 
 def test_public_names() -> None:
     assert tf.FORMAT_NAMES == ("mxfp4", "nvfp4", "mxint4")
-    assert tf.SCALE_MODES == ("ocp", "paper", "rceil")
+    assert tf.SCALE_MODES == ("ocp", "paper", "rceil", "nearest")
 
 
 @pytest.mark.parametrize(("name", "block_size"), [("mxfp4", 32), ("nvfp4", 16), ("mxint4", 32)])
@@ -23,7 +23,7 @@ def test_get_format_defaults(name: str, block_size: int) -> None:
     assert spec.to_dict() == {"name": name, "block_size": block_size, "scale_mode": "ocp"}
 
 
-@pytest.mark.parametrize("mode", ["ocp", "paper", "rceil"])
+@pytest.mark.parametrize("mode", ["ocp", "paper", "rceil", "nearest"])
 def test_mxfp4_scale_modes(mode: str) -> None:
     assert tf.get_format("mxfp4", mode).scale_mode == mode
 

@@ -20,12 +20,13 @@ ALL_SPECS = [
     tf.get_format("mxfp4", "ocp"),
     tf.get_format("mxfp4", "paper"),
     tf.get_format("mxfp4", "rceil"),
+    tf.get_format("mxfp4", "nearest"),
     tf.get_format("nvfp4"),
     tf.get_format("mxint4"),
 ]
 SPEC_IDS = [f"{s.name}-{s.scale_mode}" for s in ALL_SPECS]
-MXFP4_SPECS = ALL_SPECS[:3]
-MXFP4_IDS = SPEC_IDS[:3]
+MXFP4_SPECS = ALL_SPECS[:4]
+MXFP4_IDS = SPEC_IDS[:4]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 

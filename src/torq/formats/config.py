@@ -8,7 +8,7 @@ from typing import Any
 from torq.formats.constants import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE
 
 FORMAT_NAMES: tuple[str, ...] = ("mxfp4", "nvfp4", "mxint4")
-SCALE_MODES: tuple[str, ...] = ("ocp", "paper", "rceil")
+SCALE_MODES: tuple[str, ...] = ("ocp", "paper", "rceil", "nearest")
 
 DEFAULT_BLOCK_SIZES: dict[str, int] = {
     "mxfp4": MX_BLOCK_SIZE,
@@ -24,9 +24,11 @@ class FormatSpec:
     ``scale_mode`` picks the MXFP4 shared-scale rule (method notes, section 1):
     ``"ocp"`` is the OCP MX v1.0 rule ``X = 2^(floor(log2 amax) - 2)``; ``"paper"`` is
     the TORQ paper's Section 4 eq. 1 reading ``s_b = 2^floor(log2 amax)``; ``"rceil"``
-    is the cuBLAS rule ``X = 2^ceil(log2(amax / 6))``. NVFP4 and MXINT4 have one rule
-    each and accept only ``"ocp"``. The block size must be positive and even, so that
-    a block packs into whole bytes.
+    is the cuBLAS rule ``X = 2^ceil(log2(amax / 6))``; ``"nearest"`` is the OCP rule plus one
+    binade when amax's significand is at least 1.75, i.e. when ``amax / X`` would be nearer
+    8 than 6 (the rule llm-compressor and AMD Quark use; our variant, not the paper's).
+    NVFP4 and MXINT4 have one rule each and accept only ``"ocp"``. The block size must be
+    positive and even, so that a block packs into whole bytes.
     """
 
     name: str

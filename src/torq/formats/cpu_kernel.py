@@ -57,7 +57,8 @@ static inline float pow2_biased(int32_t e) {
 }
 
 /* One block. scale_mode: 0 = ocp floor(log2 amax) - 2, 1 = paper floor(log2 amax),
-   2 = rceil ceil(log2(amax / 6)); all clamped to the E8M0 range. */
+   2 = rceil ceil(log2(amax / 6)), 3 = nearest (ocp, +1 when the significand >= 1.75);
+   all clamped to the E8M0 range. */
 static inline __attribute__((always_inline)) void quantize_block(
         const uint32_t *restrict xb, uint32_t *restrict yb, const int64_t block_size,
         const int32_t scale_mode) {
@@ -73,6 +74,7 @@ static inline __attribute__((always_inline)) void quantize_block(
     }
     int32_t e = scale_mode == 1 ? field : field - 2;
     if (scale_mode == 2 && (amax & 0x7FFFFFu) > 0x400000u) e += 1;
+    if (scale_mode == 3 && (amax & 0x7FFFFFu) >= 0x600000u) e += 1;
     if (e < 0) e = 0;
     const float scale = pow2_biased(e);
     const float inverse = pow2_biased(254 - e);

@@ -44,6 +44,7 @@ _MAGIC_SHIFT = (F32_MANTISSA_BITS - 1) << F32_MANTISSA_BITS
 # Largest biased block exponent whose magic number 2**(22 + e) is still finite.
 _MAX_FAST_EXPONENT = 254 - (F32_MANTISSA_BITS - 1)
 _ONE_BINADE = 1 << F32_MANTISSA_BITS
+_THREE_QUARTER_MANTISSA = 3 << (F32_MANTISSA_BITS - 2)  # significand 1.75
 
 
 def _scale_fields(amax_bits: torch.Tensor, scale_mode: str) -> torch.Tensor:
@@ -59,6 +60,9 @@ def _scale_fields(amax_bits: torch.Tensor, scale_mode: str) -> torch.Tensor:
     if scale_mode == "rceil":
         above_max_significand = (amax_bits & _MANTISSA_MASK) > _HALF_MANTISSA
         shifted = shifted + above_max_significand.to(torch.int32) * _ONE_BINADE
+    elif scale_mode == "nearest":
+        nearer_eight = (amax_bits & _MANTISSA_MASK) >= _THREE_QUARTER_MANTISSA
+        shifted = shifted + nearer_eight.to(torch.int32) * _ONE_BINADE
     return shifted.clamp_(min=0)
 
 

@@ -37,6 +37,9 @@ from torq.formats.constants import (
 )
 from torq.formats.packing import e2m1_binade_step, exact_pow2, floor_log2
 
+# "nearest" scale rule: one binade up when amax / 2**(floor(log2 amax) - 2) >= 7
+NEAREST_BUMP_SIGNIFICAND = 1.75
+
 
 def check_input(x: torch.Tensor) -> None:
     """Reject what the formats do not define: non-tensors, non-float dtypes, 0-d tensors."""
@@ -99,6 +102,7 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
     * ``mxfp4`` ``paper``: ``floor(log2 amax)``, the paper's eq. 1 read literally.
     * ``mxfp4`` ``rceil``: ``ceil(log2(amax / 6))``, computed exactly as
       ``floor(log2 amax) - 2 + [significand of amax > 1.5]``.
+    * ``mxfp4`` ``nearest``: ``floor(log2 amax) - 2 + [significand of amax >= 1.75]``.
     * ``mxint4``: ``floor(log2 amax)`` (the INT4 grid k/4 has emax 0).
 
     An all-zero block gets the smallest scale, 2**-127, and every exponent is clamped
@@ -112,6 +116,9 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
         exponent = log2_floor - E2M1_EMAX
     elif fmt.scale_mode == "paper":
         exponent = log2_floor
+    elif fmt.scale_mode == "nearest":
+        bump = significand >= NEAREST_BUMP_SIGNIFICAND
+        exponent = log2_floor - E2M1_EMAX + bump.to(torch.int32)
     else:
         exponent = log2_floor - E2M1_EMAX + (significand > E2M1_MAX_SIGNIFICAND).to(torch.int32)
     exponent = torch.where(amax > 0, exponent, E8M0_MIN_EXP)

@@ -27,14 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torq.formats.config import SCALE_MODES
+from torq.formats.config import SCALE_MODES, get_format
 from torq.formats.constants import (
-    E2M1_EMAX,
-    E2M1_MAX,
     E2M1_VALUES,
-    E8M0_MAX_EXP,
-    E8M0_MIN_EXP,
 )
+from torq.formats.reference import mx_scale_exponent
 from torq.rotations.hadamard import hadamard_matrix, has_hadamard
 
 # J of Section 5.2.2: one bin per positive E2M1 codeword. A codeword's index parity is its
@@ -255,20 +252,14 @@ def block_scales(z: Tensor, scale_mode: str = "ocp") -> Tensor:
     ``"ocp"`` (default): ``2^(⌊log2 amax⌋ − 2)``, the OCP MX rule (method notes §1), which
     the paper's ``clip_to_pow2(amax / c_max)`` approximates;
     ``"paper"``: ``2^⌊log2 amax⌋``, the paper's Section 4 formula as written;
-    ``"rceil"``: ``2^⌈log2(amax / 6)⌉``. Exponents are clamped to E8M0's range; an all-zero
+    ``"rceil"``: ``2^⌈log2(amax / 6)⌉``; ``"nearest"``: ``"ocp"`` plus one binade when the
+    significand of amax is at least 1.75. Exponents are clamped to E8M0's range; an all-zero
     row gets the smallest E8M0 scale ``2^−127`` (non-zero, and its elements stay in bin 0).
     """
     _check_choice("scale_mode", scale_mode, SCALE_MODES)
     amax = z.abs().amax(dim=-1)
-    # frexp is exact, whereas log2 of a float can land a hair below an integer.
-    if scale_mode == "rceil":
-        mant, exp = torch.frexp(amax / E2M1_MAX)
-        exponent = exp - (mant == 0.5).to(exp.dtype)
-    else:
-        _, exp = torch.frexp(amax)
-        exponent = exp - 1 - (E2M1_EMAX if scale_mode == "ocp" else 0)
-    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, E8M0_MIN_EXP))
-    exponent = exponent.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    # the quantizer's own rule (torq.formats.reference), so the two cannot drift apart
+    exponent = mx_scale_exponent(amax, get_format("mxfp4", scale_mode))
     return torch.ldexp(torch.ones_like(amax), exponent)
 
 
