@@ -45,9 +45,9 @@ import torch
 from peer_common import (
     add_common_args,
     evaluate,
-    load_subject,
     package_versions,
     save_record,
+    start,
     timed,
 )
 
@@ -88,11 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     triton_info = prepare_triton(args.device)
     from fp_quant import FPQuantConfig, FPQuantDtype, replace_quantize_with_fp_quant_linear
 
-    subject = load_subject(args)
+    subject, record, _ = start(args, check_rotation=False)
     model, windows, progress = subject.model, subject.windows, not args.no_progress
-    record: dict[str, Any] = {}
-    if args.with_fp:
-        record["fp"] = evaluate(model, windows, "fp", progress)
 
     master = has_biased_linear(model, args.skip)
     config = FPQuantConfig(

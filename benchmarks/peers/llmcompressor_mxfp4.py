@@ -36,10 +36,10 @@ from peer_common import (
     add_common_args,
     evaluate,
     first_window_nll,
-    load_subject,
     package_versions,
     rotation_check,
     save_record,
+    start,
     timed,
 )
 
@@ -109,12 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmcompressor import oneshot
     from llmcompressor.recipe import Recipe
 
-    subject = load_subject(args)
+    subject, record, nll_float = start(args, check_rotation=not args.no_rotation_check)
     model, windows, progress = subject.model, subject.windows, not args.no_progress
-    record: dict[str, Any] = {}
-    if args.with_fp:
-        record["fp"] = evaluate(model, windows, "fp", progress)
-    nll_float = None if args.no_rotation_check else first_window_nll(model, windows)
 
     recipe = build_recipe(args)
     recipe_yaml = Recipe.from_modifiers(recipe).yaml()

@@ -165,6 +165,19 @@ def first_window_nll(model: nn.Module, windows: torch.Tensor) -> float:
     return perplexity(model, windows[:1], progress=False).mean_nll
 
 
+def start(
+    args: argparse.Namespace, check_rotation: bool
+) -> tuple[Subject, dict[str, Any], float | None]:
+    """Load the subject; the record with the FP row when ``--with-fp``; and the float
+    first-window NLL for :func:`rotation_check` when ``check_rotation``."""
+    subject = load_subject(args)
+    record: dict[str, Any] = {}
+    if args.with_fp:
+        record["fp"] = evaluate(subject.model, subject.windows, "fp", not args.no_progress)
+    nll = first_window_nll(subject.model, subject.windows) if check_rotation else None
+    return subject, record, nll
+
+
 @contextmanager
 def timed() -> Any:
     box: dict[str, float] = {}

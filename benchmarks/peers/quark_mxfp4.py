@@ -37,10 +37,10 @@ from peer_common import (
     add_common_args,
     evaluate,
     first_window_nll,
-    load_subject,
     package_versions,
     rotation_check,
     save_record,
+    start,
     timed,
 )
 
@@ -101,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from quark.torch import ModelQuantizer
 
-    subject = load_subject(args)
+    subject, record, nll_float = start(args, check_rotation=not args.no_rotation_check)
     model, windows, progress = subject.model, subject.windows, not args.no_progress
-    record: dict[str, Any] = {}
-    if args.with_fp:
-        record["fp"] = evaluate(model, windows, "fp", progress)
-    nll_float = None if args.no_rotation_check else first_window_nll(model, windows)
 
     config, info = build_config(model, args)
     with timed() as t:
