@@ -158,6 +158,31 @@ def make_weights(k: int, n: int, copies: int, gen: torch.Generator) -> list[torc
     ]
 
 
+def sweep(
+    candidates: list[KernelConfig],
+    pairs: list[tuple[torch.Tensor, MXFP4Weight]],
+    ref: torch.Tensor,
+    label: str,
+) -> tuple[float, KernelConfig, float, list[dict[str, Any]]]:
+    """Check each launch configuration against ``ref`` (the first pair's reference output),
+    time the correct ones over ``pairs``; return the fastest (seconds, config, rel. error)
+    and every try."""
+    best: tuple[float, KernelConfig, float] | None = None
+    tried = []
+    for cfg in candidates:
+        y = mxfp4_linear(pairs[0][0], pairs[0][1], config=cfg)
+        err = rel_err(y.float(), ref)
+        ok = err < 1e-2 and not torch.isnan(y).any()
+        t = graph_time(
+            [(lambda xx=xx, ww=ww, c=cfg: mxfp4_linear(xx, ww, config=c)) for xx, ww in pairs]
+        )
+        tried.append({"config": cfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
+        if ok and (best is None or t < best[0]):
+            best = (t, cfg, err)
+    assert best is not None, f"no {label} configuration was correct"
+    return (*best, tried)
+
+
 def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"decode": [], "prefill": [], "configs": {}}
@@ -175,22 +200,9 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
             ref_b = reference_linear(xs[0].float(), w_packed[0])
             pairs = list(zip(xs, w_packed, strict=True))
             candidates = (GEMV_CANDIDATES if batch == 1 else []) + DECODE_CANDIDATES
-            best: tuple[float, KernelConfig, float] | None = None
-            tried = []
-            for cfg in candidates[: 3 if quick else None]:
-                y = mxfp4_linear(xs[0], w_packed[0], config=cfg)
-                err = rel_err(y.float(), ref_b)
-                ok = err < 1e-2 and not torch.isnan(y).any()
-                t = graph_time(
-                    [
-                        (lambda xx=xx, ww=ww, c=cfg: mxfp4_linear(xx, ww, config=c))
-                        for xx, ww in pairs
-                    ]
-                )
-                tried.append({"config": cfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
-                if ok and (best is None or t < best[0]):
-                    best = (t, cfg, err)
-            assert best is not None, f"no decode configuration was correct for {k}->{n}"
+            t_q, cfg, err, tried = sweep(
+                candidates[: 3 if quick else None], pairs, ref_b, f"decode {k}->{n}"
+            )
             out["configs"][f"decode {k}->{n} batch {batch}"] = tried
             t_bf16 = graph_time(
                 [
@@ -198,7 +210,6 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
                     for xx, ww in zip(xs, w_float, strict=True)
                 ]
             )
-            t_q, cfg, err = best
             TUNED_CONFIGS[(batch, n, k)] = cfg
             out["decode"].append(
                 {
@@ -226,22 +237,13 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
                 for xx, ww in zip(xs, w_float[:2], strict=True)
             ]
         )
-        bestp: tuple[float, KernelConfig, float] | None = None
-        triedp = []
-        for pcfg in PREFILL_CANDIDATES[: 2 if quick else None]:
-            y = mxfp4_linear(xs[0], w_packed[0], config=pcfg)
-            err = rel_err(y.float(), ref_p)
-            ok = err < 1e-2 and not torch.isnan(y).any()
-            t = graph_time(
-                [
-                    (lambda xx=xx, ww=ww, pcfg=pcfg: mxfp4_linear(xx, ww, config=pcfg))
-                    for xx, ww in zip(xs, w_packed[:2], strict=True)
-                ]
-            )
-            triedp.append({"config": pcfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
-            if ok and (bestp is None or t < bestp[0]):
-                bestp = (t, pcfg, err)
-        assert bestp is not None, f"no prefill configuration was correct for {k}->{n}"
+        bestp = sweep(
+            PREFILL_CANDIDATES[: 2 if quick else None],
+            list(zip(xs, w_packed[:2], strict=True)),
+            ref_p,
+            f"prefill {k}->{n}",
+        )
+        triedp = bestp[3]
         out["configs"][f"prefill {k}->{n}"] = triedp
         TUNED_CONFIGS[(m, n, k)] = bestp[1]
         t_pre = graph_time([(lambda xx=xx: quantize_activation(xx)) for xx in xs])
