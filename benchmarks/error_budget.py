@@ -40,14 +40,18 @@ GROUPS = {
 
 @torch.no_grad()
 def quantize_after(
-    model: torch.nn.Module, fmt_name: str, weights: bool, acts: tuple[str, ...] | None
+    model: torch.nn.Module,
+    fmt_name: str,
+    weights: bool,
+    acts: tuple[str, ...] | None,
+    scale_mode: str = "ocp",
 ):
     """Quantize the float-held QuantLinears of ``model`` in place.
 
     ``acts=None`` quantizes no activation; an empty tuple quantizes all of them; otherwise
     only the inputs of layers whose name ends with one of ``acts``.
     """
-    fmt = get_format(fmt_name)
+    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
     for name, mod in model.named_modules():
         if not isinstance(mod, QuantLinear):
             continue
@@ -66,8 +70,12 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--max-iter", type=int, default=10)
-    ap.add_argument("--k-top", type=int, default=None)
-    ap.add_argument("--intra-init", default="identity", choices=("identity", "hadamard"))
+    ap.add_argument("--k-top", type=int, default=32)
+    ap.add_argument("--intra-init", default="hadamard", choices=("identity", "hadamard"))
+    ap.add_argument(
+        "--balance", default="0.5", help="TORQ channel balancing α, or 'none' (the paper)"
+    )
+    ap.add_argument("--scale-mode", default="ocp", help="MXFP4 scale rule")
     ap.add_argument("--per-group", action="store_true")
     ap.add_argument("--out", default="results/error_budget.json")
     args = ap.parse_args()
@@ -78,7 +86,13 @@ def main() -> None:
     )
     settings = TorqSettings(
         calibration=CalibrationConfig(n_samples=args.calib_samples),
-        intra=IntraBlockConfig(max_iter=args.max_iter, k_top=args.k_top, init=args.intra_init),
+        intra=IntraBlockConfig(
+            max_iter=args.max_iter,
+            k_top=args.k_top,
+            init=args.intra_init,
+            scale_mode=args.scale_mode,
+        ),
+        balance=None if args.balance.lower() == "none" else float(args.balance),
     )
     rows = []
     fp = perplexity(lm.model, windows, progress=False).ppl
@@ -103,7 +117,7 @@ def main() -> None:
             settings_list += [(f"A only: {g}", False, names) for g, names in GROUPS.items()]
         for label, w, a in settings_list:
             model = copy.deepcopy(base)
-            quantize_after(model, args.format, w, a)
+            quantize_after(model, args.format, w, a, args.scale_mode)
             ppl = perplexity(model, windows, progress=False).ppl
             rows.append({"method": method_name, "setting": label, "ppl": ppl, "build_s": build})
             print(f"{method_name} {label}: {ppl:.2f}", flush=True)

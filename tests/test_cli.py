@@ -28,6 +28,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--format", "mxfp5"], "unknown format 'mxfp5'"),
         (["run", "--max-windows", "0"], "positive integer"),
         (["run", "--scale-mode", "banana"], "invalid choice"),
+        (["run", "--balance", "2"], "in [0, 1] or 'none'"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
     ],
@@ -171,3 +172,30 @@ def test_partial_results_are_saved_after_each_method(tiny_checkpoint, tiny_data_
     assert [len(r["rows"]) for r in seen] == [1, 2]
     assert not any(r["complete"] for r in seen) and final["complete"]
     assert [r["method"] for r in final["rows"]] == ["fp", "rtn", "had32"]
+
+
+@pytest.mark.parametrize("paper", [False, True])
+def test_torq_defaults_and_paper_flag_are_recorded(
+    paper, tiny_checkpoint, tiny_data_dir, tmp_path, capsys
+) -> None:
+    """``torq`` runs with torq's balancing and Hadamard start by default; ``--paper`` gives
+    the paper's method; either way the settings that ran are in the JSON."""
+    corpus = tmp_path / "calib.txt"
+    corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
+    out = tmp_path / "t.json"
+    argv = [
+        "run", "--model", str(tiny_checkpoint), "--methods", "torq", "--seqlen", "64",
+        "--max-windows", "1", "--data-dir", str(tiny_data_dir), "--calib-corpus", str(corpus),
+        "--calib-samples", "2", "--calib-seqlen", "32", "--max-iter", "1", "--reservoir", "16",
+        "--out", str(out), "--no-progress",
+    ] + (["--paper"] if paper else [])  # fmt: skip
+    assert _run(argv, capsys)[0] == 0
+    row = json.loads(out.read_text())["rows"][0]
+    settings = row["details"]["settings"]
+    if paper:
+        assert settings["balance"] is None
+        assert (settings["intra"]["init"], settings["intra"]["k_top"]) == ("identity", None)
+    else:
+        assert settings["balance"] == 0.5
+        assert (settings["intra"]["init"], settings["intra"]["k_top"]) == ("hadamard", 32)
+    assert math.isfinite(row["ppl"])

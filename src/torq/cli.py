@@ -35,6 +35,20 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _balance_alpha(value: str) -> float | None:
+    if value.strip().lower() in ("none", "off"):
+        return None
+    try:
+        alpha = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1] or 'none', got '{value}'"
+        ) from None
+    if not 0.0 <= alpha <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'none', got {alpha}")
+    return alpha
+
+
 def _format_name(value: str) -> str | None:
     from torq.formats import FORMAT_NAMES
 
@@ -121,7 +135,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    t = run.add_argument_group("TORQ (methods torq, torq-inter, torq-intra)")
+    t = run.add_argument_group("TORQ (methods torq, torq-inter, torq-intra, torq-had32)")
     t.add_argument(
         "--calib-corpus",
         default="wikitext2-valid",
@@ -153,11 +167,21 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--shared-inter", action="store_true", help="one inter-block R for all positions"
     )
+    t.add_argument(
+        "--balance",
+        type=_balance_alpha,
+        default=0.5,
+        help="channel balancing strength α before the rotations (torq's addition; "
+        "0.5 is optimal), or 'none' for the paper's TORQ",
+    )
     t.add_argument("--max-iter", type=int, default=10, help="intra-block MaxIter")
     t.add_argument("--pairs", type=_positive_int, default=None, help="intra-block P (default K/4)")
     t.add_argument("--lam", type=float, default=1.0, help="pair-selection weight λ")
     t.add_argument(
-        "--k-top", type=_positive_int, default=None, help="candidate columns (default K/2)"
+        "--k-top",
+        type=_positive_int,
+        default=32,
+        help="intra-block candidate columns (torq: all 32; the paper: K/2 = 16)",
     )
     t.add_argument(
         "--objective", choices=("occupancy", "mse"), default="occupancy", help="intra-block loss"
@@ -165,8 +189,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--intra-init",
         choices=("identity", "hadamard"),
-        default="identity",
-        help="start Algorithm 2 from I (paper) or from the block Hadamard (variant)",
+        default="hadamard",
+        help="start Algorithm 2 from the block Hadamard (torq) or from I (the paper)",
+    )
+    t.add_argument(
+        "--paper",
+        action="store_true",
+        help="TORQ exactly as the paper: no balancing, Algorithm 2 from I with K/2 candidates "
+        "(overrides --balance, --intra-init and --k-top)",
     )
     t.add_argument(
         "--intra-samples",
@@ -226,7 +256,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ),
         sequential=args.sequential,
         reservoir_tokens=args.reservoir,
+        balance=args.balance,
     )
+    if args.paper:
+        torq_settings = torq_settings.paper()
     config = RunConfig(
         model=args.model,
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],

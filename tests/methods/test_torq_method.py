@@ -11,6 +11,7 @@ import torch
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.calibration.data import CalibrationConfig
 from torq.methods import MethodContext, TorqSettings, get_method
+from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.rotations.transform import BlockRotation
 from torq.surgery import QuantConfig, QuantLinear
@@ -37,23 +38,30 @@ def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tok
     return get_method(method).apply(model, qconfig, ctx)
 
 
-@pytest.mark.parametrize("method", ["torq", "torq-inter", "torq-intra"])
-def test_transformed_model_matches_in_float(arch, method, corpus, tiny_tokenizer) -> None:
+@pytest.mark.parametrize("balance", [0.5, None])
+@pytest.mark.parametrize("method", ["torq", "torq-inter", "torq-intra", "torq-had32"])
+def test_transformed_model_matches_in_float(arch, method, balance, corpus, tiny_tokenizer) -> None:
     model = tiny_model(arch)
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     q = copy.deepcopy(model)
-    record = _apply(q, method, QuantConfig(None, None), _settings(corpus), tiny_tokenizer)
+    settings = _settings(corpus, balance=balance)
+    record = _apply(q, method, QuantConfig(None, None), settings, tiny_tokenizer)
     with torch.no_grad():
         out = q(input_ids=ids).logits
     assert ((out - ref).norm() / ref.norm()) < 1e-4
+    assert record["settings"]["balance"] == balance
     qlinears = [m for m in q.modules() if isinstance(m, QuantLinear)]
     assert qlinears and all(isinstance(m.input_transform, BlockRotation) for m in qlinears)
-    has_inter = method != "torq-intra"
+    has_inter = method not in ("torq-intra", "torq-had32")
     has_intra = method != "torq-inter"
     t = qlinears[0].input_transform
     assert (t.r_inter is not None) == has_inter and (t.r_intra is not None) == has_intra
+    assert (t.channel_scale is not None) == (balance is not None)
+    if method == "torq-had32":  # the fixed block Hadamard, not a calibrated rotation
+        h = hadamard_matrix(32)
+        assert torch.allclose(t.r_intra.double(), h / h[0].norm(), atol=1e-6)
     json.dumps(record)  # the record is JSON-serialisable as it stands
     assert record["calibration_seconds"]["solve"] >= 0
 

@@ -6,7 +6,7 @@ from torq.methods.hadamard import Hadamard32, Hadamard128, HadamardFull
 from torq.methods.quarot import QuaRot
 from torq.methods.registry import METHODS, Method, MethodContext, get_method, register_method
 from torq.methods.rtn import FullPrecision, RoundToNearest
-from torq.methods.torq_rotation import Torq, TorqInter, TorqIntra, TorqSettings
+from torq.methods.torq_rotation import Torq, TorqHadamard, TorqInter, TorqIntra, TorqSettings
 
 __all__ = [
     "GPTQ",
@@ -20,6 +20,7 @@ __all__ = [
     "QuaRot",
     "RoundToNearest",
     "Torq",
+    "TorqHadamard",
     "TorqInter",
     "TorqIntra",
     "TorqSettings",

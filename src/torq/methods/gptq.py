@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
@@ -80,8 +81,9 @@ class GroupSolver:
         self.gptq = gptq
 
     def transform(
-        self, group: LinearGroup, stats: BlockStatistics
+        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
     ) -> tuple[nn.Module | None, dict[str, Any]]:
+        """The group's online transform; ``weight`` is its members' weights stacked by rows."""
         raise NotImplementedError
 
     def __call__(
@@ -92,9 +94,11 @@ class GroupSolver:
         stats: dict[str, BlockStatistics],
     ) -> dict[str, Any]:
         record: dict[str, Any] = {}
+        modules = dict(layer.named_modules())
         for g in groups:
             t0 = time.perf_counter()
-            transform, rec = self.transform(g, stats[g.name])
+            weight = torch.cat([modules[m].weight.detach() for m in g.members])
+            transform, rec = self.transform(g, stats[g.name], weight)
             gptq_rec = quantize_group(layer, g, transform, self.qconfig, stats[g.name], self.gptq)
             if gptq_rec:
                 rec["gptq"] = gptq_rec
@@ -118,7 +122,7 @@ class FixedTransformSolver(GroupSolver):
         self.transform_for = transform_for
 
     def transform(
-        self, group: LinearGroup, stats: BlockStatistics
+        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
     ) -> tuple[nn.Module | None, dict[str, Any]]:
         return self.transform_for(group.width), {}
 

@@ -7,6 +7,10 @@ rotation). The group's online transform ``T`` (inter, then intra) runs before ac
 quantization; ``W' = W Tᵀ`` is fused into each member's weight, which is then quantized
 (Algorithm 3, option B). ``torq-inter`` and ``torq-intra`` are the paper's ablations
 (Table 3): one level only.
+
+torq's addition (``balance``, on by default; ``balance=None`` is the paper's method): a
+per-channel scale that balances activation and weight energy runs first
+(:mod:`torq.rotations.balance`), and both rotations are fitted to the balanced statistics.
 """
 
 from __future__ import annotations
@@ -23,43 +27,81 @@ from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.gptq import GroupSolver, gptq_config
 from torq.methods.registry import Method, MethodContext, register_method
+from torq.rotations.balance import balance_covariance, balance_scales, channel_energy
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
 from torq.rotations.transform import BlockRotation
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
+# torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
+# K/2 candidate columns): start from the block Hadamard and let every column be a candidate.
+# Measured in docs/RESULTS.md §3; ``paper_settings()`` restores the paper's reading.
+TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
+
 
 @dataclass
 class TorqSettings:
-    """Every knob of TORQ; recorded verbatim in the result JSON."""
+    """Every knob of TORQ; recorded verbatim in the result JSON.
+
+    ``balance`` is the migration strength ``α`` of the channel balancing step
+    (:func:`torq.rotations.balance.balance_scales`; ``0.5`` is its optimum), or ``None``
+    for the paper's method without it. :meth:`paper` gives the paper's TORQ exactly.
+    """
 
     use_inter: bool = True
     use_intra: bool = True
     inter: InterBlockConfig = field(default_factory=InterBlockConfig)
-    intra: IntraBlockConfig = field(default_factory=IntraBlockConfig)
+    intra: IntraBlockConfig = field(default_factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS))
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sequential: bool = False
     reservoir_tokens: int = 1024
     block_size: int = 32
+    balance: float | None = 0.5
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def paper(self) -> TorqSettings:
+        """These settings with the paper's method: no balancing, Algorithm 2 from the
+        identity with ``K/2`` candidate columns."""
+        return replace(self, balance=None, intra=replace(self.intra, init="identity", k_top=None))
+
 
 def build_group_transform(
-    stats: BlockStatistics, settings: TorqSettings, fmt: FormatSpec | None = None
+    stats: BlockStatistics,
+    settings: TorqSettings,
+    fmt: FormatSpec | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[BlockRotation, dict[str, Any]]:
-    """``T`` for one input group: inter-block ``R_k`` from ``Σ_k``, then ``R_intra`` on blocks."""
+    """``T`` for one input group (Algorithm 3, steps 1–3): the balancing scales ``s`` (torq's
+    addition, from ``E[x_j²]`` and the group's stacked ``weight``), inter-block ``R_k`` from
+    the balanced ``Σ_k`` (Algorithm 1), then ``R_intra`` (Algorithm 2) on balanced blocks."""
     k = settings.block_size
     record: dict[str, Any] = {"tokens": stats.count, "width": stats.width}
+    covariance = stats.covariance()
+    scales = None
+    if settings.balance is not None:
+        if weight is None:
+            raise ValueError("channel balancing needs the group's weights")
+        scales = balance_scales(channel_energy(covariance), weight, settings.balance)
+        covariance = balance_covariance(covariance, scales)
+        record["balance"] = {
+            "alpha": settings.balance,
+            "scale_min": float(scales.min()),
+            "scale_max": float(scales.max()),
+        }
+    if not (settings.use_inter or settings.use_intra or scales is not None):
+        raise ValueError("TORQ settings select no transform (no inter, intra or balancing)")
     r_inter = None
     if settings.use_inter:
-        r_inter, info = inter_block_rotations(stats.covariance(), settings.inter)
+        r_inter, info = inter_block_rotations(covariance, settings.inter)
         record["inter"] = {"rotations": info.rotations, "max_rel_deviation": info.max_rel_deviation}
     r_intra = None
     if settings.use_intra:
         sample = stats.sample.to(torch.float64)
+        if scales is not None:
+            sample = sample / scales
         if r_inter is not None:
             sample = BlockRotation(k, r_inter, None, dtype=torch.float64)(sample)
         result = fit_intra_block_rotation(sample.reshape(-1, k), settings.intra)
@@ -72,10 +114,17 @@ def build_group_transform(
             "stop_reason": result.stop_reason,
             "samples": result.n_samples,
         }
-    transform = BlockRotation(k, r_inter, r_intra, dtype=torch.float32)
+    transform = BlockRotation(
+        k,
+        r_inter,
+        r_intra,
+        dtype=torch.float32,
+        channel_scale=None if scales is None else scales.to(torch.float32),
+    )
     if fmt is not None and stats.sample.shape[0]:
         # Diagnostic: relative activation quantization error on the sampled tokens, without
-        # and with the transform (T is orthogonal, so the two are directly comparable).
+        # and with the transform (relative to each one's own energy: with balancing T is not
+        # orthogonal).
         x = stats.sample
         record["act_rel_err"] = {
             "rtn": relative_quant_error(x, fmt),
@@ -101,9 +150,9 @@ class TorqLayerSolver(GroupSolver):
         self.settings = settings
 
     def transform(
-        self, group: LinearGroup, stats: BlockStatistics
+        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
     ) -> tuple[nn.Module | None, dict[str, Any]]:
-        return build_group_transform(stats, self.settings, self.qconfig.activation)
+        return build_group_transform(stats, self.settings, self.qconfig.activation, weight)
 
 
 class _TorqBase(Method):
@@ -111,9 +160,14 @@ class _TorqBase(Method):
     use_intra: ClassVar[bool] = True
     supports_gptq = True
 
+    fixed_hadamard: ClassVar[bool] = False
+
     def settings(self, ctx: MethodContext) -> TorqSettings:
         base: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
-        return replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
+        settings = replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
+        if self.fixed_hadamard:
+            settings = replace(settings, intra=replace(settings.intra, init="hadamard", max_iter=0))
+        return settings
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         settings = self.settings(ctx)
@@ -176,3 +230,14 @@ class TorqIntra(_TorqBase):
     name = "torq-intra"
     description = "TORQ ablation: intra-block rotation only"
     use_inter = False
+
+
+@register_method
+class TorqHadamard(_TorqBase):
+    """Ablation (ours): TORQ's channel balancing with the fixed 32-block Hadamard in place of
+    the calibrated rotations — separates what the balancing and the rotations contribute."""
+
+    name = "torq-had32"
+    description = "TORQ ablation: channel balancing + 32-block Hadamard (no calibrated rotation)"
+    use_inter = False
+    fixed_hadamard = True

@@ -9,6 +9,10 @@ elements ``b·K … b·K+K−1``). The forward transform (Algorithm 3, steps 2�
 costing ``O(d·(B + K))`` per token instead of a dense ``d×d`` product. Because ``T`` is
 orthogonal, ``W' = W Tᵀ`` (Algorithm 3, step 5, option B) satisfies ``W' T x = W x``;
 row ``o`` of ``W'`` is ``T`` applied to row ``o`` of ``W``, so fusion reuses the forward.
+
+Optionally a per-channel scale ``s`` runs first (``x ↦ R (x ⊘ s)``, torq's balancing
+step, :mod:`torq.rotations.balance`). ``T`` is then no longer orthogonal; the fused weight
+is ``W' = W T⁻¹ = W diag(s) Rᵀ`` (row ``o``: ``R (w_o ⊙ s)``), so still ``W' T x = W x``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch import nn
 
 
 class BlockRotation(nn.Module):
-    """The online forward transform ``z = T x`` (inter-block, then intra-block)."""
+    """The online forward transform ``z = T x`` (channel scale, inter-block, intra-block)."""
 
     def __init__(
         self,
@@ -26,10 +30,19 @@ class BlockRotation(nn.Module):
         r_inter: torch.Tensor | None = None,
         r_intra: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
+        channel_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        if r_inter is None and r_intra is None:
+        if r_inter is None and r_intra is None and channel_scale is None:
             raise ValueError("BlockRotation needs an inter-block or an intra-block rotation")
+        if channel_scale is not None:
+            if channel_scale.dim() != 1 or channel_scale.numel() % block_size:
+                raise ValueError(
+                    f"channel_scale must be 1-D with a multiple of {block_size} entries, "
+                    f"got {tuple(channel_scale.shape)}"
+                )
+            if not (torch.isfinite(channel_scale).all() and (channel_scale > 0).all()):
+                raise ValueError("channel_scale must be finite and positive")
         if r_inter is not None and (
             r_inter.dim() != 3
             or r_inter.shape[0] != block_size
@@ -44,6 +57,12 @@ class BlockRotation(nn.Module):
         self.n_blocks = r_inter.shape[1] if r_inter is not None else None
         self.register_buffer("r_inter", None if r_inter is None else r_inter.to(dtype).contiguous())
         self.register_buffer("r_intra", None if r_intra is None else r_intra.to(dtype).contiguous())
+        if channel_scale is not None and self.n_blocks is None:
+            self.n_blocks = channel_scale.numel() // block_size
+        self.register_buffer(
+            "channel_scale",
+            None if channel_scale is None else channel_scale.to(dtype).contiguous(),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
@@ -53,6 +72,8 @@ class BlockRotation(nn.Module):
                 f"input width {d} does not match the transform's {self.n_blocks}×{k} blocks"
             )
         lead = x.shape[:-1]
+        if self.channel_scale is not None:
+            x = x / self.channel_scale.to(x.dtype)
         y = x.reshape(-1, d // k, k)
         if self.r_inter is not None:
             # y[t, a, k] = Σ_b R_k[a, b] x[t, b, k]
@@ -64,8 +85,13 @@ class BlockRotation(nn.Module):
 
 @torch.no_grad()
 def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> torch.Tensor:
-    """``W' = W Tᵀ`` (Algorithm 3, option B), computed in float64 and returned in W's dtype."""
+    """``W' = W T⁻¹`` (Algorithm 3, option B: ``W Tᵀ`` for an orthogonal ``T``), computed
+    in float64 and returned in W's dtype. With a channel scale ``s``, ``T⁻¹ = diag(s) Rᵀ``."""
     w64 = weight.detach().to(torch.float64)
+    if transform.channel_scale is not None:
+        w64 = w64 * transform.channel_scale.to(device=w64.device, dtype=torch.float64)
+    if transform.r_inter is None and transform.r_intra is None:
+        return w64.to(weight.dtype)
     t64 = BlockRotation(
         transform.block_size,
         None if transform.r_inter is None else transform.r_inter.to(torch.float64),

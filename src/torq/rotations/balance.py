@@ -1,0 +1,76 @@
+"""Channel balancing before the block rotations (torq's addition to TORQ, not in the paper).
+
+Why. After a rotation inside each 32-element block, the quantization error of a block is
+close to white, with a variance proportional to the block's energy, for activations and
+weights alike. The expected W4A4 output error of one linear layer is then, up to
+format-dependent constants,
+
+    ``E‖Q(x̃) Q(W̃)ᵀ − x Wᵀ‖² ∝ Σ_b  E‖x̃_b‖² · ‖W̃_b‖²_F``
+
+(``x̃ = T x``, ``W̃ = W T⁻¹``, ``b`` runs over blocks). An orthogonal ``T`` that mixes only
+inside blocks leaves both block energies as they are, so neither TORQ's intra-block rotation
+nor a block Hadamard can lower this product. A per-channel scale ``s`` (``x ↦ x ⊘ s``,
+``W ↦ W diag(s)``, exact in float) can: per block the product becomes
+``(Σ_j E[x_j²] / s_j²) · (Σ_j s_j² ‖w_j‖²)``, which by Cauchy–Schwarz is smallest,
+``(Σ_j rms(x_j) ‖w_j‖)²``, at ``s_j² ∝ rms(x_j) / ‖w_j‖`` — SmoothQuant's migration
+strength ``α = ½`` with root-mean-square statistics (``w_j`` is column ``j`` of the
+group's stacked weights). :func:`balance_scales` returns ``s_j = rms(x_j)^α / rms(w_j)^{1−α}``
+(``α = ½`` is the optimum above; other ``α`` are for measurement), normalized to geometric
+mean 1.
+
+Where it runs. ``s`` is the first step of the online transform
+(:class:`torq.rotations.transform.BlockRotation`); the inter-block rotation is then computed
+from the balanced covariances ``Σ_k / (s s ᵀ)`` and the intra-block rotation from balanced
+samples. For inputs read right after an RMSNorm (q/k/v, gate/up) ``1/s`` can be folded into
+the norm's weight at no online cost; here it is kept in the transform.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def channel_energy(covariance: torch.Tensor) -> torch.Tensor:
+    """``E[x_j²]`` per input channel from the per-position block covariances.
+
+    ``covariance`` is ``Σ_k`` as ``[K, B, B]`` (:meth:`BlockStatistics.covariance`); channel
+    ``j = b·K + k`` is entry ``(b, b)`` of ``Σ_k``. Returns ``[B·K]`` (float64).
+    """
+    if covariance.dim() != 3 or covariance.shape[1] != covariance.shape[2]:
+        raise ValueError(f"covariance must be [K, B, B], got {tuple(covariance.shape)}")
+    return covariance.diagonal(dim1=1, dim2=2).transpose(0, 1).reshape(-1).to(torch.float64)
+
+
+def balance_scales(
+    energy: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5, floor: float = 1e-5
+) -> torch.Tensor:
+    """Per-channel balancing scales ``s_j = rms(x_j)^α / rms(w_j)^{1−α}`` (module docstring).
+
+    ``energy`` is ``E[x_j²]`` (``[d]``), ``weight`` the group's stacked weights
+    (``[out, d]``). Channel statistics below ``floor`` times their mean are raised to it, so
+    dead channels get a finite scale. The result (float64, ``[d]``) has geometric mean 1.
+    """
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if energy.dim() != 1 or weight.dim() != 2 or weight.shape[1] != energy.shape[0]:
+        raise ValueError(
+            f"energy [d] and weight [out, d] must agree; got {tuple(energy.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    x_rms = energy.to(torch.float64).clamp_min(0).sqrt()
+    w_rms = weight.detach().to(torch.float64).pow(2).mean(0).sqrt()
+    if not (torch.isfinite(x_rms).all() and torch.isfinite(w_rms).all()):
+        raise ValueError("balancing statistics contain NaN or Inf")
+    x_rms = x_rms.clamp_min(floor * float(x_rms.mean()) + 1e-300)
+    w_rms = w_rms.clamp_min(floor * float(w_rms.mean()) + 1e-300)
+    log_s = alpha * x_rms.log() - (1.0 - alpha) * w_rms.log()
+    return (log_s - log_s.mean()).exp()
+
+
+def balance_covariance(covariance: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``Σ_k`` of the balanced input ``x ⊘ s``: entry ``(b, c)`` divided by ``s_{b,k} s_{c,k}``."""
+    k, b, _ = covariance.shape
+    s = scales.to(covariance.dtype).reshape(b, k).T  # [K, B]
+    return covariance / (s[:, :, None] * s[:, None, :])
