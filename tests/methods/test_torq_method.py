@@ -38,8 +38,16 @@ def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tok
     return get_method(method).apply(model, qconfig, ctx)
 
 
-@pytest.mark.parametrize("balance", [0.5, None])
-@pytest.mark.parametrize("method", ["torq", "torq-inter", "torq-intra", "torq-had32"])
+@pytest.mark.parametrize(
+    ("method", "balance"),
+    [
+        ("torq", 0.5),
+        ("torq", None),
+        ("torq-inter", None),
+        ("torq-intra", None),
+        ("torq-had32", 0.5),
+    ],
+)
 def test_transformed_model_matches_in_float(arch, method, balance, corpus, tiny_tokenizer) -> None:
     model = tiny_model(arch)
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
