@@ -60,6 +60,7 @@ class Subject:
     windows: torch.Tensor
     describe: dict[str, Any]
     tiny: bool
+    tokenizer: Any = None
 
 
 def add_common_args(parser: argparse.ArgumentParser, peer: str) -> None:
@@ -146,7 +147,9 @@ def load_subject(args: argparse.Namespace) -> Subject:
     lm = load(args.model)
     text = load_wikitext2_test(resolve_data_dir(args.data_dir))
     windows = windows_from_text(text, lm.tokenizer, args.seqlen, args.max_windows)
-    return Subject(lm.model.to(args.device), windows, lm.describe(), tiny=False)
+    return Subject(
+        lm.model.to(args.device), windows, lm.describe(), tiny=False, tokenizer=lm.tokenizer
+    )
 
 
 def evaluate(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> dict:
@@ -204,7 +207,11 @@ def default_out(peer: str, model: str) -> Path:
 
 
 def save_record(
-    args: argparse.Namespace, peer: str, subject: Subject, record: dict[str, Any]
+    args: argparse.Namespace,
+    peer: str,
+    subject: Subject,
+    record: dict[str, Any],
+    label: str = "W4A4",
 ) -> Path:
     """Write the result JSON with the command, versions, machine and model, and print it."""
     payload = {
@@ -229,7 +236,7 @@ def save_record(
     fp = record.get("fp", {}).get("ppl")
     fp_text = f"  FP {fp:.3f}" if fp is not None else ""
     quant_s = record.get("quantize_seconds", float("nan"))
-    print(f"{peer} on {args.model}: W4A4 PPL {ppl:.3f}{fp_text}  (quantize {quant_s:.1f} s)")
+    print(f"{peer} on {args.model}: {label} PPL {ppl:.3f}{fp_text}  (quantize {quant_s:.1f} s)")
     print(f"wrote {out}")
     return out
 
