@@ -1,23 +1,20 @@
-import collections
-import os
+"""Block-energy alignment and W / A / W4A4 layer-output errors on calibration tokens, for
+raw, ``had32``, inter-block + ``had32`` and inter-block alone."""
 
+import collections
+
+import numpy as np
 import torch
+from diag_common import calib_windows, setup
 
 from torq.calibration.capture import calibrate_layerwise
-from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.formats import fake_quantize, get_format
 from torq.methods.hadamard import _block_hadamard
-from torq.models import load
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
 
-torch.set_num_threads(2)
-lm = load("smollm2-135m")
-win = calibration_windows(
-    lm.tokenizer,
-    CalibrationConfig(n_samples=int(os.environ.get("NC", "4"))),
-    os.environ.get("TORQ_DATA_DIR", "../shared/data"),
-)
+lm = setup(default_threads=2)
+win = calib_windows(lm, default=4)
 fmt = get_format("mxfp4")
 out = collections.defaultdict(lambda: collections.defaultdict(list))
 
@@ -48,7 +45,7 @@ def solver(li, layer, groups, stats):
         x = s.sample[:512]
         H = _block_hadamard(g.width, 32)
         R, _ = inter_block_rotations(s.covariance(), InterBlockConfig())
-        IH = BlockRotation(32, R, H.r_intra if hasattr(H, "r_intra") else None)
+        IH = BlockRotation(32, R, H.r_intra)
         for tag, T in (
             ("raw", None),
             ("had32", H),
@@ -65,8 +62,6 @@ for kind, d in out.items():
     print(kind)
     for k, v in d.items():
         if isinstance(v[0], list):
-            import numpy as np
-
             m = np.mean(np.array(v), 0)
             print(f"   {k}: " + " ".join(f"{z:.4f}" for z in m))
         else:

@@ -4,25 +4,18 @@ import copy
 import os
 import sys
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import msepatch
+from diag_common import eval_windows, setup
 
-from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval import perplexity
 from torq.methods.hadamard import _block_hadamard
-from torq.models import load
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.qlinear import QuantConfig
 
-torch.set_num_threads(int(os.environ.get("T", "1")))
-nw = int(os.environ.get("NW", "4"))
 sm = os.environ.get("SM", "ocp")
-lm = load("smollm2-135m")
-win = windows_from_text(
-    load_wikitext2_test(os.environ.get("TORQ_DATA_DIR", "../shared/data")), lm.tokenizer, 2048, nw
-)
+lm = setup(default_threads=1)
+win = eval_windows(lm)
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),

@@ -1,3 +1,7 @@
+"""Best-of-two-exponents MXFP4 (``fq_mse``), patched into torq's fake quantization for the
+phases named by ``MSEMODE`` (``w``, ``a``, ``wa``); run directly, it compares the rules on a
+Gaussian tensor."""
+
 import os
 
 import torch

@@ -1,26 +1,19 @@
 """had32 W4A4 everywhere; layer L float (mode skip) or layer L raw-RTN (mode raw)."""
 
 import copy
-import os
 import sys
 
-import torch
+from diag_common import eval_windows, setup
 
-from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval import perplexity
 from torq.methods.hadamard import _block_hadamard
-from torq.models import load
+from torq.models.architecture import decoder_layers
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.qlinear import QuantConfig
 
-torch.set_num_threads(int(os.environ.get("T", "2")))
-lm = load("smollm2-135m")
-win = windows_from_text(
-    load_wikitext2_test(os.environ.get("TORQ_DATA_DIR", "../shared/data")),
-    lm.tokenizer,
-    2048,
-    int(os.environ.get("NW", "4")),
-)
+lm = setup(default_threads=2)
+win = eval_windows(lm)
 mode = sys.argv[1]
 for L in [int(v) for v in sys.argv[2].split(",")]:
     m = copy.deepcopy(lm.model)
@@ -34,7 +27,5 @@ for L in [int(v) for v in sys.argv[2].split(",")]:
 
     quantize_model(m, QuantConfig.from_names("mxfp4", "mxfp4"), f)
     if mode == "skip":
-        from torq.models.architecture import decoder_layers
-
         decoder_layers(m)[L] = copy.deepcopy(decoder_layers(lm.model)[L])
     print(mode, L, f"{perplexity(m, win, progress=False).ppl:.2f}", flush=True)

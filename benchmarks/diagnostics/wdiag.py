@@ -1,9 +1,10 @@
+"""Relative MXFP4 weight MSE per projection, raw and ``had32``, for each scale rule and the
+best of two exponents per block."""
+
 import collections
-import os
 
 import torch
 
-os.environ.setdefault("TORQ_CACHE", "/tmp/torqcache")
 from torq.formats import fake_quantize, get_format
 from torq.models import load
 from torq.rotations.hadamard import hadamard_matrix

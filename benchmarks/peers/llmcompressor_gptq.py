@@ -34,6 +34,7 @@ from peer_common import (
     evaluate,
     load_subject,
     package_versions,
+    resolve_data_dir,
     save_record,
     timed,
 )
@@ -47,8 +48,6 @@ def calibration_tokens(args: argparse.Namespace, subject: Any) -> torch.Tensor:
         gen = torch.Generator().manual_seed(args.calib_seed + 1)
         vocab = subject.describe["vocab_size"]
         return torch.randint(0, vocab, (args.calib_samples, args.calib_seqlen), generator=gen)
-    from peer_common import resolve_data_dir
-
     from torq.calibration.data import CalibrationConfig, calibration_windows
 
     config = CalibrationConfig(
