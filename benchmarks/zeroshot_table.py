@@ -1,9 +1,17 @@
 """The paper's full results table for one model: WikiText-2 perplexity and the six
 zero-shot tasks (lm-eval, 0-shot) for every method, plus the Figure-1-style PNG.
 
-python benchmarks/zeroshot_table.py --model smollm2-135m --methods fp,rtn,had32,gptq,torq \
-    --out results/zeroshot/smollm2.json            # full tasks: hours on 2 CPU cores
-python benchmarks/zeroshot_table.py --limit 50 ... # a subset (the table says so)
+python benchmarks/zeroshot_table.py --model smollm2-135m --methods fp,rtn,had32,torq \
+    --calib-samples 32 --ppl-from results/full/*.json --out results/zeroshot/smollm2.json
+python benchmarks/zeroshot_table.py --limit 50 ...   # a subset (the table says so)
+
+Methods run one at a time and the record is rewritten after each, so a run that is
+stopped loses only the method in progress; run the same command again and the methods
+already in ``--out`` (same tasks, limit, formats and settings) are kept, not re-run.
+
+``--ppl-from`` takes earlier ``torq run`` records: a method whose full-test perplexity was
+measured there with the same formats and settings reuses it (the row names its source)
+instead of spending another pass over the test set; the rest are measured here.
 
 Writes the JSON record (per method: PPL, headline scores, lm-eval's full output, wall
 times), a markdown table beside it, and the figure as ``<out>.png``.
@@ -12,8 +20,10 @@ times), a markdown table beside it, and the figure as ``<out>.png``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,7 +33,39 @@ from torq.calibration.data import CalibrationConfig
 from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
 from torq.methods.torq_rotation import TorqSettings
+from torq.models.loading import load
 from torq.pipeline import RunConfig, markdown_table, run
+from torq.results import command_line
+
+
+def setting_key(config: dict[str, Any], method: str) -> str:
+    """What makes two rows of one method the same quantized model: the model, formats and
+    window length, plus TORQ's settings for the TORQ methods and GPTQ's (with the
+    calibration data) for the GPTQ ones."""
+    key = {k: config.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
+    key["seqlen"] = config.get("seqlen")
+    torq = config.get("torq") or {}
+    if method.startswith("torq"):
+        key["torq"] = torq
+    if "gptq" in method:
+        key["gptq"] = config.get("gptq")
+        calib = ("calibration", "sequential", "reservoir_tokens")
+        key["calibration"] = [torq.get(k) for k in calib]
+    return json.dumps([method, key], sort_keys=True, default=str)
+
+
+def earlier_perplexities(paths: list[str]) -> dict[str, tuple[float, str, int]]:
+    """``setting_key → (ppl, source file, windows)`` from complete-test rows of earlier runs."""
+    found: dict[str, tuple[float, str, int]] = {}
+    for p in paths:
+        rec = json.loads(Path(p).read_text())
+        if rec.get("kind") != "torq.run" or rec["config"].get("max_windows") is not None:
+            continue  # only full-test perplexities
+        for row in rec["rows"]:
+            if row.get("ppl") is not None:
+                key = setting_key(rec["config"], row["method"])
+                found[key] = (row["ppl"], p, rec["eval"]["n_windows"])
+    return found
 
 
 def main() -> None:
@@ -36,12 +78,21 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None, help="WikiText-2 windows")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--task-batch-size", type=int, default=8)
+    p.add_argument("--no-shared-context", action="store_true", help="lm-eval's HFLM as it is")
+    p.add_argument("--ppl-from", nargs="*", default=[], help="earlier torq run records")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/zeroshot/table.json")
     args = p.parse_args()
-    config = RunConfig(
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    base = RunConfig(
         model=args.model,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=methods,
         weight_format=args.format,
         act_format=args.format,
         max_windows=args.max_windows,
@@ -50,17 +101,82 @@ def main() -> None:
         tasks=parse_tasks(args.tasks),
         task_limit=args.limit,
         task_batch_size=args.task_batch_size,
+        shared_context=not args.no_shared_context,
+        device=args.device,
     )
-    result = run(config)
-    table = markdown_table(result)
-    seconds = "\n".join(
-        f"- {r['method']}: quantize {r['quantize_seconds']:.0f} s, perplexity "
-        f"{r['eval_seconds']:.0f} s, zero-shot {r['zeroshot']['seconds']:.0f} s"
-        for r in result["rows"]
-    )
-    path = save(args.out, result, f"`{result['command']}`\n\n{table}\n\nWall times:\n{seconds}")
-    figure = accuracy_perplexity_figure(result, path.with_suffix(".png"))
+    earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}
+    out = Path(args.out)
+    done: dict[str, dict[str, Any]] = {}
+    record: dict[str, Any] | None = None
+    if out.exists():
+        record = json.loads(out.read_text())
+        same = (
+            record["eval"]["zeroshot_tasks"] == base.tasks
+            and record["eval"]["zeroshot_limit"] == base.task_limit
+            and record["config"]["max_windows"] == base.max_windows
+        )
+        for row in record["rows"] if same else []:
+            if row.get("key") == setting_key(_config_dict(base), row["method"]):
+                done[row["method"]] = row
+        print(f"resuming {out}: kept {', '.join(done) or 'nothing'}")
+    loaded = None
+    rows: list[dict[str, Any]] = []
+    commands = list(record.get("commands", [])) if record else []
+    commands.append(command_line())
+    for method in methods:
+        if method in done:
+            rows.append(done[method])
+            continue
+        if loaded is None:
+            loaded = load(args.model)
+        prior = earlier.get(setting_key(_config_dict(base), method))
+        config = RunConfig(**{**base.__dict__, "methods": [method], "skip_ppl": prior is not None})
+        result = run(config, loaded=loaded)
+        row = result["rows"][0]
+        row["key"] = setting_key(_config_dict(base), method)
+        if prior is not None:
+            row["ppl"], row["ppl_source"], row["ppl_windows"] = prior[0], prior[1], prior[2]
+        rows.append(row)
+        record = {**result, "rows": rows, "commands": commands, "complete": False}
+        record["eval"]["n_windows"] = _windows(rows, result)
+        _write(out, record)
+    assert record is not None
+    record = {**record, "rows": rows, "commands": commands, "complete": True}
+    path = _write(out, record)
+    figure = accuracy_perplexity_figure(record, path.with_suffix(".png"))
     print(f"wrote {figure}")
+
+
+def _config_dict(config: RunConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(config)
+
+
+def _windows(rows: list[dict[str, Any]], result: dict[str, Any]) -> int:
+    """Windows behind the Wiki2 column: measured here, or in the run a row reused."""
+    counts = [r.get("ppl_windows") or 0 for r in rows]
+    counts += [(r["details"].get("perplexity") or {}).get("n_windows", 0) for r in rows]
+    return max(counts, default=result["eval"]["n_windows"])
+
+
+def _write(out: Path, record: dict[str, Any]) -> Path:
+    table = markdown_table(record)
+    lines = []
+    for r in record["rows"]:
+        zs = r["zeroshot"]
+        ppl = (
+            f"perplexity {r['eval_seconds']:.0f} s"
+            if not r.get("ppl_source")
+            else (f"perplexity from {r['ppl_source']}")
+        )
+        lines.append(
+            f"- {r['method']}: quantize {r['quantize_seconds']:.0f} s, {ppl}, zero-shot "
+            f"{zs['seconds']:.0f} s"
+        )
+    commands = "\n".join(f"`{c}`" for c in record["commands"])
+    status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
+    return save(out, record, f"{commands}\n\n{table}\n\nWall times:\n" + "\n".join(lines) + status)
 
 
 if __name__ == "__main__":

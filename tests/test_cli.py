@@ -31,6 +31,8 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--balance", "2"], "in [0, 1] or 'none'"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
+        (["run", "--device", "banana", "--methods", "fp"], "unknown device 'banana'"),
+        (["run", "--device", "meta", "--methods", "fp"], "device 'meta' is not supported"),
     ],
 )
 def test_bad_arguments_give_one_line(argv, needle, capsys) -> None:
@@ -199,3 +201,45 @@ def test_torq_defaults_and_paper_flag_are_recorded(
         assert settings["balance"] == 0.5
         assert (settings["intra"]["init"], settings["intra"]["k_top"]) == ("hadamard", 32)
     assert math.isfinite(row["ppl"])
+
+
+def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
+    """``--device cuda`` never falls back to a silent CPU run; ``auto`` does."""
+    from torq.pipeline import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = _run(["run", "--device", "cuda", "--methods", "fp"], capsys)
+    assert code == 2
+    assert "torch sees no CUDA device" in err and "Traceback" not in err
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
+    """The same comparison on the GPU and on the CPU: every method's transforms move with
+    the model (calibration forward on the GPU, solvers on the CPU), same perplexities."""
+    from torq.calibration.data import CalibrationConfig
+    from torq.methods.torq_rotation import TorqSettings
+    from torq.pipeline import RunConfig, run
+
+    corpus = tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw"
+    settings = TorqSettings(
+        calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
+        reservoir_tokens=16,
+    )
+    rows = {}
+    for device in ("cpu", "cuda"):
+        cfg = RunConfig(
+            model=str(tiny_checkpoint),
+            methods=["fp", "rtn", "had32", "quarot+gptq", "torq", "torq+gptq"],
+            seqlen=64,
+            max_windows=2,
+            data_dir=str(tiny_data_dir),
+            torq=settings,
+            device=device,
+        )
+        rows[device] = {r["method"]: r["ppl"] for r in run(cfg, progress=False)["rows"]}
+    for method, ppl in rows["cpu"].items():
+        assert math.isfinite(rows["cuda"][method])
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--task-batch-size", type=_positive_int, default=8, help="lm-eval batch size")
     ev.add_argument("--skip-ppl", action="store_true", help="zero-shot tasks only")
+    ev.add_argument(
+        "--no-shared-context",
+        action="store_true",
+        help="score each choice with its own forward pass (lm-eval's HFLM as it is)",
+    )
 
     sub.add_parser("models", help="list the embedded default models")
     sub.add_parser("methods", help="list the registered quantization methods")
@@ -130,6 +135,11 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
+    run.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: cpu, cuda, cuda:N or auto (solvers stay on the CPU)",
+    )
     run.add_argument(
         "--out", default=None, help="result JSON path (default: results/run-<model>-<time>.json)"
     )
@@ -273,6 +283,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         torq=torq_settings,
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
+        device=args.device,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks
@@ -281,6 +292,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.task_limit = args.limit
         config.task_batch_size = args.task_batch_size
         config.skip_ppl = args.skip_ppl
+        config.shared_context = not args.no_shared_context
     out = Path(
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

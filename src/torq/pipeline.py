@@ -47,7 +47,12 @@ class RunConfig:
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None
     task_batch_size: int = 8
+    # choices of a question share one forward pass of their context (same scores, faster)
+    shared_context: bool = True
     skip_ppl: bool = False
+    # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
+    # rotation solvers always run on the CPU, where the calibration statistics are kept
+    device: str = "cpu"
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -83,8 +88,10 @@ def run(
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
     if loaded is None:
         loaded = load(config.model)
+    loaded.model.to(device)
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
     windows = None
@@ -123,9 +130,15 @@ def run(
                 data_dir=config.data_dir,
                 limit=config.task_limit,
                 batch_size=config.task_batch_size,
+                shared_context=config.shared_context,
                 progress=progress,
             )
-            zeroshot = {**zs["scores"], "seconds": zs["seconds"], "limit": zs["limit"]}
+            zeroshot = {
+                **zs["scores"],
+                "seconds": zs["seconds"],
+                "limit": zs["limit"],
+                "shared_context": zs["shared_context"],
+            }
             details["lm_eval"] = zs["lm_eval"]
         rows.append(
             MethodRow(
@@ -149,6 +162,22 @@ def run(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → the first CUDA device when one is visible, else the CPU; any other name
+    is checked: asking for CUDA on a machine without it is an error, not a silent CPU run."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise TorqError(f"unknown device '{name}' (use cpu, cuda, cuda:N or auto)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TorqError(f"device '{name}' asked for, but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise TorqError(f"device '{name}' is not supported (use cpu, cuda, cuda:N or auto)")
+    return device
 
 
 def _record(

@@ -73,7 +73,7 @@ class BlockStatistics:
         if not torch.isfinite(x).all():
             raise ValueError("calibration activations contain NaN or Inf")
         xb = x.to(torch.float64).reshape(-1, self.n_blocks, self.block_size)
-        self.cov += torch.einsum("tbk,tck->kbc", xb, xb)
+        self.cov += torch.einsum("tbk,tck->kbc", xb, xb).cpu()
         if self.xtx is not None:
             x64 = xb.reshape(-1, self.width)
             self.xtx += (x64.T @ x64).cpu()
@@ -129,6 +129,7 @@ def capture_layer_inputs(
     hidden: list[torch.Tensor] = []
     layer_kwargs: list[dict[str, Any]] = [{} for _ in layers]
     first = True
+    device = next(model.parameters()).device
 
     def make_hook(index: int) -> Callable[[nn.Module, tuple, dict], None]:
         def grab(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -153,7 +154,7 @@ def capture_layer_inputs(
         with torch.no_grad():
             for i in range(0, windows.shape[0], batch_size):
                 with contextlib.suppress(_StopForward):
-                    model(input_ids=windows[i : i + batch_size], use_cache=False)
+                    model(input_ids=windows[i : i + batch_size].to(device), use_cache=False)
                 first = False
     finally:
         for h in handles:

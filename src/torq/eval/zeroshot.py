@@ -203,11 +203,16 @@ def evaluate_zeroshot(
     limit: int | None = None,
     batch_size: int = 8,
     progress: bool = True,
+    shared_context: bool = True,
 ) -> dict[str, Any]:
     """Score ``model`` (in process) on the paper's zero-shot tasks through lm-eval.
 
+    With ``shared_context`` (the default) the choices of a question share one forward pass
+    of their common context (:class:`torq.eval.shared_context.SharedContextHFLM`, same
+    scores to float rounding); ``False`` uses lm-eval's ``HFLM`` as it is.
+
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
-    versions>, "seconds": wall time, "limit": limit}``.
+    versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context}``.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -218,7 +223,11 @@ def evaluate_zeroshot(
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
         manager = TaskManager(include_path=tmp)
-        lm = HFLM(
+        if shared_context:
+            from torq.eval.shared_context import SharedContextHFLM as wrapper
+        else:
+            wrapper = HFLM
+        lm = wrapper(
             pretrained=model,
             tokenizer=tokenizer,
             batch_size=batch_size,
@@ -246,4 +255,5 @@ def evaluate_zeroshot(
         ),
         "seconds": seconds,
         "limit": limit,
+        "shared_context": shared_context,
     }

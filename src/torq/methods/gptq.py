@@ -97,7 +97,8 @@ class GroupSolver:
         modules = dict(layer.named_modules())
         for g in groups:
             t0 = time.perf_counter()
-            weight = torch.cat([modules[m].weight.detach() for m in g.members])
+            # the transforms are solved on the CPU, where the statistics are kept
+            weight = torch.cat([modules[m].weight.detach().cpu() for m in g.members])
             transform, rec = self.transform(g, stats[g.name], weight)
             gptq_rec = quantize_group(layer, g, transform, self.qconfig, stats[g.name], self.gptq)
             if gptq_rec:

@@ -108,7 +108,7 @@ def fold_rmsnorms(model: nn.Module) -> None:
 
 
 def _mul(w: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    return (w.to(torch.float64) @ right).to(w.dtype)
+    return (w.to(torch.float64) @ right.to(w.device)).to(w.dtype)
 
 
 @torch.no_grad()
@@ -133,9 +133,10 @@ def rotate_residual(model: nn.Module, q: torch.Tensor) -> None:
         ]:
             lin.weight.data = _mul(lin.weight, q)
         for lin in (attn.o_proj, mlp.down_proj):
-            lin.weight.data = (q.T @ lin.weight.to(torch.float64)).to(lin.weight.dtype)
+            qt = q.T.to(lin.weight.device)
+            lin.weight.data = (qt @ lin.weight.to(torch.float64)).to(lin.weight.dtype)
             if lin.bias is not None:
-                lin.bias.data = (q.T @ lin.bias.to(torch.float64)).to(lin.bias.dtype)
+                lin.bias.data = (qt @ lin.bias.to(torch.float64)).to(lin.bias.dtype)
 
 
 @torch.no_grad()
@@ -150,6 +151,7 @@ def rotate_heads(model: nn.Module, h: torch.Tensor) -> None:
         raise ValueError(f"the head rotation must be {hd}×{hd}, got {tuple(h.shape)}")
     for layer in decoder_layers(model):
         v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
+        h = h.to(v.weight.device)
         wv = v.weight.to(torch.float64).reshape(-1, hd, v.in_features)
         v.weight.data = (
             torch.einsum("ij,njk->nik", h, wv).reshape(v.weight.shape).to(v.weight.dtype)

@@ -15,6 +15,7 @@ Hessian is that of the transformed inputs, ``T H Tᵀ``: :func:`transform_hessia
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,19 @@ def transform_hessian(h: torch.Tensor, transform: torch.nn.Module | None) -> tor
     """``T H Tᵀ`` for a row-wise transform module ``T`` (``x ↦ T x`` on the last dim)."""
     if transform is None:
         return h
-    t = transform.to(h.device)
+    # a copy on H's device: moving ``transform`` itself would move the caller's online module
+    t = transform
+    if _device(transform) not in (None, h.device):
+        t = copy.deepcopy(transform).to(h.device)
     with torch.no_grad():
         th = _apply(t, h)  # rows of H transformed: (T Hᵀ)ᵀ = H Tᵀ since H is symmetric
         return _apply(t, th.T.contiguous())
+
+
+def _device(t: torch.nn.Module) -> torch.device | None:
+    for tensor in (*t.parameters(), *t.buffers()):
+        return tensor.device
+    return None
 
 
 def _apply(t: torch.nn.Module, m: torch.Tensor) -> torch.Tensor:
@@ -93,8 +103,6 @@ def _apply(t: torch.nn.Module, m: torch.Tensor) -> torch.Tensor:
 
 
 def _cast_module(t: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    import copy
-
     c = copy.deepcopy(t)
     for name, b in list(c.named_buffers()):
         if b is not None and b.is_floating_point():
@@ -127,7 +135,7 @@ def gptq_quantize(
         raise ValueError("the Hessian holds NaN or Inf")
     block = fmt.block_size
     w = weight.detach().to(torch.float64).clone()
-    h = hessian.detach().to(torch.float64).clone()
+    h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
     grid = _BlockGrid(fmt, w)
 
     dead = torch.diag(h) == 0
@@ -152,7 +160,7 @@ def gptq_quantize(
     hinv = torch.linalg.cholesky(hinv, upper=True)
 
     q_all = torch.zeros_like(w)
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64, device=w.device)
     scale = torch.ones(n, 1, dtype=torch.float64, device=w.device)
     for i1 in range(0, k, cfg.lazy_batch):
         i2 = min(i1 + cfg.lazy_batch, k)

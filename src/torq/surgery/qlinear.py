@@ -127,7 +127,8 @@ class QuantLinear(nn.Module):
         elif input_transform is not None and input_quantizer.transform is not input_transform:
             raise ValueError("input_transform and input_quantizer.transform differ")
         input_quantizer.consumers += 1
-        self.input_quantizer = input_quantizer
+        # the online transform runs where the layer runs (shared quantizers move once)
+        self.input_quantizer = input_quantizer.to(weight.device)
         with torch.no_grad():
             w = weight.detach()
             if config.weight is not None and not weight_quantized:
