@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def main() -> None:
         shared_context=not args.no_shared_context,
         device=args.device,
     )
+    base_dict = asdict(base)
     earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}
     out = Path(args.out)
     done: dict[str, dict[str, Any]] = {}
@@ -116,7 +118,7 @@ def main() -> None:
             and record["config"]["max_windows"] == base.max_windows
         )
         for row in record["rows"] if same else []:
-            if row.get("key") == setting_key(_config_dict(base), row["method"]):
+            if row.get("key") == setting_key(base_dict, row["method"]):
                 done[row["method"]] = row
         print(f"resuming {out}: kept {', '.join(done) or 'nothing'}")
     loaded = None
@@ -129,11 +131,11 @@ def main() -> None:
             continue
         if loaded is None:
             loaded = load(args.model)
-        prior = earlier.get(setting_key(_config_dict(base), method))
+        prior = earlier.get(setting_key(base_dict, method))
         config = RunConfig(**{**base.__dict__, "methods": [method], "skip_ppl": prior is not None})
         result = run(config, loaded=loaded)
         row = result["rows"][0]
-        row["key"] = setting_key(_config_dict(base), method)
+        row["key"] = setting_key(base_dict, method)
         if prior is not None:
             row["ppl"], row["ppl_source"], row["ppl_windows"] = prior[0], prior[1], prior[2]
         rows.append(row)
@@ -145,12 +147,6 @@ def main() -> None:
     path = _write(out, record)
     figure = accuracy_perplexity_figure(record, path.with_suffix(".png"))
     print(f"wrote {figure}")
-
-
-def _config_dict(config: RunConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(config)
 
 
 def _windows(rows: list[dict[str, Any]], result: dict[str, Any]) -> int:

@@ -108,7 +108,7 @@ def fold_rmsnorms(model: nn.Module) -> None:
 
 
 def _mul(w: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    return (w.to(torch.float64) @ right.to(w.device)).to(w.dtype)
+    return (w.to(torch.float64) @ right).to(w.dtype)
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def rotate_residual(model: nn.Module, q: torch.Tensor) -> None:
     """Rotate the residual stream by the orthogonal ``q`` (``d × d``), fused into every
     weight that reads or writes it. Norms must be folded and embeddings untied first."""
     check_supported(model)
-    q = q.to(torch.float64)
+    q = q.to(device="cpu", dtype=torch.float64)
     d = q.shape[0]
     if q.shape != (d, d) or not torch.allclose(q @ q.T, torch.eye(d, dtype=q.dtype), atol=1e-8):
         raise ValueError("the residual rotation must be a square orthogonal matrix")
@@ -124,6 +124,8 @@ def rotate_residual(model: nn.Module, q: torch.Tensor) -> None:
     head = model.get_output_embeddings()
     if head.weight.data_ptr() == emb.weight.data_ptr():
         raise TorqError("untie the embeddings before rotating the residual stream")
+    q = q.to(emb.weight.device)  # once: every weight below lives where the model does
+    qt = q.T
     emb.weight.data = _mul(emb.weight, q)
     head.weight.data = _mul(head.weight, q)
     for layer in decoder_layers(model):
@@ -133,7 +135,6 @@ def rotate_residual(model: nn.Module, q: torch.Tensor) -> None:
         ]:
             lin.weight.data = _mul(lin.weight, q)
         for lin in (attn.o_proj, mlp.down_proj):
-            qt = q.T.to(lin.weight.device)
             lin.weight.data = (qt @ lin.weight.to(torch.float64)).to(lin.weight.dtype)
             if lin.bias is not None:
                 lin.bias.data = (qt @ lin.bias.to(torch.float64)).to(lin.bias.dtype)
@@ -149,9 +150,9 @@ def rotate_heads(model: nn.Module, h: torch.Tensor) -> None:
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if h.shape != (hd, hd):
         raise ValueError(f"the head rotation must be {hd}×{hd}, got {tuple(h.shape)}")
+    h = h.to(_embedding(model).weight.device)  # once, where the model lives
     for layer in decoder_layers(model):
         v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
-        h = h.to(v.weight.device)
         wv = v.weight.to(torch.float64).reshape(-1, hd, v.in_features)
         v.weight.data = (
             torch.einsum("ij,njk->nik", h, wv).reshape(v.weight.shape).to(v.weight.dtype)
