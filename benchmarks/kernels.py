@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
+from torq.kernels import linear as kernel_linear
 from torq.kernels.linear import TUNED_CONFIGS, quantize_activation
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
@@ -53,18 +54,32 @@ def _k(bm, bn, bk, split=1, warps=4, stages=3, kind="dot", a_mode=0, swap=False)
     return KernelConfig(bm, bn, bk, split, warps, stages, kind, a_mode, swap)
 
 
-# batch 1 only. Small tiles and split-K: a memory-bound kernel needs many programs in
-# flight (docs/kernels-notes.md). The float gemv and the multi-row dp4a kernel measured
-# there were slower everywhere and are gone.
+def _g(bn, bk, split=1, warps=4, a_mode=1, pf=True, pdl=False) -> KernelConfig:
+    return KernelConfig(1, bn, bk, split, warps, 3, "gemv_i8", a_mode, False, pf, pdl)
+
+
+# batch 1 only: the integer GEMV. With its int8 pre-pass (a_mode 1) the weight stream is
+# the only work, so small tiles keep many loads in flight; quantizing in the matmul
+# (a_mode 0) needs wide tiles and split-K to amortize it. ``pf``: the next weight tile is
+# loaded before the current one is multiplied; ``pdl``: programmatic dependent launch.
+# The versions measured before these are in docs/kernels-notes.md.
 GEMV_CANDIDATES = [
-    _k(1, 16, 512, kind="gemv_dp4a"),
-    _k(1, 16, 512, split=2, kind="gemv_dp4a"),
-    _k(1, 16, 512, split=4, kind="gemv_dp4a"),
-    _k(1, 32, 512, split=4, kind="gemv_dp4a"),
-    _k(1, 32, 1024, split=2, warps=8, kind="gemv_dp4a"),
-    _k(1, 64, 512, split=4, warps=8, kind="gemv_dp4a"),
-    _k(1, 8, 512, split=4, warps=2, kind="gemv_dp4a"),
-    _k(1, 16, 256, split=8, kind="gemv_dp4a"),
+    _g(8, 1024, pf=False),
+    _g(8, 1024),
+    _g(8, 1024, pdl=True),
+    _g(16, 1024, pf=False),
+    _g(16, 1024, pf=False, pdl=True),
+    _g(16, 1024),
+    _g(4, 1024),
+    _g(4, 1024, pdl=True),
+    _g(8, 2048),
+    _g(16, 2048),
+    _g(16, 2048, pdl=True),
+    _g(8, 512),
+    _g(32, 1024, 4),
+    _g(64, 512, 8, warps=8, a_mode=0, pf=False),
+    _g(64, 256, 8, a_mode=0, pf=False),
+    _g(64, 512, 4, warps=8, a_mode=0),
 ]
 DECODE_CANDIDATES = [
     _k(16, 64, 256, split=2, a_mode=2, swap=True),
@@ -99,6 +114,8 @@ PREFILL_CANDIDATES = [
     _k(256, 128, 32, warps=8, stages=4, a_mode=2),
     _k(128, 128, 128, warps=8, kind="dot_scaled", a_mode=2),
 ]
+# (output blocks per program, input blocks per step) tried for the fused TORQ pre-pass
+TORQ_TILES = [(2, 64), (4, 64), (8, 64), (2, 128), (4, 128), (4, 32), (1, 128)]
 L2_FLUSH_BYTES = 4 * 50 * 2**20  # cycle through > 4× a 50 MB L2
 
 
@@ -170,20 +187,35 @@ def sweep(
     best: tuple[float, KernelConfig, float] | None = None
     tried = []
     for cfg in candidates:
-        y = mxfp4_linear(pairs[0][0], pairs[0][1], config=cfg)
+        try:
+            y = mxfp4_linear(pairs[0][0], pairs[0][1], config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # recorded in the JSON, the sweep goes on
+            tried.append({"config": cfg.__dict__, "error": repr(exc)[:300]})
+            print(f"  {label} {cfg}: FAILED {exc!r}"[:400], flush=True)
+            continue
         err = rel_err(y.float(), ref)
         ok = err < 1e-2 and not torch.isnan(y).any()
         t = graph_time(
             [(lambda xx=xx, ww=ww, c=cfg: mxfp4_linear(xx, ww, config=c)) for xx, ww in pairs]
         )
         tried.append({"config": cfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
+        print(
+            f"  {label} {cfg.kind} a{cfg.a_mode} bn{cfg.block_n} bk{cfg.block_k} "
+            f"s{cfg.split_k} w{cfg.num_warps} pf{int(cfg.prefetch)} "
+            f"pdl{int(cfg.pdl)}: "
+            f"{t * 1e6:.1f} us err {err:.1e}{'' if ok else ' WRONG'}",
+            flush=True,
+        )
         if ok and (best is None or t < best[0]):
             best = (t, cfg, err)
     assert best is not None, f"no {label} configuration was correct"
     return (*best, tried)
 
 
-def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
+def decode_and_prefill(
+    bandwidth: float, quick: bool, batches: tuple[int, ...] = (1, 4, 16), prefill: bool = True
+) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {"decode": [], "prefill": [], "configs": {}}
     for k, n in SHAPES:
@@ -192,7 +224,7 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
         copies = copies_for(packed_bytes)
         w_float = make_weights(k, n, copies, gen)
         w_packed = [MXFP4Weight.from_float(w) for w in w_float]
-        for batch in (1, 4, 16):
+        for batch in batches:
             xs = [
                 torch.randn(batch, k, device="cuda", generator=gen).bfloat16()
                 for _ in range(copies)
@@ -227,6 +259,8 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
                 }
             )
             print(out["decode"][-1], flush=True)
+        if not prefill:
+            continue
         # prefill at 2048 tokens
         m = 2048
         xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(2)]
@@ -267,47 +301,91 @@ def decode_and_prefill(bandwidth: float, quick: bool) -> dict[str, Any]:
     return out
 
 
-def transform_cost() -> list[dict[str, Any]]:
-    """The online transform's cost against the layer's own matmul (K = 4096, N = 4096)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    k, n = 4096, 4096
-    copies = copies_for(n * k // 2)
-    w_float = make_weights(k, n, copies, gen)
-    w_packed = [MXFP4Weight.from_float(w) for w in w_float]
-    h = hadamard_matrix(32, dtype=torch.float32).cuda()
+def _torq_rotation(k: int, gen: torch.Generator) -> BlockRotation:
+    """A TORQ transform of width ``k`` with random orthogonal rotations (bf16): balancing
+    scale, one ``B×B`` inter-block rotation per position, one 32×32 intra-block rotation."""
     b = k // 32
-    q, _ = torch.linalg.qr(torch.randn(32, b, b, device="cuda", generator=gen))
-    inter = BlockRotation(32, r_inter=q, dtype=torch.bfloat16).cuda()
+    r_inter = torch.linalg.qr(torch.randn(32, b, b, device="cuda", generator=gen))[0]
+    r_intra = torch.linalg.qr(torch.randn(32, 32, device="cuda", generator=gen))[0]
+    scale = torch.rand(k, device="cuda", generator=gen) + 0.5
+    return BlockRotation(32, r_inter, r_intra, dtype=torch.bfloat16, channel_scale=scale).cuda()
+
+
+def transform_cost() -> list[dict[str, Any]]:
+    """The online transform's cost against the layer's own matmul: the 32×32 block
+    transform fused in the kernels, and TORQ's transform (balancing scale, inter-block,
+    intra-block) as a torch module and, for one token, fused into the GEMV's pre-pass."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = hadamard_matrix(32, dtype=torch.float32).cuda()
     rows = []
-    for m in (1, 16, 2048):
-        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(copies)]
-        pairs = list(zip(xs, w_packed, strict=True))
-        t_plain = graph_time([(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww)) for xx, ww in pairs])
-        t_block = graph_time(
-            [(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww, block_transform=h)) for xx, ww in pairs]
-        )
-        t_inter = graph_time([(lambda xx=xx: inter(xx)) for xx in xs])
-        ref = reference_linear(xs[0].float(), w_packed[0], block_transform=h)
-        y = mxfp4_linear(xs[0], w_packed[0], block_transform=h)
-        rows.append(
-            {
-                "tokens": m,
-                "matmul_us": t_plain * 1e6,
-                "with_fused_32x32_us": t_block * 1e6,
-                "fused_32x32_overhead": t_block / t_plain - 1,
-                "torq_inter_block_us": t_inter * 1e6,
-                "torq_inter_over_matmul": t_inter / t_plain,
-                "rel_err_with_hadamard": rel_err(y.float(), ref),
-            }
-        )
-        print(rows[-1], flush=True)
+    for k, n, tokens in ((4096, 4096, (1, 16, 2048)), (14336, 4096, (1,))):
+        copies = copies_for(n * k // 2)
+        w_float = make_weights(k, n, copies, gen)
+        w_packed = [MXFP4Weight.from_float(w) for w in w_float]
+        rot = _torq_rotation(k, gen)
+        for m in tokens:
+            xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(copies)]
+            pairs = list(zip(xs, w_packed, strict=True))
+            t_plain = graph_time([(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww)) for xx, ww in pairs])
+            t_block = graph_time(
+                [(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww, block_transform=h)) for xx, ww in pairs]
+            )
+            t_module = graph_time([(lambda xx=xx, rr=rot: rr(xx)) for xx in xs])
+            tiles = TORQ_TILES if m == 1 else [kernel_linear.TORQ_PREPASS_TILE]
+            tile_times = {}
+            for tile in tiles:
+                kernel_linear.TORQ_PREPASS_TILE = tile
+                tile_times[tile] = graph_time(
+                    [
+                        (lambda xx=xx, ww=ww, rr=rot: mxfp4_linear(xx, ww, rotation=rr))
+                        for xx, ww in pairs
+                    ]
+                )
+            best_tile = min(tile_times, key=tile_times.get)
+            t_torq = tile_times[best_tile]
+            kernel_linear.TORQ_PREPASS_TILE = best_tile
+            ref = reference_linear(xs[0].float(), w_packed[0], block_transform=h)
+            y = mxfp4_linear(xs[0], w_packed[0], block_transform=h)
+            # the fused pre-pass sums in float32: the reference runs the module in float32
+            rot32 = BlockRotation(
+                32, rot.r_inter, rot.r_intra, dtype=torch.float32, channel_scale=rot.channel_scale
+            )
+            ref_t = reference_linear(rot32(xs[0].float()), w_packed[0])
+            y_t = mxfp4_linear(xs[0], w_packed[0], rotation=rot)
+            rows.append(
+                {
+                    "shape": f"{k}->{n}",
+                    "tokens": m,
+                    "matmul_us": t_plain * 1e6,
+                    "with_fused_32x32_us": t_block * 1e6,
+                    "fused_32x32_overhead": t_block / t_plain - 1,
+                    "torq_module_us": t_module * 1e6,
+                    "torq_module_over_matmul": t_module / t_plain,
+                    "with_torq_us": t_torq * 1e6,
+                    "torq_overhead": t_torq / t_plain - 1,
+                    "torq_fused_in_prepass": m == 1,
+                    "torq_prepass_tile_us": {str(t): v * 1e6 for t, v in tile_times.items()},
+                    "rel_err_with_hadamard": rel_err(y.float(), ref),
+                    "rel_err_with_torq": rel_err(y_t.float(), ref_t),
+                }
+            )
+            print(rows[-1], flush=True)
+        del w_float, w_packed
+        torch.cuda.empty_cache()
     return rows
 
 
 class _Decoder(torch.nn.Module):
     """A Llama-shaped decoder for one-token steps against a fixed-size KV cache."""
 
-    def __init__(self, cfg: dict[str, int], packed: bool, context: int, gen: torch.Generator):
+    def __init__(
+        self,
+        cfg: dict[str, int],
+        packed: bool,
+        context: int,
+        gen: torch.Generator,
+        torq: bool = False,
+    ):
         super().__init__()
         d, f = cfg["hidden_size"], cfg["intermediate_size"]
         h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -330,6 +408,16 @@ class _Decoder(torch.nn.Module):
                     "gate": lin(f, d),
                     "up": lin(f, d),
                     "down": lin(d, f),
+                    "rot": (
+                        {
+                            "attn": _torq_rotation(d, gen),
+                            "o": _torq_rotation(d, gen),
+                            "mlp": _torq_rotation(d, gen),
+                            "down": _torq_rotation(f, gen),
+                        }
+                        if torq
+                        else {}
+                    ),
                     "n1": torch.ones(d, device=dev, dtype=torch.bfloat16),
                     "n2": torch.ones(d, device=dev, dtype=torch.bfloat16),
                     "kc": torch.randn(
@@ -348,8 +436,8 @@ class _Decoder(torch.nn.Module):
         self.packed = packed
         self.context = context
 
-    def _lin(self, x: torch.Tensor, w: Any) -> torch.Tensor:
-        return mxfp4_linear(x, w) if self.packed else F.linear(x, w)
+    def _lin(self, x: torch.Tensor, w: Any, rot: BlockRotation | None = None) -> torch.Tensor:
+        return mxfp4_linear(x, w, rotation=rot) if self.packed else F.linear(x, w)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -358,18 +446,19 @@ class _Decoder(torch.nn.Module):
     def step(self, token: torch.Tensor) -> torch.Tensor:
         x = self.embed[token].view(1, -1)
         for layer in self.layers:
+            rot = layer["rot"]
             a = self._rms(x, layer["n1"])
-            q = self._lin(a, layer["q"]).view(1, self.h, 1, self.hd)
-            k = self._lin(a, layer["k"]).view(1, self.kvh, 1, self.hd)
-            v = self._lin(a, layer["v"]).view(1, self.kvh, 1, self.hd)
+            q = self._lin(a, layer["q"], rot.get("attn")).view(1, self.h, 1, self.hd)
+            k = self._lin(a, layer["k"], rot.get("attn")).view(1, self.kvh, 1, self.hd)
+            v = self._lin(a, layer["v"], rot.get("attn")).view(1, self.kvh, 1, self.hd)
             layer["kc"][:, :, self.context : self.context + 1].copy_(k)
             layer["vc"][:, :, self.context : self.context + 1].copy_(v)
             att = F.scaled_dot_product_attention(q, layer["kc"], layer["vc"], enable_gqa=True)
-            x = x + self._lin(att.reshape(1, -1), layer["o"])
+            x = x + self._lin(att.reshape(1, -1), layer["o"], rot.get("o"))
             a = self._rms(x, layer["n2"])
-            g = self._lin(a, layer["gate"])
-            u = self._lin(a, layer["up"])
-            x = x + self._lin(F.silu(g) * u, layer["down"])
+            g = self._lin(a, layer["gate"], rot.get("mlp"))
+            u = self._lin(a, layer["up"], rot.get("mlp"))
+            x = x + self._lin(F.silu(g) * u, layer["down"], rot.get("down"))
         return F.linear(self._rms(x, self.norm), self.head)
 
     def weight_bytes(self) -> int:
@@ -388,23 +477,34 @@ def end_to_end(context: int, layers: int | None) -> dict[str, Any]:
     res: dict[str, Any] = {"config": cfg, "context": context, "batch": 1}
     token = torch.tensor([11], device="cuda")
     logits = {}
-    for packed in (False, True):
+    for name, packed, torq in (
+        ("bf16", False, False),
+        ("mxfp4", True, False),
+        ("mxfp4+torq", True, True),
+    ):
         gen = torch.Generator(device="cuda").manual_seed(5)
         torch.cuda.reset_peak_memory_stats()
-        model = _Decoder(cfg, packed, context, gen)
+        model = _Decoder(cfg, packed, context, gen, torq)
         t = graph_time([lambda model=model: model.step(token)], replays=30)
-        name = "mxfp4" if packed else "bf16"
         logits[name] = model.step(token).float()
         res[name] = {
             "step_ms": t * 1e3,
             "tokens_per_s": 1 / t,
             "linear_weight_GB": model.weight_bytes() / 1e9,
+            "rotation_GB": sum(
+                t.numel() * t.element_size()
+                for layer in model.layers
+                for r in layer["rot"].values()
+                for t in r.buffers()
+            )
+            / 1e9,
             "peak_memory_GB": torch.cuda.max_memory_allocated() / 1e9,
         }
         print(name, res[name], flush=True)
         del model
         torch.cuda.empty_cache()
     res["speedup"] = res["mxfp4"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    res["speedup_torq"] = res["mxfp4+torq"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
     res["logit_cosine"] = float(F.cosine_similarity(logits["bf16"], logits["mxfp4"]).mean())
     return res
 
@@ -467,17 +567,19 @@ def markdown(rec: dict[str, Any]) -> str:
     if rec.get("transform"):
         lines += [
             "",
-            "#### Online transform, K = N = 4096",
+            "#### Online transforms against the layer's matmul",
             "",
-            "| tokens | matmul µs | + fused 32×32 block transform | TORQ inter-block (torch) µs "
-            "| inter / matmul |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            "| K→N | tokens | matmul µs | + 32×32 block transform | TORQ module µs "
+            "| TORQ module / matmul | with TORQ µs | TORQ overhead |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in rec["transform"]:
+            where = " (fused)" if r["torq_fused_in_prepass"] else ""
             lines.append(
-                f"| {r['tokens']} | {r['matmul_us']:.1f} | "
-                f"{100 * r['fused_32x32_overhead']:+.0f}% | {r['torq_inter_block_us']:.1f} | "
-                f"{r['torq_inter_over_matmul']:.2f} |"
+                f"| {r['shape']} | {r['tokens']} | {r['matmul_us']:.1f} | "
+                f"{100 * r['fused_32x32_overhead']:+.0f}% | {r['torq_module_us']:.1f} | "
+                f"{r['torq_module_over_matmul']:.2f} | {r['with_torq_us']:.1f}{where} | "
+                f"{100 * r['torq_overhead']:+.0f}% |"
             )
     if rec.get("end_to_end"):
         e = rec["end_to_end"]
@@ -489,7 +591,7 @@ def markdown(rec: dict[str, Any]) -> str:
             "| weights | step ms | tokens/s | linear weights GB | peak GB |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
-        for name in ("bf16", "mxfp4"):
+        for name in ("bf16", "mxfp4", "mxfp4+torq"):
             r = e[name]
             lines.append(
                 f"| {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -497,8 +599,9 @@ def markdown(rec: dict[str, Any]) -> str:
             )
         lines.append("")
         lines.append(
-            f"Speed-up {e['speedup']:.2f}×; mean cosine of the two models' logits "
-            f"{e['logit_cosine']:.3f} (same random weights)."
+            f"Speed-up {e['speedup']:.2f}× (with TORQ's online transform before every "
+            f"linear, fused into the pre-pass: {e['speedup_torq']:.2f}×); mean cosine of "
+            f"the bf16 and mxfp4 logits {e['logit_cosine']:.3f} (same random weights)."
         )
     return "\n".join(lines)
 
@@ -510,6 +613,9 @@ def main() -> None:
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--e2e-layers", type=int, default=None, help="fewer layers (default 32)")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-transform", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
@@ -524,8 +630,10 @@ def main() -> None:
         "copy_bandwidth_GBps": bw_copy / 1e9,
     }
     print(rec, flush=True)
-    rec.update(decode_and_prefill(bw, args.quick))
-    rec["transform"] = transform_cost()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rec.update(decode_and_prefill(bw, args.quick, batches, not args.skip_prefill))
+    if not args.skip_transform:
+        rec["transform"] = transform_cost()
     if not args.skip_e2e:
         rec["end_to_end"] = end_to_end(args.context, args.e2e_layers)
     rec["wall_seconds"] = time.time() - t0

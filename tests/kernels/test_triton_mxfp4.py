@@ -24,6 +24,7 @@ from torq.rotations.hadamard import hadamard_matrix
 
 pytest.importorskip("triton")
 
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A kernel and the reference add the same exact products in a different order.
 FP32_ACCUMULATION_RTOL = 1e-5
@@ -184,8 +185,11 @@ def test_cuda_bf16_inputs(m: int) -> None:
 
 
 KERNEL_VARIANTS = [
-    KernelConfig(1, 16, 64, kind="gemv_dp4a"),
-    KernelConfig(1, 8, 128, split_k=2, kind="gemv_dp4a"),
+    KernelConfig(1, 16, 64, kind="gemv_i8", a_mode=1),
+    KernelConfig(1, 8, 64, split_k=3, kind="gemv_i8", a_mode=1),
+    KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=0),
+    KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=1, prefetch=True, pdl=True),
+    KernelConfig(1, 8, 32, kind="gemv_i8", a_mode=0, prefetch=True),
     KernelConfig(16, 32, 64, a_mode=0),
     KernelConfig(16, 32, 64, a_mode=1),
     KernelConfig(16, 32, 64, a_mode=2),
@@ -202,14 +206,17 @@ VARIANT_CASES = [
     (cfg, shape)
     for cfg in KERNEL_VARIANTS
     for shape in [(1, 40, 96), (5, 50, 160), (33, 20, 224)]
-    if cfg.kind != "gemv_dp4a" or shape[0] == 1  # the gemv kernel takes one token
+    if not cfg.kind.startswith("gemv") or shape[0] == 1  # the gemv kernels take one token
 ]
 
 
 @pytest.mark.parametrize(
     ("cfg", "shape"),
     VARIANT_CASES,
-    ids=[f"{c.kind}-a{c.a_mode}-s{c.split_k}-x{int(c.swap_ab)}-{s}" for c, s in VARIANT_CASES],
+    ids=[
+        f"{c.kind}-a{c.a_mode}-s{c.split_k}-x{int(c.swap_ab)}-p{int(c.prefetch)}-{s}"
+        for c, s in VARIANT_CASES
+    ],
 )
 def test_every_kernel_variant(cfg: KernelConfig, shape: tuple[int, int, int]) -> None:
     m, n, k = shape
@@ -234,7 +241,7 @@ def test_kernel_config_validation() -> None:
             torch.randn(2, 64, device=DEVICE),
             weight,
             backend="triton",
-            config=KernelConfig(1, 16, 64, kind="gemv_dp4a"),
+            config=KernelConfig(1, 16, 64, kind="gemv_i8", a_mode=1),
         )
 
 
@@ -247,3 +254,104 @@ def test_dequantize_weight_kernel_is_exact() -> None:
     w = dequantize_weight(dev_weight, torch.float32).cpu()
     assert torch.equal(w[:, :100], weight.dequantize(torch.float32))
     assert torch.equal(w[:, 100:], torch.zeros(37, 28))
+
+
+@pytest.mark.parametrize("k", [32, 100, 1024])
+def test_int8_prepass_is_exact(k: int) -> None:
+    """``2·Q(x)`` and ``s/4`` of the integer GEMV's pre-pass against torq.formats."""
+    from torq.formats.constants import E2M1_VALUES
+    from torq.kernels.linear import quantize_activation_i8
+
+    gen = torch.Generator().manual_seed(k)
+    x = _special_activation(1, k, gen)
+    x[0, -1] = float("nan")
+    q, s = quantize_activation_i8(x.to(DEVICE))
+    ref = quantize(x, get_format("mxfp4"))
+    kp = (k + 31) // 32 * 32
+    codes = torch.stack([ref.codes & 0xF, ref.codes >> 4], dim=-1).reshape(1, kp).long()
+    sign = torch.where(codes >= 8, -1.0, 1.0)
+    twice = (2 * torch.tensor(E2M1_VALUES)[codes & 7] * sign).to(torch.int8)
+    nan_blocks = (ref.scales == 255).repeat_interleave(32, dim=1)
+    assert torch.equal(q.cpu(), torch.where(nan_blocks, 0, twice))
+    scale = torch.exp2(ref.scales.double() - 127) / 4
+    scale[ref.scales == 255] = float("nan")
+    assert torch.equal(s.cpu().double().nan_to_num(-1.0), scale.nan_to_num(-1.0))
+
+
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_split_k_gemv_workspace_resets(split_k: int) -> None:
+    """The split-K integer GEMV leaves its workspace zeroed, so back-to-back calls (and
+    calls with other weights of the same width) give the same results as one alone."""
+    from torq.kernels.linear import _gemv_workspace
+
+    gen = torch.Generator().manual_seed(split_k)
+    cfg = KernelConfig(1, 8, 64, split_k=split_k, kind="gemv_i8", a_mode=1)
+    weights = [MXFP4Weight.from_float(torch.randn(24, 320, generator=gen)) for _ in range(2)]
+    xs = [torch.randn(1, 320, generator=gen) for _ in range(2)]
+    dev = [MXFP4Weight(w.codes.to(DEVICE), w.scales.to(DEVICE), 320) for w in weights]
+    for _ in range(2):
+        for w, wd, x in zip(weights, dev, xs, strict=True):
+            y = mxfp4_linear(x.to(DEVICE), wd, backend="triton", config=cfg)
+            assert _rel_err(y.cpu(), reference_linear(x, w)) < FP32_ACCUMULATION_RTOL
+    ws, count = _gemv_workspace(torch.device(DEVICE), 24)
+    assert not ws.any() and not count.any()
+
+
+@pytest.mark.parametrize("a_mode", [0, 1])
+def test_gemv_i8_with_block_transform(a_mode: int) -> None:
+    """The 32×32 block transform inside the integer GEMV: in its pre-pass (a_mode 1) or
+    in the matmul (a_mode 0)."""
+    gen = torch.Generator().manual_seed(3 + a_mode)
+    k = 1024
+    weight = MXFP4Weight.from_float(torch.randn(40, k, generator=gen))
+    x = torch.randn(1, k, generator=gen)
+    h = hadamard_matrix(32, dtype=torch.float32)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), k)
+    cfg = KernelConfig(1, 16, 512, split_k=2, kind="gemv_i8", a_mode=a_mode)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, None, h.to(DEVICE), backend="triton", config=cfg)
+    ref = reference_linear(x, weight, block_transform=h)
+    # the transform's float32 sums may round a few elements to the other side of a
+    # rounding boundary; everything else is exact
+    assert _rel_err(y.cpu(), ref) < 2e-2
+
+
+def _torq_rotation(n_blocks: int, gen: torch.Generator, scale: bool = True):
+    from torq.rotations.transform import BlockRotation
+
+    r_inter = torch.linalg.qr(torch.randn(32, n_blocks, n_blocks, generator=gen))[0]
+    r_intra = torch.linalg.qr(torch.randn(32, 32, generator=gen))[0]
+    cs = torch.rand(n_blocks * 32, generator=gen) + 0.5 if scale else None
+    return BlockRotation(32, r_inter, r_intra, channel_scale=cs)
+
+
+@pytest.mark.parametrize(("n_blocks", "scale"), [(3, True), (7, False), (20, True)])
+def test_torq_prepass_matches_the_module(n_blocks: int, scale: bool) -> None:
+    """TORQ's transform fused into the pre-pass gives the codes and scales of the torch
+    module followed by the plain pre-pass, except where float32 sums in another order
+    land on the other side of a rounding boundary."""
+    from torq.kernels.linear import quantize_activation_i8, quantize_activation_torq_i8
+
+    gen = torch.Generator().manual_seed(n_blocks)
+    rot = _torq_rotation(n_blocks, gen, scale).to(DEVICE)
+    x = torch.randn(2, n_blocks * 32, generator=gen).to(DEVICE)
+    q, s = quantize_activation_torq_i8(x, rot)
+    q_ref, s_ref = quantize_activation_i8(rot(x))
+    assert (q.cpu() != q_ref.cpu()).float().mean() < 2e-3
+    assert (q.cpu() - q_ref.cpu()).abs().max() <= 2  # one E2M1 step at most
+    assert torch.equal(s.cpu(), s_ref.cpu()) or (s.cpu() != s_ref.cpu()).sum() <= 1
+
+
+def test_packed_linear_with_torq_rotation() -> None:
+    """A packed layer whose online transform is TORQ's rotation: the fused pre-pass on the
+    one-token GEMV path against the fake-quant reference of ``W' · Q(T x)``."""
+    gen = torch.Generator().manual_seed(9)
+    rot = _torq_rotation(8, gen).to(DEVICE)
+    lin = nn.Linear(256, 48).to(DEVICE)
+    layer = PackedMXFP4Linear.from_linear(lin, input_transform=rot, backend="triton")
+    x = torch.randn(1, 256, generator=gen).to(DEVICE)
+    y = layer(x)
+    ref = reference_linear(rot(x).cpu(), layer.weight_packed, lin.bias.detach().cpu())
+    assert _rel_err(y.cpu(), ref) < 2e-2
+    # the reference backend runs the same transform as a module
+    layer.backend = "reference"
+    assert _rel_err(layer(x).cpu(), ref) < 1e-6

@@ -3,10 +3,12 @@
 :class:`PackedMXFP4Linear` holds only the packed weight (two E2M1 codes per byte, one E8M0
 scale byte per 32 inputs) and computes ``y = Q(T x) · Q(W')ᵀ + b`` (the paper's
 Algorithm 3, option B). On a CUDA device it runs the Triton kernels of
-:mod:`torq.kernels.triton_mxfp4`: one fused launch for 1–16 tokens (the activation is
-quantized inside the matmul), a quantization pre-pass plus a tiled matmul for more. On a
-CPU it runs the reference: :func:`torq.formats.fake_quantize` on the activation and the
-dequantized weight, which is the same arithmetic, so the same model code runs everywhere.
+:mod:`torq.kernels.triton_mxfp4`: for one token an int8 pre-pass (with TORQ's online
+transform fused in, when the layer has one) and an integer ``dp4a`` GEMV; for 2–255
+tokens a tensor-core matmul; for more, the weight decoded to a bf16 scratch copy and the
+vendor GEMM. On a CPU it runs the reference: :func:`torq.formats.fake_quantize` on the
+activation and the dequantized weight, which is the same arithmetic, so the same model
+code runs everywhere.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from torch import nn
 
 from torq.formats import dequantize, fake_quantize, get_format, quantize
 from torq.formats.packed import PackedTensor
+from torq.rotations.transform import BlockRotation
 
 BLOCK = 32
-# Up to this many tokens the default is the decode launch (1: gemv_dp4a).
+# Up to this many tokens the default is the decode launch (1: gemv_i8).
 DECODE_MAX_TOKENS = 16
 # From this many tokens the default is the prefill path (a bf16 scratch copy of the weight
 # and the vendor GEMM). Between the two the tensor-core decode launch is used; this
@@ -37,18 +40,19 @@ MAX_KERNEL_SCALE_BYTE = 240
 Backend = Literal["auto", "triton", "reference"]
 
 
-KERNEL_KINDS = ("gemv_dp4a", "dequant_gemm", "dot", "dot_scaled")
+KERNEL_KINDS = ("gemv_i8", "dequant_gemm", "dot", "dot_scaled")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """One kernel launch: which kernel, its tiles, and where the activation comes from.
 
-    * ``kind``: ``"gemv_dp4a"`` (one token, exact int8 ``dp4a`` block dot products on the
-      CUDA cores), ``"dequant_gemm"`` (prefill: the weight is decoded to a bf16
-      scratch buffer and the vendor GEMM multiplies it with the activation's MXFP4
-      values; ``a_mode`` 1 there selects K permuted within blocks, and ``block_m`` /
-      ``block_n`` the decode kernel's tile), ``"dot"`` (tensor cores, both operands
+    * ``kind``: ``"gemv_i8"`` (one token, exact int8 ``dp4a`` block dot products on the
+      CUDA cores; ``a_mode`` 1: an int8 pre-pass quantizes the activation once, 0: each
+      program quantizes its own K range), ``"dequant_gemm"`` (prefill: the weight is
+      decoded to a bf16 scratch buffer and the vendor GEMM multiplies it with the
+      activation's MXFP4 values; ``a_mode`` 1 there selects K permuted within blocks, and
+      ``block_m`` / ``block_n`` the decode kernel's tile), ``"dot"`` (tensor cores, both operands
       decoded by hand) or ``"dot_scaled"`` (tensor cores, the weight through Triton's
       ``tl.dot_scaled``).
     * ``a_mode``: 0, the matmul quantizes the raw activation itself (one launch); 1, a
@@ -57,6 +61,9 @@ class KernelConfig:
     * ``swap_ab`` (``dot`` only): compute ``outᵀ = W · Aᵀ`` so that the decoded weight is
       the matrix unit's register operand.
     * ``split_k > 1`` splits the reduction over programs (atomic float32 adds).
+    * ``prefetch`` (``gemv_i8``): load the next weight tile before multiplying the current
+      one. ``pdl`` (``gemv_i8``; Hopper or later, else ignored): programmatic dependent
+      launch, so the GEMV starts streaming its weights while the pre-pass runs.
     """
 
     block_m: int
@@ -68,6 +75,8 @@ class KernelConfig:
     kind: str = "dot"
     a_mode: int = 0
     swap_ab: bool = False
+    prefetch: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_KINDS:
@@ -83,21 +92,33 @@ class KernelConfig:
 # Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/RESULTS.md §6)
 # for the Llama-3-8B layer shapes.
 GEMV_CONFIG = KernelConfig(
-    block_m=1, block_n=32, block_k=512, split_k=4, num_warps=4, kind="gemv_dp4a"
+    block_m=1,
+    block_n=8,
+    block_k=1024,
+    num_warps=4,
+    kind="gemv_i8",
+    a_mode=1,
+    prefetch=True,
+    pdl=True,
 )
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, a_mode=2)
 PREFILL_CONFIG = KernelConfig(block_m=16, block_n=512, block_k=32, kind="dequant_gemm", a_mode=1)
 QUANT_CONFIG = KernelConfig(block_m=32, block_n=0, block_k=128, num_warps=4, num_stages=1)
 
 
+# (output blocks per program, input blocks per step) of the fused TORQ pre-pass.
+TORQ_PREPASS_TILE = (2, 128)  # the fastest of benchmarks/kernels.py's sweep on an H100
+
 # Launches measured fastest for (tokens, N, K), filled by benchmarks/kernels.py's sweep.
 TUNED_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {}
 
 
 def tuned_needs_plain_input(cfg: KernelConfig | None) -> bool:
-    """Whether a launch cannot take a block transform (gemv_dp4a with fewer than 16 blocks
-    of 32 per tile)."""
-    return cfg is not None and cfg.kind == "gemv_dp4a" and cfg.block_k < 512
+    """Whether a launch cannot take a block transform (a gemv that quantizes in the matmul
+    with fewer than 16 blocks of 32 per tile)."""
+    if cfg is None or cfg.block_k >= 512:
+        return False
+    return cfg.kind == "gemv_i8" and cfg.a_mode == 0
 
 
 def default_config(
@@ -313,6 +334,7 @@ def mxfp4_linear(
     backend: Backend = "auto",
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    rotation: nn.Module | None = None,
 ) -> torch.Tensor:
     """``y = Q(T x) · Q(W)ᵀ + bias`` for packed MXFP4 ``W`` (paper Algorithm 3, option B).
 
@@ -320,33 +342,51 @@ def mxfp4_linear(
     block of 32 of ``x`` before quantization (a 32-point Hadamard, TORQ's intra-block
     rotation). The output has ``x``'s dtype. ``backend="auto"`` runs Triton on CUDA tensors
     and the reference elsewhere. ``out`` (2-D ``[tokens, N]``, ``x``'s dtype, contiguous) receives
-    the result when given.
+    the result when given. ``rotation`` is an online transform applied to ``x`` first (a
+    TORQ :class:`~torq.rotations.transform.BlockRotation`, or any module); with the
+    integer GEMV and its pre-pass (``gemv_i8``, ``a_mode`` 1) a ``BlockRotation`` runs
+    inside the pre-pass kernel, elsewhere as its torch module.
     """
     _check_block_transform(block_transform)
+    fusable = isinstance(rotation, BlockRotation) and block_transform is None
     if x.shape[-1] != weight.in_features:
         raise ValueError(
             f"input width {x.shape[-1]} does not match the weight's {weight.in_features} inputs"
         )
     if not use_triton(x, backend):
+        if rotation is not None:
+            x = rotation(x)
         y = reference_linear(x, weight, bias, block_transform)
         if out is not None:
             out.copy_(y.reshape(out.shape))
             return out
         return y
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    m = x2.shape[0]
+    m = x[..., 0].numel()
     n = weight.out_features
     cfg = config or default_config(m, n, weight.in_features, block_transform is not None)
+    fuse_rotation = fusable and cfg.kind == "gemv_i8" and cfg.a_mode == 1 and m == 1
+    if rotation is not None and not fuse_rotation:
+        x = rotation(x)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if out is not None and (
         tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous()
     ):
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
-    if cfg.kind == "gemv_dp4a" and m != 1:
+    gemv = cfg.kind == "gemv_i8"
+    if gemv and m != 1:
         raise ValueError("the gemv kernel takes one token")
-    if cfg.kind == "gemv_dp4a" and block_transform is not None and cfg.block_k < 512:
-        raise ValueError("gemv_dp4a with a block transform needs block_k >= 512")
+    fused_quant = cfg.a_mode == 0
+    if gemv and fused_quant and block_transform is not None and cfg.block_k < 512:
+        raise ValueError(f"{cfg.kind} with a block transform needs block_k >= 512")
     result = out
+    if cfg.kind == "gemv_i8":
+        if out is None:
+            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        _launch_gemv_i8(
+            x2, weight, bias, block_transform, cfg, out, rotation if fuse_rotation else None
+        )
+        return out if result is not None else out.reshape(*lead, n)
     if cfg.split_k > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     elif out is None:
@@ -357,6 +397,195 @@ def mxfp4_linear(
             result.copy_(out)
         return result
     return out.to(x.dtype).reshape(*lead, n)
+
+
+# Split-K workspaces of the integer GEMV, per (device, output width): a float32 [N]
+# accumulator and an int32 counter per output tile, both zero between launches (the last
+# program of each tile resets them). Launches on one device with the same width therefore
+# must not run concurrently on two streams; use split_k=1 there.
+_GEMV_WORKSPACES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _gemv_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), n)
+    if key not in _GEMV_WORKSPACES:
+        _GEMV_WORKSPACES[key] = (
+            torch.zeros(n, dtype=torch.float32, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device),
+        )
+    return _GEMV_WORKSPACES[key]
+
+
+def quantize_activation_i8(
+    x: torch.Tensor,
+    block_transform: torch.Tensor | None = None,
+    block_k: int = 512,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer GEMV's pre-pass on ``x [M, K]``: ``2·Q(x)`` as int8 ``[M, Kp]`` and the
+    block scales over four, float32 ``[M, Kp/32]`` (paper eq. 1; NaN/Inf blocks: codes 0,
+    scale NaN). A 32×32 ``block_transform`` ``T`` (``y_b = T x_b``) runs in the structured
+    pre-pass of :func:`quantize_activation_torq_i8`, as its intra-block rotation ``Tᵀ``."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    _check_block_transform(block_transform)
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
+    if block_transform is not None:
+        return _structured_prepass(x, None, None, block_transform, pdl, transpose_intra=True)
+    x = x.contiguous()
+    m, k = x.shape
+    kp = (k + BLOCK - 1) // BLOCK * BLOCK
+    q = torch.empty((m, kp), dtype=torch.int8, device=x.device)
+    s = torch.empty((m, kp // BLOCK), dtype=torch.float32, device=x.device)
+    tk._mx_quantize_i8_kernel[(m, tk.cdiv(kp, block_k))](
+        x,
+        q,
+        s,
+        m,
+        k,
+        x.stride(0),
+        q.stride(0),
+        s.stride(0),
+        PDL=pdl,
+        BM=1,
+        BK=block_k,
+    )
+    return q, s
+
+
+def quantize_activation_torq_i8(
+    x: torch.Tensor,
+    rotation: BlockRotation,
+    pdl: bool = False,
+    tile: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TORQ's online transform ``T x`` (channel scale, inter-block, intra-block; Section 5,
+    Algorithm 3) fused into the integer GEMV's pre-pass: one kernel gives ``2·Q(T x)`` as
+    int8 ``[M, d]`` and the block scales over four ``[M, d/32]``, as
+    :func:`quantize_activation_i8` does for ``x``. ``tile``: output blocks per program and
+    input blocks per step (default :data:`TORQ_PREPASS_TILE`)."""
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
+    if rotation.block_size != BLOCK:
+        raise ValueError(f"the fused pre-pass needs blocks of {BLOCK}, got {rotation.block_size}")
+    d = x.shape[1]
+    if rotation.n_blocks is not None and d != rotation.n_blocks * BLOCK:
+        raise ValueError(
+            f"input width {d} does not match the rotation's {rotation.n_blocks} blocks"
+        )
+    return _structured_prepass(
+        x, rotation.channel_scale, rotation.r_inter, rotation.r_intra, pdl, tile
+    )
+
+
+def _structured_prepass(
+    x: torch.Tensor,
+    channel_scale: torch.Tensor | None,
+    r_inter: torch.Tensor | None,
+    r_intra: torch.Tensor | None,
+    pdl: bool,
+    tile: tuple[int, int] | None = None,
+    transpose_intra: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from torq.kernels import triton_mxfp4 as tk
+
+    m, d = x.shape
+    if d % BLOCK:
+        raise ValueError(f"an online transform needs a width divisible by {BLOCK}, got {d}")
+    x = x.contiguous()
+    nb = d // BLOCK
+    q = torch.empty((m, d), dtype=torch.int8, device=x.device)
+    s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
+    blocks_per_program, chunk = tile or TORQ_PREPASS_TILE
+    tk._mx_quantize_torq_i8_kernel[(m, tk.cdiv(nb, blocks_per_program))](
+        x,
+        channel_scale if channel_scale is not None else x,
+        r_inter if r_inter is not None else x,
+        r_intra if r_intra is not None else x,
+        q,
+        s,
+        nb,
+        x.stride(0),
+        q.stride(0),
+        s.stride(0),
+        HAS_SCALE=channel_scale is not None,
+        HAS_INTER=r_inter is not None,
+        HAS_INTRA=r_intra is not None,
+        TRANS_INTRA=transpose_intra,
+        PDL=pdl,
+        BA=blocks_per_program,
+        BB=chunk,
+    )
+    return q, s
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a Hopper or later GPU and a Triton with grid
+    dependency control; elsewhere (the interpreter included) ``KernelConfig.pdl`` is off."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    if interpreter_enabled() or tk.gdc_wait is None or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_gemv_i8(
+    x2: torch.Tensor,
+    weight: MXFP4Weight,
+    bias: torch.Tensor | None,
+    block_transform: torch.Tensor | None,
+    cfg: KernelConfig,
+    out: torch.Tensor,
+    rotation: BlockRotation | None = None,
+) -> None:
+    from torq.kernels import triton_mxfp4 as tk
+
+    k = x2.shape[1]
+    n = weight.out_features
+    words = weight.codes.view(torch.int32)
+    fused = cfg.a_mode == 0
+    pdl = cfg.pdl and _pdl_supported(x2.device)
+    if fused:
+        xq, xs = x2, x2
+    elif rotation is not None:
+        q8, xs = quantize_activation_torq_i8(x2, rotation, pdl=pdl)
+        xq = q8.view(torch.int32)
+    else:
+        q8, xs = quantize_activation_i8(x2, block_transform, pdl=pdl)
+        xq = q8.view(torch.int32)
+    launch = {"launch_pdl": True} if pdl else {}
+    ws, count = _gemv_workspace(x2.device, n) if cfg.split_k > 1 else (out, out)
+    t_t = _transposed(block_transform, torch.float32) if fused else None
+    tk._mx_gemv_i8_kernel[(tk.cdiv(n, cfg.block_n), cfg.split_k)](
+        x2,
+        xq,
+        xs,
+        t_t if t_t is not None else x2,
+        words,
+        weight.scales,
+        bias if bias is not None else x2,
+        out,
+        ws,
+        count,
+        n,
+        k,
+        words.stride(0),
+        weight.scales.stride(0),
+        FUSED_QUANT=fused,
+        HAS_T=t_t is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=cfg.split_k,
+        EVEN_K=k % cfg.block_k == 0,
+        USE_ASM=not interpreter_enabled(),
+        PREFETCH=cfg.prefetch,
+        PDL=pdl,
+        BN=cfg.block_n,
+        BK=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch,
+    )
 
 
 def _launch(
@@ -383,32 +612,6 @@ def _launch(
         w = dequantize_weight(weight, values_dtype, block=block, permuted=permuted)
         b = None if bias is None else bias.to(values_dtype)
         out.copy_(F.linear(a, w, b))
-        return
-    if cfg.kind == "gemv_dp4a":
-        words = weight.codes.view(torch.int32)
-        grid = (tk.cdiv(n, cfg.block_n), cfg.split_k)
-        t_t = _transposed(block_transform, torch.float32)
-        tk._mx_gemv_dp4a_kernel[grid](
-            x2,
-            t_t if t_t is not None else x2,
-            words,
-            weight.scales,
-            bias if bias is not None else x2,
-            out,
-            n,
-            k,
-            words.stride(0),
-            weight.scales.stride(0),
-            HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k,
-            EVEN_K=even_k,
-            USE_ASM=not interpreter_enabled(),
-            HAS_T=t_t is not None,
-            BN=cfg.block_n,
-            BK=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
         return
     t_t = _transposed(block_transform, x2.dtype)
     if cfg.a_mode == 0:
@@ -504,10 +707,15 @@ class PackedMXFP4Linear(nn.Module):
         return MXFP4Weight(self.codes, self.scales, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_transform is not None:
-            x = self.input_transform(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return mxfp4_linear(x, self.weight_packed, bias, self.block_transform, backend=self.backend)
+        return mxfp4_linear(
+            x,
+            self.weight_packed,
+            bias,
+            self.block_transform,
+            backend=self.backend,
+            rotation=self.input_transform,
+        )
 
     def extra_repr(self) -> str:
         return (

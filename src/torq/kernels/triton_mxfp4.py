@@ -8,10 +8,11 @@ element ``2i`` in the low nibble, one E8M0 scale byte per block of 32 along the 
 Kernels (the launcher and the default choice per token count are in
 :mod:`torq.kernels.linear`; measurements in ``docs/RESULTS.md`` §4):
 
-* :func:`_mx_gemv_dp4a_kernel`, one token (decode): the activation tile is quantized in
-  the kernel; since ``2·Q(x)`` and ``2·Q(W)`` are integers in [−12, 12], each block of 32
-  is an exact int32 dot product (``dp4a``), scaled once per block and accumulated in
-  float32.
+* :func:`_mx_gemv_i8_kernel`, one token (decode): since ``2·Q(x)`` and ``2·Q(W)`` are
+  integers in [−12, 12], each block of 32 is an exact int32 dot product (``dp4a``),
+  scaled once per block and accumulated in float32. Its activation pre-pass
+  (:func:`_mx_quantize_i8_kernel`, or :func:`_mx_quantize_torq_i8_kernel` with TORQ's
+  online transform fused in) writes ``2·Q(x)`` as int8 once per call.
 * :func:`_mx_quantize_kernel`, the activation pre-pass: ``x [M, K]`` (any float dtype)
   → optional block-diagonal ``32×32`` transform → packed codes and scale bytes (or their
   dequantized values), with the OCP scale rule of method notes section 1
@@ -31,6 +32,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+try:  # grid dependency control (programmatic dependent launch), Hopper and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton: KernelConfig.pdl is refused by the launcher
+    gdc_launch_dependents = gdc_wait = None
 
 # 2**23: adding and subtracting it rounds a float32 in [0, 2**22) to the nearest
 # integer, ties to even, with the hardware's default rounding.
@@ -116,38 +122,6 @@ def _pack_codes(codes, BM: tl.constexpr, BK: tl.constexpr):
     return (low | (high << 4)).to(tl.uint8)
 
 
-# dp4a decode of eight E2M1 codes (one 32-bit word, element i in nibble i) against eight
-# int8 activations (two words): the codes become the int8 values 2·E2M1 through byte
-# lookups (``prmt``) into a positive and a negative table, selected per byte by the sign
-# bit; two ``dp4a`` give the exact integer dot product. $0: result, $1: the weight word,
-# $2 / $3: the activation words of elements 0-3 / 4-7.
-_DP4A_E2M1_ASM = tl.constexpr("""{
-.reg .b32 c, ch, lp0, lp1, ln0, ln1, p, n, m, sel, zero, ones, w0, w1, acc;
-mov.b32 lp0, 0x03020100;
-mov.b32 lp1, 0x0C080604;
-mov.b32 ln0, 0xFDFEFF00;
-mov.b32 ln1, 0xF4F8FAFC;
-mov.b32 zero, 0;
-mov.b32 ones, 0xFFFFFFFF;
-and.b32 c, $1, 0x77777777;
-shr.u32 ch, c, 16;
-prmt.b32 p, lp0, lp1, c;
-prmt.b32 n, ln0, ln1, c;
-shr.u32 sel, $1, 1;
-and.b32 sel, sel, 0x4444;
-prmt.b32 m, zero, ones, sel;
-lop3.b32 w0, n, p, m, 0xE4;
-prmt.b32 p, lp0, lp1, ch;
-prmt.b32 n, ln0, ln1, ch;
-shr.u32 sel, $1, 17;
-and.b32 sel, sel, 0x4444;
-prmt.b32 m, zero, ones, sel;
-lop3.b32 w1, n, p, m, 0xE4;
-dp4a.s32.s32 acc, w0, $2, 0;
-dp4a.s32.s32 $0, w1, $3, acc;
-}""")
-
-
 @triton.jit
 def _e2m1_twice(nibbles):
     """E2M1 codes → the integers ``2·value`` in [−12, 12] (int32)."""
@@ -157,35 +131,224 @@ def _e2m1_twice(nibbles):
     return tl.where((nibbles & 8) != 0, -v, v)
 
 
+# dp4a decode of eight E2M1 codes (one 32-bit word, element i in nibble i) against eight
+# int8 activations (two words). The codes become the int8 values 2·E2M1 through byte
+# lookups (``prmt``) into the table 0, 1, 2, 3, 4, 6, 8, 12; a selector nibble with bit 3
+# (the sign) set returns 0x00 from a table of non-negative bytes (prmt's sign-replicate
+# mode), so ``prmt(T, w)`` gives the magnitudes of the positive elements (negatives → 0)
+# and ``prmt(T, w ^ 0x8888)`` those of the negative ones; the exact integer dot product is
+# the difference of two unsigned × signed ``dp4a`` chains. $0: result, $1: the weight
+# word, $2 / $3: the activation words of elements 0-3 / 4-7. 14 instructions per eight
+# elements (docs/kernels-notes.md has the variants measured).
+_DP4A_E2M1_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, ng, wh, nh, p, q, a, b;
+mov.b32 t0, 0x03020100;
+mov.b32 t1, 0x0C080604;
+xor.b32 ng, $1, 0x88888888;
+shr.u32 wh, $1, 16;
+shr.u32 nh, ng, 16;
+prmt.b32 p, t0, t1, $1;
+prmt.b32 q, t0, t1, ng;
+dp4a.u32.s32 a, p, $2, 0;
+dp4a.u32.s32 b, q, $2, 0;
+prmt.b32 p, t0, t1, wh;
+prmt.b32 q, t0, t1, nh;
+dp4a.u32.s32 a, p, $3, a;
+dp4a.u32.s32 b, q, $3, b;
+sub.s32 $0, a, b;
+}""")
+
+
 @triton.jit
-def _mx_gemv_dp4a_kernel(
+def _mx_quantize_i8_kernel(
     x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    PDL: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Activation pre-pass of the integer GEMV: ``x [M, K]`` → ``2·Q(x)`` as int8
+    ``[M, Kp]`` (integers in [−12, 12]) and ``s_b / 4`` as float32 ``[M, Kp/32]`` (paper
+    eq. 1, OCP scale), so that a block's dot product with a weight block is
+    ``dp4a(2·Q(x), 2·Q(w)) · (s_b/4) · s_w``. NaN/Inf blocks: codes 0, scale NaN. With
+    ``PDL`` it lets the GEMV that follows launch at once (programmatic dependent launch:
+    the GEMV streams its weights meanwhile and waits for this kernel before it reads the
+    activation)."""
+    if PDL:
+        gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    m_ok = offs_m[:, None] < M
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask=m_ok & (offs_k[None, :] < K),
+        other=0.0,
+    )
+    q2, x_scale = _quantize_twice(tl.reshape(x.to(tl.float32), (BM * (BK // 32), 32)))
+    kp = (K + 31) // 32 * 32
+    tl.store(
+        q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :],
+        tl.reshape(q2, (BM, BK)).to(tl.int8),
+        mask=m_ok & (offs_k[None, :] < kp),
+    )
+    offs_s = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+    tl.store(
+        s_ptr + offs_m[:, None] * stride_sm + offs_s[None, :],
+        tl.reshape(x_scale, (BM, BK // 32)),
+        mask=m_ok & (offs_s[None, :] < kp // 32),
+    )
+
+
+@triton.jit
+def _mx_quantize_torq_i8_kernel(
+    x_ptr,
+    cs_ptr,
+    r_inter_ptr,
+    r_intra_ptr,
+    q_ptr,
+    s_ptr,
+    NB,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    HAS_SCALE: tl.constexpr,
+    HAS_INTER: tl.constexpr,
+    HAS_INTRA: tl.constexpr,
+    TRANS_INTRA: tl.constexpr,
+    PDL: tl.constexpr,
+    BA: tl.constexpr,
+    BB: tl.constexpr,
+):
+    """TORQ's online transform fused into the integer GEMV's pre-pass (paper Algorithm 3,
+    the forward transform ``z = T x`` of Section 5, then eq. 1), for one token per row:
+    ``x / s`` (the balancing channel scale), then per position ``k`` the inter-block
+    rotation ``y[a, k] = Σ_b R_k[a, b] x[b, k]`` (``r_inter [32, NB, NB]``), then the
+    intra-block rotation ``y_a ← y_a · R_intra`` (``r_intra [32, 32]``), then ``2·Q(y)``
+    and ``s_b / 4`` as :func:`_mx_quantize_i8_kernel` writes them. Program ``(m, j)``
+    produces output blocks ``j·BA … j·BA + BA − 1`` of token ``m``, reading the rotation
+    rows it needs once (``32·BA·NB`` entries) and the token's ``x`` in chunks of ``BB``
+    blocks; sums in float32. With ``TRANS_INTRA`` ``r_intra_ptr`` holds ``R_intraᵀ`` (a
+    32×32 block transform ``T``, applied as ``y_a ← T y_a``)."""
+    if PDL:
+        gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_a = tl.program_id(1)
+    offs_a = pid_a * BA + tl.arange(0, BA)
+    a_ok = offs_a < NB
+    pos = tl.arange(0, 32)
+    x_row = x_ptr + pid_m * stride_xm
+    if HAS_INTER:
+        acc = tl.zeros((32, BA), dtype=tl.float32)  # y transposed: [position, block]
+        for b0 in range(0, NB, BB):
+            offs_b = b0 + tl.arange(0, BB)
+            b_ok = offs_b < NB
+            xt = tl.load(
+                x_row + offs_b[None, :] * 32 + pos[:, None], mask=b_ok[None, :], other=0.0
+            ).to(tl.float32)  # [32, BB]: x[b, k] at [k, b]
+            if HAS_SCALE:
+                cs = tl.load(
+                    cs_ptr + offs_b[None, :] * 32 + pos[:, None], mask=b_ok[None, :], other=1.0
+                ).to(tl.float32)
+                xt = xt / cs
+            r = tl.load(
+                r_inter_ptr
+                + pos[:, None, None] * NB * NB
+                + offs_a[None, :, None] * NB
+                + offs_b[None, None, :],
+                mask=a_ok[None, :, None] & b_ok[None, None, :],
+                other=0.0,
+            ).to(tl.float32)  # [32, BA, BB]: R_k[a, b]
+            acc += tl.sum(r * xt[:, None, :], axis=2)
+        y = tl.trans(acc)  # [BA, 32]
+    else:
+        y = tl.load(x_row + offs_a[:, None] * 32 + pos[None, :], mask=a_ok[:, None], other=0.0).to(
+            tl.float32
+        )
+        if HAS_SCALE:
+            cs = tl.load(
+                cs_ptr + offs_a[:, None] * 32 + pos[None, :], mask=a_ok[:, None], other=1.0
+            )
+            y = y / cs.to(tl.float32)
+    if HAS_INTRA:
+        if TRANS_INTRA:  # r_intra_ptr holds a block transform T: y_a · Tᵀ = T y_a
+            r_intra = tl.load(r_intra_ptr + pos[None, :] * 32 + pos[:, None]).to(tl.float32)
+        else:
+            r_intra = tl.load(r_intra_ptr + pos[:, None] * 32 + pos[None, :]).to(tl.float32)
+        y = tl.sum(y[:, :, None] * r_intra[None, :, :], axis=1)  # y_a · R_intra
+    q2, x_scale = _quantize_twice(y)
+    tl.store(
+        q_ptr + pid_m * stride_qm + offs_a[:, None] * 32 + pos[None, :],
+        q2.to(tl.int8),
+        mask=a_ok[:, None],
+    )
+    tl.store(s_ptr + pid_m * stride_sm + offs_a, x_scale, mask=a_ok)
+
+
+@triton.jit
+def _quantize_twice(xb):
+    """Blocks ``[R, 32]`` (float32) → ``(2·Q(x) int32 [R, 32], s_b / 4 float32 [R])``."""
+    amax = tl.max(tl.abs(xb), axis=1)
+    has_nan = tl.max((xb != xb).to(tl.int32), axis=1) > 0
+    scale_byte, inv_scale, scale = _mx_block_scales(amax, has_nan)
+    _, q = _e2m1_round(xb * inv_scale[:, None])
+    q2 = tl.where(scale_byte[:, None] == 255, 0, (q * 2.0).to(tl.int32))
+    return q2, scale * 0.25
+
+
+@triton.jit
+def _mx_gemv_i8_kernel(
+    x_ptr,
+    xq_ptr,
+    xs_ptr,
     t_ptr,
     w_ptr,
     w_scales_ptr,
     bias_ptr,
     out_ptr,
+    ws_ptr,
+    count_ptr,
     N,
     K,
     stride_wn,
     stride_wsn,
+    FUSED_QUANT: tl.constexpr,
+    HAS_T: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
-    HAS_T: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """One token, exact integer arithmetic: ``out [N] = Q(x) · Q(W)ᵀ + bias``.
+    """One token, exact integer block products: ``out [N] = Q(x) · Q(W)ᵀ + bias``.
 
     Both operands are MXFP4, so ``2·Q(x)`` and ``2·Q(W)`` are integers in [−12, 12]: each
     block of 32 is an exact int32 dot product (``dp4a``: four int8 products per
     instruction), scaled once by ``s_x · s_w / 4`` and accumulated in float32. ``w_ptr``
-    is the packed weight viewed as int32 words (eight codes each, ``stride_wn`` in
-    words). Without ``USE_ASM`` (Triton's interpreter) the same integers are computed in
-    plain Triton. ``HAS_T`` applies the 32×32 block transform (``t_ptr`` holds ``Tᵀ``) to the
-    activation tile first, on the tensor cores (needs ``BK ≥ 512``: 16 blocks per dot).
+    is the packed weight viewed as int32 words (eight codes each, ``stride_wn`` in words).
+    The activation comes from the int8 pre-pass (:func:`_mx_quantize_i8_kernel`: ``xq_ptr``
+    as int32 words, ``xs_ptr`` the block scales over 4), so the weight stream is the
+    kernel's only work; with ``FUSED_QUANT`` each program quantizes its own K range of the
+    raw ``x_ptr`` instead (and ``HAS_T`` applies the 32×32 block transform there, on the
+    tensor cores: ``BK ≥ 512``).
+    With ``SPLIT_K > 1`` the partial sums go to a float32 workspace (``ws_ptr [N]``) and
+    the last program of each output tile (a counter per tile, ``count_ptr``) writes the
+    output in its dtype and zeroes both again: one launch, no memset, no cast. Without
+    ``USE_ASM`` (Triton's interpreter) the same integers are computed in plain Triton.
+    ``PREFETCH`` loads the next weight tile before the current one is multiplied. ``PDL``
+    (programmatic dependent launch, GPU only): the first weight tile is loaded before
+    waiting for the kernel before (the pre-pass) to finish; the weights must not be
+    written by that kernel.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -198,29 +361,74 @@ def _mx_gemv_dp4a_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
     acc = tl.zeros((BN,), dtype=tl.float32)
     byte_shift = 8 * tl.arange(0, 4)
+    if PREFETCH:  # the weights are constants: their first tile needs no wait
+        next_words, next_sb = _gemv_weight_tile(
+            w_ptr,
+            w_scales_ptr,
+            offs_n,
+            n_ok,
+            tl.minimum(t_begin, t_end - 1),  # an empty split loads a tile it never uses
+            kp,
+            stride_wn,
+            stride_wsn,
+            EVEN_K,
+            BK,
+        )
+    if PDL:
+        gdc_wait()  # the activation (and the output, the workspace) only from here on
     for tile in range(t_begin, t_end):
         k0 = tile * BK
-        offs_k = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            x = tl.load(x_ptr + offs_k).to(tl.float32)
+        offs_s = k0 // 32 + tl.arange(0, BK // 32)
+        s_in = (offs_s < kp // 32) | EVEN_K
+        if PREFETCH:  # registers double-buffer the weight stream
+            words, w_sb = next_words, next_sb
+            next_words, next_sb = _gemv_weight_tile(
+                w_ptr,
+                w_scales_ptr,
+                offs_n,
+                n_ok,
+                tl.minimum(tile + 1, t_end - 1),  # the last tile again at the end: no mask
+                kp,
+                stride_wn,
+                stride_wsn,
+                EVEN_K,
+                BK,
+            )
         else:
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        xb = tl.reshape(x, (BK // 32, 32))
-        if HAS_T:
-            r = tl.arange(0, 32)
-            t_t = tl.load(t_ptr + r[:, None] * 32 + r[None, :]).to(tl.float32)
-            xb = tl.dot(xb, t_t, input_precision="ieee", out_dtype=tl.float32)
-        amax = tl.max(tl.abs(xb), axis=1)
-        has_nan = tl.max((xb != xb).to(tl.int32), axis=1) > 0
-        _, inv_scale, x_scale = _mx_block_scales(amax, has_nan)
-        _, q = _e2m1_round(xb * inv_scale[:, None])
-        q2 = (q * 2.0).to(tl.int32)  # [BK/32, 32], integers in [-12, 12]
-        offs_w = k0 // 8 + tl.arange(0, BK // 8)
-        w_ok = n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K)
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=w_ok, other=0)
-        if USE_ASM:
-            xq = tl.reshape(q2 & 0xFF, (BK // 8, 2, 4))
-            x_words = tl.sum(xq << byte_shift[None, None, :], axis=2)  # bytes do not overlap
+            words, w_sb = _gemv_weight_tile(
+                w_ptr,
+                w_scales_ptr,
+                offs_n,
+                n_ok,
+                tile,
+                kp,
+                stride_wn,
+                stride_wsn,
+                EVEN_K,
+                BK,
+            )
+        if FUSED_QUANT:
+            offs_k = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
+            xb = tl.reshape(x, (BK // 32, 32))
+            if HAS_T:
+                r = tl.arange(0, 32)
+                t_t = tl.load(t_ptr + r[:, None] * 32 + r[None, :]).to(tl.float32)
+                xb = tl.dot(xb, t_t, input_precision="ieee", out_dtype=tl.float32)
+            q2, x_scale = _quantize_twice(xb)
+            x_words = tl.sum(tl.reshape(q2 & 0xFF, (BK // 8, 2, 4)) << byte_shift, axis=2)
+        else:
+            offs_xw = k0 // 4 + tl.arange(0, BK // 4)
+            xw = tl.load(xq_ptr + offs_xw, mask=(offs_xw < kp // 4) | EVEN_K, other=0)
+            x_scale = tl.load(xs_ptr + offs_s, mask=s_in, other=0.0)
+            x_words = tl.reshape(xw, (BK // 8, 2))
+            # the int8 values back, sign-extended (plain-Triton path only)
+            q2 = tl.reshape((xw[:, None] << (24 - byte_shift)[None, :]) >> 24, (BK // 32, 32))
+        if not USE_ASM:
+            nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+            x8 = tl.reshape(q2, (BK // 8, 8))
+            dots = tl.sum(_e2m1_twice(nib) * x8[None, :, :], axis=2)
+        else:
             x_lo, x_hi = tl.split(x_words)
             dots = tl.inline_asm_elementwise(
                 asm=_DP4A_E2M1_ASM,
@@ -234,29 +442,53 @@ def _mx_gemv_dp4a_kernel(
                 is_pure=True,
                 pack=1,
             )
-        else:
-            nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
-            w2 = _e2m1_twice(nib)  # [BN, BK/8, 8]
-            x8 = tl.reshape(q2, (BK // 8, 8))
-            dots = tl.sum(w2 * x8[None, :, :], axis=2)
         block_dots = tl.sum(tl.reshape(dots, (BN, BK // 32, 4)), axis=2).to(tl.float32)
-        offs_s = k0 // 32 + tl.arange(0, BK // 32)
-        s_ok = n_ok & ((offs_s[None, :] < kp // 32) | EVEN_K)
-        w_sb = tl.load(
-            w_scales_ptr + offs_n[:, None] * stride_wsn + offs_s[None, :], mask=s_ok, other=0
-        ).to(tl.int32)
-        w_scale = (w_sb << 23).to(tl.float32, bitcast=True)
-        w_scale = tl.where(w_sb == 0, 5.877471754111438e-39, w_scale)  # 2**-127
-        w_scale = tl.where(w_sb == 255, float("nan"), w_scale)
-        acc += tl.sum(block_dots * (w_scale * (x_scale * 0.25)[None, :]), axis=1)
+        w_e = w_sb.to(tl.int32)
+        w_scale = (w_e << 23).to(tl.float32, bitcast=True)
+        w_scale = tl.where(w_e == 0, 5.877471754111438e-39, w_scale)  # 2**-127
+        w_scale = tl.where(w_e == 255, float("nan"), w_scale)
+        acc += tl.sum(block_dots * (w_scale * x_scale[None, :]), axis=1)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        if SPLIT_K == 1 or pid_k == 0:
+        if pid_k == 0:
             acc += bias
     if SPLIT_K == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
     else:
-        tl.atomic_add(out_ptr + offs_n, acc, mask=offs_n < N)
+        tl.atomic_add(ws_ptr + offs_n, acc, mask=offs_n < N, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sum is in before the count
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of this tile
+            tl.debug_barrier()
+            zero = tl.zeros((BN,), tl.float32)
+            total = tl.atomic_add(ws_ptr + offs_n, zero, mask=offs_n < N)  # read through L2
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            tl.store(ws_ptr + offs_n, zero, mask=offs_n < N)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemv_weight_tile(
+    w_ptr,
+    w_scales_ptr,
+    offs_n,
+    n_ok,
+    tile,
+    kp,
+    stride_wn,
+    stride_wsn,
+    EVEN_K: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Weight words ``int32 [BN, BK/8]`` and scale bytes ``[BN, BK/32]`` of one K tile
+    (zeros past the padded width)."""
+    offs_w = tile * (BK // 8) + tl.arange(0, BK // 8)
+    w_ok = n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=w_ok, other=0)
+    offs_s = tile * (BK // 32) + tl.arange(0, BK // 32)
+    s_ok = n_ok & ((offs_s[None, :] < kp // 32) | EVEN_K)
+    sb = tl.load(w_scales_ptr + offs_n[:, None] * stride_wsn + offs_s[None, :], mask=s_ok, other=0)
+    return words, sb
 
 
 @triton.jit
