@@ -81,6 +81,23 @@ GEMV_CANDIDATES = [
     _g(64, 256, 8, a_mode=0, pf=False),
     _g(64, 512, 4, warps=8, a_mode=0),
 ]
+
+
+def _r(rows, bn, bk, warps=4, pf=True, pdl=True) -> KernelConfig:
+    return KernelConfig(rows, bn, bk, 1, warps, 3, "gemv_i8", 1, False, pf, pdl)
+
+
+# 2–4 tokens: the integer GEMV with one weight lookup shared by the tokens
+ROWS_CANDIDATES = [
+    _r(4, 8, 1024),
+    _r(4, 16, 1024),
+    _r(4, 16, 1024, pf=False),
+    _r(4, 32, 512),
+    _r(4, 16, 512),
+    _r(4, 8, 512),
+    _r(4, 32, 1024, warps=8),
+    _r(4, 16, 2048),
+]
 DECODE_CANDIDATES = [
     _k(16, 64, 256, split=2, a_mode=2, swap=True),
     _k(16, 64, 256, split=4, a_mode=2, swap=True),
@@ -231,7 +248,8 @@ def decode_and_prefill(
             ]
             ref_b = reference_linear(xs[0].float(), w_packed[0])
             pairs = list(zip(xs, w_packed, strict=True))
-            candidates = (GEMV_CANDIDATES if batch == 1 else []) + DECODE_CANDIDATES
+            small = GEMV_CANDIDATES if batch == 1 else ROWS_CANDIDATES if batch <= 4 else []
+            candidates = small + DECODE_CANDIDATES
             t_q, cfg, err, tried = sweep(
                 candidates[: 3 if quick else None], pairs, ref_b, f"decode {k}->{n}"
             )

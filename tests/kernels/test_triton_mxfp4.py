@@ -190,6 +190,8 @@ KERNEL_VARIANTS = [
     KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=0),
     KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=1, prefetch=True, pdl=True),
     KernelConfig(1, 8, 32, kind="gemv_i8", a_mode=0, prefetch=True),
+    KernelConfig(2, 16, 64, kind="gemv_i8", a_mode=1, prefetch=True),
+    KernelConfig(4, 8, 32, kind="gemv_i8", a_mode=1),
     KernelConfig(16, 32, 64, a_mode=0),
     KernelConfig(16, 32, 64, a_mode=1),
     KernelConfig(16, 32, 64, a_mode=2),
@@ -206,7 +208,7 @@ VARIANT_CASES = [
     (cfg, shape)
     for cfg in KERNEL_VARIANTS
     for shape in [(1, 40, 96), (5, 50, 160), (33, 20, 224)]
-    if not cfg.kind.startswith("gemv") or shape[0] == 1  # the gemv kernels take one token
+    if not cfg.kind.startswith("gemv") or shape[0] <= cfg.block_m  # gemv: up to block_m tokens
 ]
 
 
@@ -236,7 +238,7 @@ def test_kernel_config_validation() -> None:
     with pytest.raises(ValueError, match="dot_scaled"):
         KernelConfig(16, 16, 64, kind="dot_scaled", a_mode=1)
     weight = MXFP4Weight.from_float(torch.randn(8, 64).to(DEVICE))
-    with pytest.raises(ValueError, match="takes one token"):
+    with pytest.raises(ValueError, match="takes up to block_m = 1 tokens"):
         mxfp4_linear(
             torch.randn(2, 64, device=DEVICE),
             weight,
@@ -355,3 +357,40 @@ def test_packed_linear_with_torq_rotation() -> None:
     # the reference backend runs the same transform as a module
     layer.backend = "reference"
     assert _rel_err(layer(x).cpu(), ref) < 1e-6
+
+
+@pytest.mark.parametrize(("rows", "m", "k"), [(2, 2, 96), (4, 3, 224), (4, 4, 64)])
+def test_gemv_on_several_tokens(rows: int, m: int, k: int) -> None:
+    """The integer GEMV on 2–4 tokens (one weight lookup shared by the tokens): against the
+    reference, with a bias, a padded width, fewer tokens than rows, and the prefetch."""
+    gen = torch.Generator().manual_seed(rows * 100 + m)
+    weight = MXFP4Weight.from_float(torch.randn(37, k, generator=gen))
+    bias = torch.randn(37, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), k)
+    for prefetch in (False, True):
+        cfg = KernelConfig(rows, 16, 64, kind="gemv_i8", a_mode=1, prefetch=prefetch)
+        y = mxfp4_linear(x.to(DEVICE), dev_weight, bias.to(DEVICE), backend="triton", config=cfg)
+        assert y.shape == (m, 37)
+        assert _rel_err(y.cpu(), reference_linear(x, weight, bias)) < FP32_ACCUMULATION_RTOL
+
+
+def test_gemv_on_several_tokens_with_torq_rotation() -> None:
+    gen = torch.Generator().manual_seed(21)
+    rot = _torq_rotation(4, gen).to(DEVICE)
+    weight = MXFP4Weight.from_float(torch.randn(24, 128, generator=gen))
+    x = torch.randn(3, 128, generator=gen)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 128)
+    cfg = KernelConfig(4, 8, 64, kind="gemv_i8", a_mode=1)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, backend="triton", config=cfg, rotation=rot)
+    ref = reference_linear(rot(x.to(DEVICE)).cpu(), weight)
+    assert _rel_err(y.cpu(), ref) < 1e-3
+
+
+def test_gemv_rows_config_validation() -> None:
+    with pytest.raises(ValueError, match="1, 2 or 4 tokens"):
+        KernelConfig(3, 16, 64, kind="gemv_i8", a_mode=1)
+    with pytest.raises(ValueError, match="pre-pass"):
+        KernelConfig(4, 16, 64, kind="gemv_i8", a_mode=0)
+    with pytest.raises(ValueError, match="pre-pass"):
+        KernelConfig(2, 16, 64, split_k=2, kind="gemv_i8", a_mode=1)

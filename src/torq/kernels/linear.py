@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -27,7 +27,7 @@ from torq.formats.packed import PackedTensor
 from torq.rotations.transform import BlockRotation
 
 BLOCK = 32
-# Up to this many tokens the default is the decode launch (1: gemv_i8).
+# Up to this many tokens the default is a decode launch (1–4 tokens: gemv_i8).
 DECODE_MAX_TOKENS = 16
 # From this many tokens the default is the prefill path (a bf16 scratch copy of the weight
 # and the vendor GEMM). Between the two the tensor-core decode launch is used; this
@@ -47,14 +47,14 @@ KERNEL_KINDS = ("gemv_i8", "dequant_gemm", "dot", "dot_scaled")
 class KernelConfig:
     """One kernel launch: which kernel, its tiles, and where the activation comes from.
 
-    * ``kind``: ``"gemv_i8"`` (one token, exact int8 ``dp4a`` block dot products on the
-      CUDA cores; ``a_mode`` 1: an int8 pre-pass quantizes the activation once, 0: each
-      program quantizes its own K range), ``"dequant_gemm"`` (prefill: the weight is
-      decoded to a bf16 scratch buffer and the vendor GEMM multiplies it with the
-      activation's MXFP4 values; ``a_mode`` 1 there selects K permuted within blocks, and
-      ``block_m`` / ``block_n`` the decode kernel's tile), ``"dot"`` (tensor cores, both operands
-      decoded by hand) or ``"dot_scaled"`` (tensor cores, the weight through Triton's
-      ``tl.dot_scaled``).
+    * ``kind``: ``"gemv_i8"`` (up to ``block_m`` = 1, 2 or 4 tokens, exact int8 ``dp4a``
+      block dot products on the CUDA cores; ``a_mode`` 1: an int8 pre-pass quantizes the
+      activation once, 0: each program quantizes its own K range, one token only),
+      ``"dequant_gemm"`` (prefill: the weight is decoded to a bf16 scratch buffer and the
+      vendor GEMM multiplies it with the activation's MXFP4 values; ``a_mode`` 1 there
+      selects K permuted within blocks, and ``block_m`` / ``block_n`` the decode kernel's
+      tile), ``"dot"`` (tensor cores, both operands decoded by hand) or ``"dot_scaled"``
+      (tensor cores, the weight through Triton's ``tl.dot_scaled``).
     * ``a_mode``: 0, the matmul quantizes the raw activation itself (one launch); 1, a
       pre-pass packs it and the matmul decodes it; 2, a pre-pass writes its dequantized
       MXFP4 values (exact in bf16) and the matmul reads them.
@@ -87,6 +87,10 @@ class KernelConfig:
             raise ValueError("dot_scaled reads the activation as values (a_mode 0 or 2)")
         if self.block_k % BLOCK:
             raise ValueError(f"block_k must be a multiple of {BLOCK}")
+        if self.kind == "gemv_i8" and self.block_m not in (1, 2, 4):
+            raise ValueError(f"gemv_i8 takes 1, 2 or 4 tokens (block_m), got {self.block_m}")
+        if self.kind == "gemv_i8" and self.block_m > 1 and (self.a_mode, self.split_k) != (1, 1):
+            raise ValueError("gemv_i8 on several tokens needs its pre-pass (a_mode 1), split_k 1")
 
 
 # Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/RESULTS.md §6)
@@ -101,6 +105,9 @@ GEMV_CONFIG = KernelConfig(
     prefetch=True,
     pdl=True,
 )
+# 2–4 tokens: the integer GEMV with the weight lookups shared by the tokens (block_m is
+# set to 2 or 4 by default_config).
+ROWS_CONFIG = replace(GEMV_CONFIG, block_m=4)
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, a_mode=2)
 PREFILL_CONFIG = KernelConfig(block_m=16, block_n=512, block_k=32, kind="dequant_gemm", a_mode=1)
 QUANT_CONFIG = KernelConfig(block_m=32, block_n=0, block_k=128, num_warps=4, num_stages=1)
@@ -131,6 +138,8 @@ def default_config(
         return tuned
     if tokens == 1:
         return GEMV_CONFIG
+    if tokens <= 4:
+        return replace(ROWS_CONFIG, block_m=2 if tokens == 2 else 4)
     if tokens <= DECODE_MAX_TOKENS or tokens < PREFILL_MIN_TOKENS:
         return DECODE_CONFIG
     return PREFILL_CONFIG
@@ -365,7 +374,7 @@ def mxfp4_linear(
     m = x[..., 0].numel()
     n = weight.out_features
     cfg = config or default_config(m, n, weight.in_features, block_transform is not None)
-    fuse_rotation = fusable and cfg.kind == "gemv_i8" and cfg.a_mode == 1 and m == 1
+    fuse_rotation = fusable and cfg.kind == "gemv_i8" and cfg.a_mode == 1
     if rotation is not None and not fuse_rotation:
         x = rotation(x)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -374,8 +383,8 @@ def mxfp4_linear(
     ):
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
     gemv = cfg.kind == "gemv_i8"
-    if gemv and m != 1:
-        raise ValueError("the gemv kernel takes one token")
+    if gemv and m > cfg.block_m:
+        raise ValueError(f"the gemv kernel takes up to block_m = {cfg.block_m} tokens, got {m}")
     fused_quant = cfg.a_mode == 0
     if gemv and fused_quant and block_transform is not None and cfg.block_k < 512:
         raise ValueError(f"{cfg.kind} with a block transform needs block_k >= 512")
@@ -555,6 +564,35 @@ def _launch_gemv_i8(
         q8, xs = quantize_activation_i8(x2, block_transform, pdl=pdl)
         xq = q8.view(torch.int32)
     launch = {"launch_pdl": True} if pdl else {}
+    if cfg.block_m > 1:
+        tk._mx_gemv_rows_i8_kernel[(tk.cdiv(n, cfg.block_n),)](
+            xq,
+            xs,
+            words,
+            weight.scales,
+            bias if bias is not None else x2,
+            out,
+            x2.shape[0],
+            n,
+            k,
+            xq.stride(0),
+            xs.stride(0),
+            words.stride(0),
+            weight.scales.stride(0),
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            EVEN_K=k % cfg.block_k == 0,
+            USE_ASM=not interpreter_enabled(),
+            PREFETCH=cfg.prefetch,
+            PDL=pdl,
+            ROWS=cfg.block_m,
+            BN=cfg.block_n,
+            BK=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **launch,
+        )
+        return
     ws, count = _gemv_workspace(x2.device, n) if cfg.split_k > 1 else (out, out)
     t_t = _transposed(block_transform, torch.float32) if fused else None
     tk._mx_gemv_i8_kernel[(tk.cdiv(n, cfg.block_n), cfg.split_k)](

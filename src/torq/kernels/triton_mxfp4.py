@@ -159,6 +159,40 @@ sub.s32 $0, a, b;
 }""")
 
 
+def _dp4a_rows_asm(rows: int) -> str:
+    """The same decode for ``rows`` tokens at once: the four lookups of a weight word are
+    shared, each token adds its two ``dp4a`` chains and a subtraction (``$0 … $rows−1``:
+    the results, ``$rows``: the weight word, then each token's two activation words)."""
+    w = f"${rows}"
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, ng, wh, nh, p0, q0, p1, q1, a, b;",
+        "mov.b32 t0, 0x03020100;",
+        "mov.b32 t1, 0x0C080604;",
+        f"xor.b32 ng, {w}, 0x88888888;",
+        f"shr.u32 wh, {w}, 16;",
+        "shr.u32 nh, ng, 16;",
+        f"prmt.b32 p0, t0, t1, {w};",
+        "prmt.b32 q0, t0, t1, ng;",
+        "prmt.b32 p1, t0, t1, wh;",
+        "prmt.b32 q1, t0, t1, nh;",
+    ]
+    for r in range(rows):
+        lo, hi = f"${rows + 1 + 2 * r}", f"${rows + 2 + 2 * r}"
+        lines += [
+            f"dp4a.u32.s32 a, p0, {lo}, 0;",
+            f"dp4a.u32.s32 a, p1, {hi}, a;",
+            f"dp4a.u32.s32 b, q0, {lo}, 0;",
+            f"dp4a.u32.s32 b, q1, {hi}, b;",
+            f"sub.s32 ${r}, a, b;",
+        ]
+    return "\n".join([*lines, "}"])
+
+
+_DP4A_E2M1_ROWS2_ASM = tl.constexpr(_dp4a_rows_asm(2))
+_DP4A_E2M1_ROWS4_ASM = tl.constexpr(_dp4a_rows_asm(4))
+
+
 @triton.jit
 def _mx_quantize_i8_kernel(
     x_ptr,
@@ -443,10 +477,7 @@ def _mx_gemv_i8_kernel(
                 pack=1,
             )
         block_dots = tl.sum(tl.reshape(dots, (BN, BK // 32, 4)), axis=2).to(tl.float32)
-        w_e = w_sb.to(tl.int32)
-        w_scale = (w_e << 23).to(tl.float32, bitcast=True)
-        w_scale = tl.where(w_e == 0, 5.877471754111438e-39, w_scale)  # 2**-127
-        w_scale = tl.where(w_e == 255, float("nan"), w_scale)
+        w_scale = _e8m0_value(w_sb)
         acc += tl.sum(block_dots * (w_scale * x_scale[None, :]), axis=1)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -465,6 +496,160 @@ def _mx_gemv_i8_kernel(
             tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
             tl.store(ws_ptr + offs_n, zero, mask=offs_n < N)
             tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
+def _mx_gemv_rows_i8_kernel(
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    w_scales_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xq,
+    stride_xs,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """``ROWS`` (2 or 4) tokens at once, ``M ≤ ROWS`` of them real: ``out [M, N] = Q(x) ·
+    Q(W)ᵀ + bias`` with the integer block products of :func:`_mx_gemv_i8_kernel`. Each
+    weight word is looked up once and multiplied with every token's int8 activation (from
+    :func:`_mx_quantize_i8_kernel`), so the weight stream is shared by the tokens."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n[:, None] < N
+    rows = tl.arange(0, ROWS)
+    r_ok = rows < M
+    kp = (K + 31) // 32 * 32
+    k_tiles = tl.cdiv(kp, BK)
+    acc = tl.zeros((ROWS, BN), dtype=tl.float32)
+    byte_shift = 8 * tl.arange(0, 4)
+    if PREFETCH:
+        next_words, next_sb = _gemv_weight_tile(
+            w_ptr, w_scales_ptr, offs_n, n_ok, 0, kp, stride_wn, stride_wsn, EVEN_K, BK
+        )
+    if PDL:
+        gdc_wait()
+    for tile in range(0, k_tiles):
+        k0 = tile * BK
+        if PREFETCH:
+            words, w_sb = next_words, next_sb
+            next_words, next_sb = _gemv_weight_tile(
+                w_ptr,
+                w_scales_ptr,
+                offs_n,
+                n_ok,
+                tl.minimum(tile + 1, k_tiles - 1),
+                kp,
+                stride_wn,
+                stride_wsn,
+                EVEN_K,
+                BK,
+            )
+        else:
+            words, w_sb = _gemv_weight_tile(
+                w_ptr, w_scales_ptr, offs_n, n_ok, tile, kp, stride_wn, stride_wsn, EVEN_K, BK
+            )
+        offs_xw = k0 // 4 + tl.arange(0, BK // 4)
+        xw = tl.load(
+            xq_ptr + rows[:, None] * stride_xq + offs_xw[None, :],
+            mask=r_ok[:, None] & ((offs_xw[None, :] < kp // 4) | EVEN_K),
+            other=0,
+        )  # [ROWS, BK/4]
+        offs_s = k0 // 32 + tl.arange(0, BK // 32)
+        x_scale = tl.load(
+            xs_ptr + rows[:, None] * stride_xs + offs_s[None, :],
+            mask=r_ok[:, None] & ((offs_s[None, :] < kp // 32) | EVEN_K),
+            other=0.0,
+        )  # [ROWS, BK/32]
+        w_scale = _e8m0_value(w_sb)
+        if USE_ASM:
+            x_lo, x_hi = tl.split(tl.reshape(xw, (ROWS, BK // 8, 2)))  # [ROWS, BK/8]
+            shape: tl.constexpr = (BN, BK // 8)
+            if ROWS == 2:
+                x0_lo, x1_lo = tl.split(tl.permute(x_lo, (1, 0)))
+                x0_hi, x1_hi = tl.split(tl.permute(x_hi, (1, 0)))
+                d0, d1 = tl.inline_asm_elementwise(
+                    asm=_DP4A_E2M1_ROWS2_ASM,
+                    constraints="=r,=r,r,r,r,r,r",
+                    args=[
+                        words,
+                        tl.broadcast_to(x0_lo[None, :], shape),
+                        tl.broadcast_to(x0_hi[None, :], shape),
+                        tl.broadcast_to(x1_lo[None, :], shape),
+                        tl.broadcast_to(x1_hi[None, :], shape),
+                    ],
+                    dtype=(tl.int32, tl.int32),
+                    is_pure=True,
+                    pack=1,
+                )
+                dots = tl.join(d0, d1)  # [BN, BK/8, 2]
+            else:
+                x01_lo, x23_lo = tl.split(tl.permute(tl.reshape(x_lo, (2, 2, BK // 8)), (2, 1, 0)))
+                x0_lo, x1_lo = tl.split(x01_lo)
+                x2_lo, x3_lo = tl.split(x23_lo)
+                x01_hi, x23_hi = tl.split(tl.permute(tl.reshape(x_hi, (2, 2, BK // 8)), (2, 1, 0)))
+                x0_hi, x1_hi = tl.split(x01_hi)
+                x2_hi, x3_hi = tl.split(x23_hi)
+                d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                    asm=_DP4A_E2M1_ROWS4_ASM,
+                    constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                    args=[
+                        words,
+                        tl.broadcast_to(x0_lo[None, :], shape),
+                        tl.broadcast_to(x0_hi[None, :], shape),
+                        tl.broadcast_to(x1_lo[None, :], shape),
+                        tl.broadcast_to(x1_hi[None, :], shape),
+                        tl.broadcast_to(x2_lo[None, :], shape),
+                        tl.broadcast_to(x2_hi[None, :], shape),
+                        tl.broadcast_to(x3_lo[None, :], shape),
+                        tl.broadcast_to(x3_hi[None, :], shape),
+                    ],
+                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True,
+                    pack=1,
+                )
+                dots = tl.reshape(tl.join(tl.join(d0, d2), tl.join(d1, d3)), (BN, BK // 8, 4))
+            dots = tl.permute(dots, (2, 0, 1))  # [ROWS, BN, BK/8]
+        else:
+            nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+            w2 = _e2m1_twice(nib)  # [BN, BK/8, 8]
+            x8 = tl.reshape(
+                (xw[:, :, None] << (24 - byte_shift)[None, None, :]) >> 24, (ROWS, BK // 8, 8)
+            )
+            dots = tl.sum(w2[None, :, :, :] * x8[:, None, :, :], axis=3)  # [ROWS, BN, BK/8]
+        block_dots = tl.sum(tl.reshape(dots, (ROWS, BN, BK // 32, 4)), axis=3).to(tl.float32)
+        acc += tl.sum(block_dots * (w_scale[None, :, :] * x_scale[:, None, :]), axis=2)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=r_ok[:, None] & (offs_n[None, :] < N),
+    )
+
+
+@triton.jit
+def _e8m0_value(scale_bytes):
+    """E8M0 bytes → ``2**(e − 127)`` in float32 (byte 0: the subnormal ``2**-127``; byte
+    255: NaN)."""
+    e = scale_bytes.to(tl.int32)
+    value = (e << 23).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, 5.877471754111438e-39, value)
+    return tl.where(e == 255, float("nan"), value)
 
 
 @triton.jit
