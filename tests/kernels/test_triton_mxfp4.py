@@ -394,3 +394,16 @@ def test_gemv_rows_config_validation() -> None:
         KernelConfig(4, 16, 64, kind="gemv_i8", a_mode=0)
     with pytest.raises(ValueError, match="pre-pass"):
         KernelConfig(2, 16, 64, split_k=2, kind="gemv_i8", a_mode=1)
+
+
+def test_default_launch_per_token_count() -> None:
+    """1 token: the integer GEMV; 2–4: its multi-token form; more: the tensor-core and
+    prefill paths."""
+    from torq.kernels.linear import default_config
+
+    picks = {m: default_config(m, 4096, 4096, False) for m in (1, 2, 3, 4, 5, 300)}
+    assert (picks[1].kind, picks[1].block_m) == ("gemv_i8", 1)
+    assert (picks[2].kind, picks[2].block_m) == ("gemv_i8", 2)
+    assert (picks[3].block_m, picks[4].block_m) == (4, 4)
+    assert picks[5].kind == "dot"
+    assert picks[300].kind == "dequant_gemm"
