@@ -339,7 +339,8 @@ def test_torq_prepass_matches_the_module(n_blocks: int, scale: bool) -> None:
     q, s = quantize_activation_torq_i8(x, rot)
     q_ref, s_ref = quantize_activation_i8(rot(x))
     assert (q.cpu() != q_ref.cpu()).float().mean() < 2e-3
-    assert (q.cpu() - q_ref.cpu()).abs().max() <= 2  # one E2M1 step at most
+    # a flip moves one E2M1 step: at most 4 in units of 2·E2M1 (from 8 to 12)
+    assert (q.cpu().int() - q_ref.cpu().int()).abs().max() <= 4
     assert torch.equal(s.cpu(), s_ref.cpu()) or (s.cpu() != s_ref.cpu()).sum() <= 1
 
 
