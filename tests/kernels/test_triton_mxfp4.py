@@ -315,6 +315,11 @@ def test_gemv_i8_with_block_transform(a_mode: int) -> None:
     # the transform's float32 sums may round a few elements to the other side of a
     # rounding boundary; everything else is exact
     assert _rel_err(y.cpu(), ref) < 2e-2
+    # a signed permutation is exact and not symmetric: T must not be applied as Tᵀ
+    t = _signed_permutation(gen)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, None, t.to(DEVICE), backend="triton", config=cfg)
+    ref = reference_linear(x, weight, block_transform=t)
+    assert _rel_err(y.cpu(), ref) < FP32_ACCUMULATION_RTOL
 
 
 def _torq_rotation(n_blocks: int, gen: torch.Generator, scale: bool = True):

@@ -563,14 +563,27 @@ def _launch_gemv_i8(
     else:
         q8, xs = quantize_activation_i8(x2, block_transform, pdl=pdl)
         xq = q8.view(torch.int32)
-    launch = {"launch_pdl": True} if pdl else {}
+    # launch options shared by both GEMVs
+    options = {
+        "HAS_BIAS": bias is not None,
+        "EVEN_K": k % cfg.block_k == 0,
+        "USE_ASM": not interpreter_enabled(),
+        "PREFETCH": cfg.prefetch,
+        "PDL": pdl,
+        "BN": cfg.block_n,
+        "BK": cfg.block_k,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
+    }
+    bias_arg = bias if bias is not None else x2
     if cfg.block_m > 1:
         tk._mx_gemv_rows_i8_kernel[(tk.cdiv(n, cfg.block_n),)](
             xq,
             xs,
             words,
             weight.scales,
-            bias if bias is not None else x2,
+            bias_arg,
             out,
             x2.shape[0],
             n,
@@ -580,29 +593,20 @@ def _launch_gemv_i8(
             words.stride(0),
             weight.scales.stride(0),
             out.stride(0),
-            HAS_BIAS=bias is not None,
-            EVEN_K=k % cfg.block_k == 0,
-            USE_ASM=not interpreter_enabled(),
-            PREFETCH=cfg.prefetch,
-            PDL=pdl,
             ROWS=cfg.block_m,
-            BN=cfg.block_n,
-            BK=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **launch,
+            **options,
         )
         return
     ws, count = _gemv_workspace(x2.device, n) if cfg.split_k > 1 else (out, out)
-    t_t = _transposed(block_transform, torch.float32) if fused else None
+    t = block_transform.contiguous() if fused and block_transform is not None else None
     tk._mx_gemv_i8_kernel[(tk.cdiv(n, cfg.block_n), cfg.split_k)](
         x2,
         xq,
         xs,
-        t_t if t_t is not None else x2,
+        t if t is not None else x2,
         words,
         weight.scales,
-        bias if bias is not None else x2,
+        bias_arg,
         out,
         ws,
         count,
@@ -611,18 +615,9 @@ def _launch_gemv_i8(
         words.stride(0),
         weight.scales.stride(0),
         FUSED_QUANT=fused,
-        HAS_T=t_t is not None,
-        HAS_BIAS=bias is not None,
+        HAS_T=t is not None,
         SPLIT_K=cfg.split_k,
-        EVEN_K=k % cfg.block_k == 0,
-        USE_ASM=not interpreter_enabled(),
-        PREFETCH=cfg.prefetch,
-        PDL=pdl,
-        BN=cfg.block_n,
-        BK=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **launch,
+        **options,
     )
 
 

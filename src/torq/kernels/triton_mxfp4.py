@@ -395,19 +395,12 @@ def _mx_gemv_i8_kernel(
     t_end = tl.minimum(t_begin + tiles_per_split, k_tiles)
     acc = tl.zeros((BN,), dtype=tl.float32)
     byte_shift = 8 * tl.arange(0, 4)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = w_scales_ptr + offs_n[:, None] * stride_wsn
     if PREFETCH:  # the weights are constants: their first tile needs no wait
-        next_words, next_sb = _gemv_weight_tile(
-            w_ptr,
-            w_scales_ptr,
-            offs_n,
-            n_ok,
-            tl.minimum(t_begin, t_end - 1),  # an empty split loads a tile it never uses
-            kp,
-            stride_wn,
-            stride_wsn,
-            EVEN_K,
-            BK,
-        )
+        # (an empty split loads a tile it never uses)
+        first = tl.minimum(t_begin, t_end - 1)
+        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, first, kp, EVEN_K, BK)
     if PDL:
         gdc_wait()  # the activation (and the output, the workspace) only from here on
     for tile in range(t_begin, t_end):
@@ -416,38 +409,17 @@ def _mx_gemv_i8_kernel(
         s_in = (offs_s < kp // 32) | EVEN_K
         if PREFETCH:  # registers double-buffer the weight stream
             words, w_sb = next_words, next_sb
-            next_words, next_sb = _gemv_weight_tile(
-                w_ptr,
-                w_scales_ptr,
-                offs_n,
-                n_ok,
-                tl.minimum(tile + 1, t_end - 1),  # the last tile again at the end: no mask
-                kp,
-                stride_wn,
-                stride_wsn,
-                EVEN_K,
-                BK,
-            )
+            ahead = tl.minimum(tile + 1, t_end - 1)  # the last tile again at the end: no mask
+            next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK)
         else:
-            words, w_sb = _gemv_weight_tile(
-                w_ptr,
-                w_scales_ptr,
-                offs_n,
-                n_ok,
-                tile,
-                kp,
-                stride_wn,
-                stride_wsn,
-                EVEN_K,
-                BK,
-            )
+            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK)
         if FUSED_QUANT:
             offs_k = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
             xb = tl.reshape(x, (BK // 32, 32))
-            if HAS_T:
+            if HAS_T:  # t_ptr holds T (row-major); x_b · Tᵀ = T x_b
                 r = tl.arange(0, 32)
-                t_t = tl.load(t_ptr + r[:, None] * 32 + r[None, :]).to(tl.float32)
+                t_t = tl.load(t_ptr + r[None, :] * 32 + r[:, None]).to(tl.float32)
                 xb = tl.dot(xb, t_t, input_precision="ieee", out_dtype=tl.float32)
             q2, x_scale = _quantize_twice(xb)
             x_words = tl.sum(tl.reshape(q2 & 0xFF, (BK // 8, 2, 4)) << byte_shift, axis=2)
@@ -536,32 +508,20 @@ def _mx_gemv_rows_i8_kernel(
     k_tiles = tl.cdiv(kp, BK)
     acc = tl.zeros((ROWS, BN), dtype=tl.float32)
     byte_shift = 8 * tl.arange(0, 4)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = w_scales_ptr + offs_n[:, None] * stride_wsn
     if PREFETCH:
-        next_words, next_sb = _gemv_weight_tile(
-            w_ptr, w_scales_ptr, offs_n, n_ok, 0, kp, stride_wn, stride_wsn, EVEN_K, BK
-        )
+        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, 0, kp, EVEN_K, BK)
     if PDL:
         gdc_wait()
     for tile in range(0, k_tiles):
         k0 = tile * BK
         if PREFETCH:
             words, w_sb = next_words, next_sb
-            next_words, next_sb = _gemv_weight_tile(
-                w_ptr,
-                w_scales_ptr,
-                offs_n,
-                n_ok,
-                tl.minimum(tile + 1, k_tiles - 1),
-                kp,
-                stride_wn,
-                stride_wsn,
-                EVEN_K,
-                BK,
-            )
+            ahead = tl.minimum(tile + 1, k_tiles - 1)
+            next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK)
         else:
-            words, w_sb = _gemv_weight_tile(
-                w_ptr, w_scales_ptr, offs_n, n_ok, tile, kp, stride_wn, stride_wsn, EVEN_K, BK
-            )
+            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK)
         offs_xw = k0 // 4 + tl.arange(0, BK // 4)
         xw = tl.load(
             xq_ptr + rows[:, None] * stride_xq + offs_xw[None, :],
@@ -653,26 +613,17 @@ def _e8m0_value(scale_bytes):
 
 
 @triton.jit
-def _gemv_weight_tile(
-    w_ptr,
-    w_scales_ptr,
-    offs_n,
-    n_ok,
-    tile,
-    kp,
-    stride_wn,
-    stride_wsn,
-    EVEN_K: tl.constexpr,
-    BK: tl.constexpr,
-):
+def _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K: tl.constexpr, BK: tl.constexpr):
     """Weight words ``int32 [BN, BK/8]`` and scale bytes ``[BN, BK/32]`` of one K tile
-    (zeros past the padded width)."""
+    (zeros past the padded width); ``w_rows`` / ``s_rows`` point at the program's rows."""
     offs_w = tile * (BK // 8) + tl.arange(0, BK // 8)
-    w_ok = n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K)
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=w_ok, other=0)
+    words = tl.load(
+        w_rows + offs_w[None, :], mask=n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K), other=0
+    )
     offs_s = tile * (BK // 32) + tl.arange(0, BK // 32)
-    s_ok = n_ok & ((offs_s[None, :] < kp // 32) | EVEN_K)
-    sb = tl.load(w_scales_ptr + offs_n[:, None] * stride_wsn + offs_s[None, :], mask=s_ok, other=0)
+    sb = tl.load(
+        s_rows + offs_s[None, :], mask=n_ok & ((offs_s[None, :] < kp // 32) | EVEN_K), other=0
+    )
     return words, sb
 
 
