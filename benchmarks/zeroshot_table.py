@@ -35,24 +35,8 @@ from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import load
-from torq.pipeline import RunConfig, markdown_table, run
+from torq.pipeline import RunConfig, markdown_table, run, setting_key
 from torq.results import command_line
-
-
-def setting_key(config: dict[str, Any], method: str) -> str:
-    """What makes two rows of one method the same quantized model: the model, formats and
-    window length, plus TORQ's settings for the TORQ methods and GPTQ's (with the
-    calibration data) for the GPTQ ones."""
-    key = {k: config.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
-    key["seqlen"] = config.get("seqlen")
-    torq = config.get("torq") or {}
-    if method.startswith("torq"):
-        key["torq"] = torq
-    if "gptq" in method:
-        key["gptq"] = config.get("gptq")
-        calib = ("calibration", "sequential", "reservoir_tokens")
-        key["calibration"] = [torq.get(k) for k in calib]
-    return json.dumps([method, key], sort_keys=True, default=str)
 
 
 def earlier_perplexities(paths: list[str]) -> dict[str, tuple[float, str, int]]:
@@ -85,6 +69,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/zeroshot/table.json")
+    p.add_argument(
+        "--request-cache",
+        default=None,
+        help="directory for the answers as they are scored (default: <out>-requests/); a "
+        "stopped run resumes from it, request by request",
+    )
     args = p.parse_args()
     if args.threads:
         import torch
@@ -104,6 +94,7 @@ def main() -> None:
         task_batch_size=args.task_batch_size,
         shared_context=not args.no_shared_context,
         device=args.device,
+        request_cache=args.request_cache or str(Path(args.out).with_suffix("")) + "-requests",
     )
     base_dict = asdict(base)
     earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}

@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="score each choice with its own forward pass (lm-eval's HFLM as it is)",
     )
+    ev.add_argument(
+        "--request-cache",
+        default=None,
+        metavar="DIR",
+        help="keep the answers in DIR as they are scored (one sub-directory per method); "
+        "the same command again resumes a stopped evaluation",
+    )
 
     sub.add_parser("models", help="list the embedded default models")
     sub.add_parser("methods", help="list the registered quantization methods")
@@ -293,6 +300,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.task_batch_size = args.task_batch_size
         config.skip_ppl = args.skip_ppl
         config.shared_context = not args.no_shared_context
+        config.request_cache = args.request_cache
     out = Path(
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +53,9 @@ class RunConfig:
     # choices of a question share one forward pass of their context (same scores, faster)
     shared_context: bool = True
     skip_ppl: bool = False
+    # a directory for the zero-shot answers, one sub-directory per method and setting
+    # (:func:`method_cache_dir`): a stopped evaluation resumes where it stopped
+    request_cache: str | None = None
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
@@ -132,12 +138,16 @@ def run(
                 batch_size=config.task_batch_size,
                 shared_context=config.shared_context,
                 progress=progress,
+                request_cache=None
+                if config.request_cache is None
+                else method_cache_dir(config, method.name),
             )
             zeroshot = {
                 **zs["scores"],
                 "seconds": zs["seconds"],
                 "limit": zs["limit"],
                 "shared_context": zs["shared_context"],
+                "request_cache": zs["request_cache"],
             }
             details["lm_eval"] = zs["lm_eval"]
         rows.append(
@@ -162,6 +172,32 @@ def run(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def setting_key(config: dict[str, Any], method: str) -> str:
+    """What makes two rows of one method the same quantized model: the model, formats and
+    window length, plus TORQ's settings for the TORQ methods and GPTQ's (with the
+    calibration data) for the GPTQ ones. ``config`` is ``asdict(RunConfig)``."""
+    key = {k: config.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
+    key["seqlen"] = config.get("seqlen")
+    torq = config.get("torq") or {}
+    if method.startswith("torq"):
+        key["torq"] = torq
+    if "gptq" in method:
+        key["gptq"] = config.get("gptq")
+        calib = ("calibration", "sequential", "reservoir_tokens")
+        key["calibration"] = [torq.get(k) for k in calib]
+    return json.dumps([method, key], sort_keys=True, default=str)
+
+
+def method_cache_dir(config: RunConfig, method: str) -> str:
+    """``<request_cache>/<model>/<method>-<hash of its setting key>``: one quantized model's
+    zero-shot answers (the fingerprint stored there guards against a stale directory)."""
+    if config.request_cache is None:
+        raise TorqError("no request cache directory configured")
+    digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
+    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
+    return str(Path(config.request_cache) / model / f"{method}-{digest}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -24,11 +24,13 @@ PIQA = {"goal": "Open a jar.", "sol1": "Twist the lid.", "sol2": "Eat the lid.",
 
 def _zeroshot_dir(root: Path) -> Path:
     (root / "zeroshot").mkdir(parents=True, exist_ok=True)
-    rows = [json.dumps({**ARC, "id": f"q{i}"}) for i in range(6)]
+    # distinct questions: identical requests would share one answer in a request cache
+    rows = [
+        json.dumps({**ARC, "id": f"q{i}", "question": f"{ARC['question']} ({i})"}) for i in range(6)
+    ]
     (root / "zeroshot" / "arc_easy_test.jsonl").write_text("\n".join(rows) + "\n")
-    (root / "zeroshot" / "piqa_validation.jsonl").write_text(
-        "\n".join(json.dumps(PIQA) for _ in range(6)) + "\n"
-    )
+    piqa = [json.dumps({**PIQA, "goal": f"Open jar number {i}."}) for i in range(6)]
+    (root / "zeroshot" / "piqa_validation.jsonl").write_text("\n".join(piqa) + "\n")
     return root
 
 
@@ -116,3 +118,60 @@ def test_fp_model_is_above_chance_on_arc_easy(shared_data) -> None:
     assert score["metric"] == "acc_norm"
     assert score["value"] > 0.32
     assert res["lm_eval"]["n-samples"]["torq_arc_easy"]["effective"] == 40
+
+
+def test_request_cache_resumes_and_refuses_another_model(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """A stopped evaluation keeps its answers: the same call with more examples scores only
+    the new ones and gives the scores of a run without the cache; another model's answers
+    are refused, not mixed in."""
+    import torch
+
+    from torq.models import load
+
+    data = str(_zeroshot_dir(tiny_data_dir))
+    lm = load(str(tiny_checkpoint))
+    cache = tmp_path / "requests"
+
+    def score(limit: int, model: torch.nn.Module, request_cache: Path | None) -> dict:
+        return zs.evaluate_zeroshot(
+            model, lm.tokenizer, ["arc_easy", "piqa"], data_dir=data, limit=limit,
+            progress=False, request_cache=request_cache,
+        )  # fmt: skip
+
+    first = score(2, lm.model, cache)["request_cache"]
+    assert first["entries_before"] == 0
+    assert first["entries_after"] == 2 * 4 + 2 * 2  # ARC-E: 4 choices, PIQA: 2
+    resumed = score(5, lm.model, cache)
+    info = resumed["request_cache"]
+    assert info["entries_before"] == first["entries_after"]
+    assert info["entries_after"] == 5 * 4 + 5 * 2
+    assert [s["entries_before"] for s in info["sessions"]] == [0, 12]
+    plain = score(5, lm.model, None)
+    assert plain["request_cache"] is None
+    assert resumed["lm_eval"]["results"] == plain["lm_eval"]["results"]
+
+    other = load(str(tiny_checkpoint)).model
+    with torch.no_grad():
+        other.lm_head.weight.mul_(3.0)
+    with pytest.raises(TorqError, match="holds another model's answers"):
+        score(5, other, cache)
+
+
+def test_eval_command_keeps_one_cache_per_method(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
+    _zeroshot_dir(tiny_data_dir)
+    cache = tmp_path / "requests"
+    args = [
+        "eval", "--model", str(tiny_checkpoint), "--methods", "fp,rtn", "--tasks", "piqa",
+        "--limit", "2", "--skip-ppl", "--data-dir", str(tiny_data_dir), "--no-progress",
+        "--request-cache", str(cache), "--out", str(tmp_path / "zs.json"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    dirs = sorted(p.name.split("-")[0] for p in cache.glob("*/*") if p.is_dir())
+    assert dirs == ["fp", "rtn"]
+    rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
+    assert [r["zeroshot"]["request_cache"]["entries_after"] for r in rows] == [4, 4]
+    assert main(args) == 0  # again: everything from the cache
+    rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
+    assert [r["zeroshot"]["request_cache"]["entries_before"] for r in rows] == [4, 4]

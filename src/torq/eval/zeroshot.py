@@ -204,6 +204,7 @@ def evaluate_zeroshot(
     batch_size: int = 8,
     progress: bool = True,
     shared_context: bool = True,
+    request_cache: str | Path | None = None,
 ) -> dict[str, Any]:
     """Score ``model`` (in process) on the paper's zero-shot tasks through lm-eval.
 
@@ -211,8 +212,14 @@ def evaluate_zeroshot(
     of their common context (:class:`torq.eval.shared_context.SharedContextHFLM`, same
     scores to float rounding); ``False`` uses lm-eval's ``HFLM`` as it is.
 
+    ``request_cache`` is a directory for this model's answers (lm-eval's ``CachingLM``,
+    written as they are scored): a run that is stopped keeps what it scored, and the same
+    call again scores only the rest. The directory belongs to one model: its fingerprint
+    (:func:`model_fingerprint`) is stored there and a different model is refused.
+
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
-    versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context}``.
+    versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context,
+    "request_cache": {...} or None}``.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -234,9 +241,15 @@ def evaluate_zeroshot(
             device=str(device),
             max_length=getattr(model.config, "max_position_embeddings", 2048),
         )
+        cache_info = None
+        cache_db = None
+        if request_cache is not None:
+            cache_info = open_request_cache(Path(request_cache), model, tokenizer)
+            cache_db = str(Path(request_cache) / "requests")
         t0 = time.perf_counter()
         out = simple_evaluate(
             model=lm,
+            use_cache=cache_db,
             tasks=list(run_names.values()),
             task_manager=manager,
             limit=limit,
@@ -248,6 +261,8 @@ def evaluate_zeroshot(
         seconds = time.perf_counter() - t0
     if out is None:
         raise TorqError("lm-eval returned no results")
+    if cache_info is not None:
+        cache_info = close_request_cache(Path(request_cache), cache_info, seconds)  # type: ignore[arg-type]
     return {
         "scores": headline_scores(out["results"], run_names),
         "lm_eval": _jsonable(
@@ -256,4 +271,82 @@ def evaluate_zeroshot(
         "seconds": seconds,
         "limit": limit,
         "shared_context": shared_context,
+        "request_cache": cache_info,
     }
+
+
+FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
+FINGERPRINT_TOL = 0.05  # logits; a different method or setting moves them by far more
+
+
+@torch.no_grad()
+def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> list[float]:
+    """The last-position logits of a fixed sentence, at 64 fixed vocabulary entries: a
+    cheap identity for "the same (quantized) model" that survives thread counts and
+    float rounding (compared with :data:`FINGERPRINT_TOL`)."""
+    ids = tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device)).logits[0, -1].float().cpu()
+    picks = torch.linspace(0, logits.numel() - 1, 64).long()
+    return [float(v) for v in logits[picks]]
+
+
+def _cache_entries(db: Path) -> int:
+    if not db.is_file():
+        return 0
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        return int(con.execute("SELECT COUNT(*) FROM unnamed").fetchone()[0])
+    except sqlite3.Error:
+        return 0
+    finally:
+        con.close()
+
+
+def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+    """Check (or claim) ``root`` for ``model``; log the session's start in ``meta.json``."""
+    import json
+
+    from torq.results import now_iso
+
+    root.mkdir(parents=True, exist_ok=True)
+    meta_path = root / "meta.json"
+    fingerprint = model_fingerprint(model, tokenizer)
+    meta: dict[str, Any] = {"fingerprint": fingerprint, "sessions": []}
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        diff = max(abs(a - b) for a, b in zip(meta["fingerprint"], fingerprint, strict=True))
+        if diff > FINGERPRINT_TOL:
+            raise TorqError(
+                f"the zero-shot request cache {root} holds another model's answers (its "
+                f"logits differ by {diff:.3g}); remove it or choose another cache directory"
+            )
+    before = _cache_entries(root / "requests_rank0.db")
+    meta["sessions"].append({"started": now_iso(), "entries_before": before})
+    _write_json(meta_path, meta)
+    return {"dir": str(root), "entries_before": before}
+
+
+def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """Log the finished session in ``meta.json``; the record's summary of the cache."""
+    import json
+
+    from torq.results import now_iso
+
+    meta_path = root / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    after = _cache_entries(root / "requests_rank0.db")
+    meta["sessions"][-1].update(finished=now_iso(), seconds=seconds, entries_after=after)
+    _write_json(meta_path, meta)
+    return {**info, "entries_after": after, "sessions": meta["sessions"]}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    import json
+    import os
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
