@@ -70,10 +70,10 @@ def main() -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/zeroshot/table.json")
     p.add_argument(
-        "--request-cache",
+        "--resume-dir",
         default=None,
-        help="directory for the answers as they are scored (default: <out>-requests/); a "
-        "stopped run resumes from it, request by request",
+        help="where each method's answers and perplexity windows are kept as they are "
+        "measured (default: <out>-requests/); a stopped run resumes from it",
     )
     args = p.parse_args()
     if args.threads:
@@ -94,7 +94,7 @@ def main() -> None:
         task_batch_size=args.task_batch_size,
         shared_context=not args.no_shared_context,
         device=args.device,
-        request_cache=args.request_cache or str(Path(args.out).with_suffix("")) + "-requests",
+        resume_dir=args.resume_dir or str(Path(args.out).with_suffix("")) + "-requests",
     )
     base_dict = asdict(base)
     earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}

@@ -243,3 +243,27 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+
+
+def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
+    """``--resume-dir``: a second identical run reuses every kept window per method."""
+    import json
+
+    args = [
+        "run", "--model", str(tiny_checkpoint), "--methods", "fp,rtn", "--seqlen", "64",
+        "--max-windows", "3", "--data-dir", str(tiny_data_dir), "--no-progress",
+        "--resume-dir", str(tmp_path / "keep"), "--out", str(tmp_path / "a.json"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    kept = sorted(tmp_path.glob("keep/*/*/ppl-3x64.json"))
+    assert [p.parent.name.split("-")[0] for p in kept] == ["fp", "rtn"]
+    assert all(len(json.loads(p.read_text())["nll"]) == 3 for p in kept)
+    first = json.loads((tmp_path / "a.json").read_text())["rows"]
+    # mark the kept fp windows: the second run must read them, not measure them again
+    saved = json.loads(kept[0].read_text())
+    saved["nll"]["0"] += 63.0
+    kept[0].write_text(json.dumps(saved))
+    assert main([*args[:-1], str(tmp_path / "b.json")]) == 0
+    again = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert again[0]["ppl"] == pytest.approx(first[0]["ppl"] * math.exp(63.0 / (3 * 63)))
+    assert again[1]["ppl"] == pytest.approx(first[1]["ppl"])

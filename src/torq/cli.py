@@ -91,13 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="score each choice with its own forward pass (lm-eval's HFLM as it is)",
     )
-    ev.add_argument(
-        "--request-cache",
-        default=None,
-        metavar="DIR",
-        help="keep the answers in DIR as they are scored (one sub-directory per method); "
-        "the same command again resumes a stopped evaluation",
-    )
 
     sub.add_parser("models", help="list the embedded default models")
     sub.add_parser("methods", help="list the registered quantization methods")
@@ -133,6 +126,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "--scale-mode", choices=SCALE_MODES, default="ocp", help="MXFP4 block scale rule"
     )
     run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
+    run.add_argument(
+        "--resume-dir",
+        default=None,
+        metavar="DIR",
+        help="keep each method's perplexity windows and zero-shot answers in DIR as they are "
+        "measured; the same command again after a stop measures only what is missing",
+    )
     run.add_argument(
         "--max-windows", type=_positive_int, default=None, help="evaluate only the first N windows"
     )
@@ -288,6 +288,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         data_dir=args.data_dir,
         seed=args.seed,
+        resume_dir=args.resume_dir,
         torq=torq_settings,
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
         device=args.device,
@@ -300,7 +301,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.task_batch_size = args.task_batch_size
         config.skip_ppl = args.skip_ppl
         config.shared_context = not args.no_shared_context
-        config.request_cache = args.request_cache
     out = Path(
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

@@ -53,9 +53,10 @@ class RunConfig:
     # choices of a question share one forward pass of their context (same scores, faster)
     shared_context: bool = True
     skip_ppl: bool = False
-    # a directory for the zero-shot answers, one sub-directory per method and setting
-    # (:func:`method_cache_dir`): a stopped evaluation resumes where it stopped
-    request_cache: str | None = None
+    # where each method's evaluation is kept as it goes (perplexity windows, zero-shot
+    # answers), a sub-directory per method and setting (:func:`method_resume_dir`): the same
+    # run again after a stop measures only what is missing
+    resume_dir: str | None = None
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
@@ -120,10 +121,20 @@ def run(
         )
         details = method.apply(model, qconfig, ctx)
         t_quant = time.perf_counter() - t0
+        resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
         res = (
             None
             if windows is None
-            else perplexity(model, windows, config.batch_size, progress, desc=method.name)
+            else perplexity(
+                model,
+                windows,
+                config.batch_size,
+                progress,
+                desc=method.name,
+                checkpoint=None
+                if resume is None
+                else resume / f"ppl-{windows.shape[0]}x{windows.shape[1]}.json",
+            )
         )
         zeroshot = None
         if config.tasks:
@@ -138,9 +149,7 @@ def run(
                 batch_size=config.task_batch_size,
                 shared_context=config.shared_context,
                 progress=progress,
-                request_cache=None
-                if config.request_cache is None
-                else method_cache_dir(config, method.name),
+                request_cache=resume,
             )
             zeroshot = {
                 **zs["scores"],
@@ -190,14 +199,14 @@ def setting_key(config: dict[str, Any], method: str) -> str:
     return json.dumps([method, key], sort_keys=True, default=str)
 
 
-def method_cache_dir(config: RunConfig, method: str) -> str:
-    """``<request_cache>/<model>/<method>-<hash of its setting key>``: one quantized model's
-    zero-shot answers (the fingerprint stored there guards against a stale directory)."""
-    if config.request_cache is None:
-        raise TorqError("no request cache directory configured")
+def method_resume_dir(config: RunConfig, method: str) -> str:
+    """``<resume_dir>/<model>/<method>-<hash of its setting key>``: one quantized model's
+    kept evaluation (the fingerprints stored there guard against a stale directory)."""
+    if config.resume_dir is None:
+        raise TorqError("no resume directory configured")
     digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
     model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
-    return str(Path(config.request_cache) / model / f"{method}-{digest}")
+    return str(Path(config.resume_dir) / model / f"{method}-{digest}")
 
 
 def resolve_device(name: str) -> torch.device:

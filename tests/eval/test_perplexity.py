@@ -64,3 +64,37 @@ def test_without_a_data_dir_the_hub_fallback_fails_clearly(monkeypatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(TorqError, match="--data-dir"):
         load_wikitext2_test()
+
+
+def test_checkpoint_resumes_only_the_missing_windows(tmp_path) -> None:
+    """A stopped perplexity run keeps its windows: the same call again measures only the
+    rest and gives the uninterrupted result; other windows or another model are refused."""
+    import json
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    windows = torch.randint(0, model.config.vocab_size, (5, 32))
+    whole = perplexity(model, windows, batch_size=2, progress=False)
+    ckpt = tmp_path / "ppl.json"
+    assert perplexity(model, windows, 2, False, checkpoint=ckpt).ppl == pytest.approx(
+        whole.ppl, rel=1e-9
+    )
+    saved = json.loads(ckpt.read_text())
+    assert sorted(saved["nll"], key=int) == ["0", "1", "2", "3", "4"]
+    # a stop after the first batch: windows 2-4 are missing
+    saved["nll"] = {k: v for k, v in saved["nll"].items() if k in ("0", "1")}
+    ckpt.write_text(json.dumps(saved))
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    resumed = perplexity(model, windows, 2, False, checkpoint=ckpt)
+    hook.remove()
+    assert resumed.ppl == pytest.approx(whole.ppl, rel=1e-9)
+    assert seen == [1, 2, 1]  # the fingerprint, then windows 2-3 and 4 only
+    with pytest.raises(TorqError, match="other perplexity windows"):
+        perplexity(model, windows[:4], 2, False, checkpoint=ckpt)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    with pytest.raises(TorqError, match="another model's results"):
+        perplexity(model, windows, 2, False, checkpoint=ckpt)

@@ -155,7 +155,7 @@ def test_request_cache_resumes_and_refuses_another_model(
     other = load(str(tiny_checkpoint)).model
     with torch.no_grad():
         other.lm_head.weight.mul_(3.0)
-    with pytest.raises(TorqError, match="holds another model's answers"):
+    with pytest.raises(TorqError, match="holds another model's results"):
         score(5, other, cache)
 
 
@@ -165,7 +165,7 @@ def test_eval_command_keeps_one_cache_per_method(tiny_checkpoint, tiny_data_dir,
     args = [
         "eval", "--model", str(tiny_checkpoint), "--methods", "fp,rtn", "--tasks", "piqa",
         "--limit", "2", "--skip-ppl", "--data-dir", str(tiny_data_dir), "--no-progress",
-        "--request-cache", str(cache), "--out", str(tmp_path / "zs.json"),
+        "--resume-dir", str(cache), "--out", str(tmp_path / "zs.json"),
     ]  # fmt: skip
     assert main(args) == 0
     dirs = sorted(p.name.split("-")[0] for p in cache.glob("*/*") if p.is_dir())

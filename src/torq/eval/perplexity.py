@@ -9,9 +9,12 @@ Because every window has the same length, this equals exp of the mean of the mod
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torq.errors import TorqError
+from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
 
 
 @dataclass
@@ -65,30 +69,49 @@ def perplexity(
     batch_size: int = 1,
     progress: bool = True,
     desc: str = "perplexity",
+    checkpoint: str | Path | None = None,
 ) -> PerplexityResult:
-    """Perplexity of a causal LM over token windows (method-notes §3)."""
+    """Perplexity of a causal LM over token windows (method-notes §3).
+
+    ``checkpoint``: a JSON file that keeps each window's NLL as it is measured; the same call
+    again after a stop measures only the windows it lacks (same windows and same model,
+    checked by hash and logits fingerprint, :mod:`torq.eval.resume`). ``seconds`` then counts
+    the time of every session that contributed.
+    """
     if windows.dim() != 2:
         raise TorqError(f"windows must be [n_windows, seqlen], got shape {tuple(windows.shape)}")
     device = next(model.parameters()).device
     n, seqlen = windows.shape
+    saved = _open_checkpoint(Path(checkpoint), model, windows) if checkpoint else None
+    done: dict[str, float] = saved["nll"] if saved else {}
+    earlier_seconds = saved["seconds"] if saved else 0.0
     total_nll = 0.0
     start = time.perf_counter()
     bar = tqdm(total=n, desc=desc, unit="win", disable=not progress, leave=False)
     for i in range(0, n, batch_size):
+        if all(str(j) in done for j in range(i, min(i + batch_size, n))):
+            total_nll += sum(done[str(j)] for j in range(i, min(i + batch_size, n)))
+            bar.update(min(batch_size, n - i))
+            continue
         batch = windows[i : i + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits
         nll = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
             batch[:, 1:].reshape(-1),
-            reduction="sum",
-        )
-        if not torch.isfinite(nll):
+            reduction="none",
+        ).view(batch.shape[0], -1)
+        if not torch.isfinite(nll).all():
             bar.close()
             raise TorqError(f"non-finite loss in window {i}: the model produced NaN/Inf logits")
-        total_nll += float(nll.double())
+        per_window = nll.double().sum(dim=1).tolist()
+        total_nll += sum(per_window)
+        if saved is not None:
+            done.update({str(i + b): v for b, v in enumerate(per_window)})
+            saved["seconds"] = earlier_seconds + time.perf_counter() - start
+            write_json_atomic(Path(checkpoint), saved)  # type: ignore[arg-type]
         bar.update(batch.shape[0])
     bar.close()
-    seconds = time.perf_counter() - start
+    seconds = earlier_seconds + time.perf_counter() - start
     predicted = n * (seqlen - 1)
     mean_nll = total_nll / predicted
     return PerplexityResult(
@@ -99,3 +122,26 @@ def perplexity(
         n_tokens=n * seqlen,
         seconds=seconds,
     )
+
+
+def windows_digest(windows: torch.Tensor) -> str:
+    """SHA-256 of the token windows (shape and ids): which evaluation a checkpoint is of."""
+    h = hashlib.sha256(str(tuple(windows.shape)).encode())
+    h.update(windows.to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _open_checkpoint(path: Path, model: nn.Module, windows: torch.Tensor) -> dict[str, Any]:
+    """The checkpoint of this model on these windows: read (and checked) or started."""
+    fingerprint = logits_fingerprint(model, windows[:1, : min(64, windows.shape[1])])
+    digest = windows_digest(windows)
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("windows_sha256") != digest:
+            raise TorqError(f"{path} is a checkpoint of other perplexity windows; remove it")
+        check_fingerprint(saved["fingerprint"], fingerprint, path)
+        return saved
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = {"windows_sha256": digest, "fingerprint": fingerprint, "nll": {}, "seconds": 0.0}
+    write_json_atomic(path, saved)
+    return saved

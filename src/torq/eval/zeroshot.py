@@ -214,8 +214,8 @@ def evaluate_zeroshot(
 
     ``request_cache`` is a directory for this model's answers (lm-eval's ``CachingLM``,
     written as they are scored): a run that is stopped keeps what it scored, and the same
-    call again scores only the rest. The directory belongs to one model: its fingerprint
-    (:func:`model_fingerprint`) is stored there and a different model is refused.
+    call again scores only the rest. The directory belongs to one model: its logits
+    fingerprint (:mod:`torq.eval.resume`) is stored there and a different model is refused.
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
     versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context,
@@ -276,19 +276,6 @@ def evaluate_zeroshot(
 
 
 FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
-FINGERPRINT_TOL = 0.05  # logits; a different method or setting moves them by far more
-
-
-@torch.no_grad()
-def model_fingerprint(model: torch.nn.Module, tokenizer: Any) -> list[float]:
-    """The last-position logits of a fixed sentence, at 64 fixed vocabulary entries: a
-    cheap identity for "the same (quantized) model" that survives thread counts and
-    float rounding (compared with :data:`FINGERPRINT_TOL`)."""
-    ids = tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
-    device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device)).logits[0, -1].float().cpu()
-    picks = torch.linspace(0, logits.numel() - 1, 64).long()
-    return [float(v) for v in logits[picks]]
 
 
 def _cache_entries(db: Path) -> int:
@@ -306,26 +293,24 @@ def _cache_entries(db: Path) -> int:
 
 
 def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
-    """Check (or claim) ``root`` for ``model``; log the session's start in ``meta.json``."""
+    """Check (or claim) ``root`` for ``model`` (:mod:`torq.eval.resume`); log the session's
+    start in ``meta.json``."""
     import json
 
+    from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
     from torq.results import now_iso
 
     root.mkdir(parents=True, exist_ok=True)
     meta_path = root / "meta.json"
-    fingerprint = model_fingerprint(model, tokenizer)
+    ids = tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
+    fingerprint = logits_fingerprint(model, ids)
     meta: dict[str, Any] = {"fingerprint": fingerprint, "sessions": []}
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        diff = max(abs(a - b) for a, b in zip(meta["fingerprint"], fingerprint, strict=True))
-        if diff > FINGERPRINT_TOL:
-            raise TorqError(
-                f"the zero-shot request cache {root} holds another model's answers (its "
-                f"logits differ by {diff:.3g}); remove it or choose another cache directory"
-            )
+        check_fingerprint(meta["fingerprint"], fingerprint, root)
     before = _cache_entries(root / "requests_rank0.db")
     meta["sessions"].append({"started": now_iso(), "entries_before": before})
-    _write_json(meta_path, meta)
+    write_json_atomic(meta_path, meta)
     return {"dir": str(root), "entries_before": before}
 
 
@@ -333,20 +318,12 @@ def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dic
     """Log the finished session in ``meta.json``; the record's summary of the cache."""
     import json
 
+    from torq.eval.resume import write_json_atomic
     from torq.results import now_iso
 
     meta_path = root / "meta.json"
     meta = json.loads(meta_path.read_text())
     after = _cache_entries(root / "requests_rank0.db")
     meta["sessions"][-1].update(finished=now_iso(), seconds=seconds, entries_after=after)
-    _write_json(meta_path, meta)
+    write_json_atomic(meta_path, meta)
     return {**info, "entries_after": after, "sessions": meta["sessions"]}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    import json
-    import os
-
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
