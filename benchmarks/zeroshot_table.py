@@ -147,6 +147,22 @@ def _windows(rows: list[dict[str, Any]], result: dict[str, Any]) -> int:
     return max(counts, default=result["eval"]["n_windows"])
 
 
+def _zeroshot_time(zs: dict[str, Any]) -> str:
+    """The tasks' wall time: of this process, or summed over the sessions that scored the
+    answers kept in the resume directory (a stopped session's time is not known)."""
+    cache = zs.get("request_cache")
+    if not cache:
+        return f"{zs['seconds']:.0f} s"
+    sessions = cache["sessions"]
+    spent = [s for s in sessions if "seconds" in s and s["entries_after"] > s["entries_before"]]
+    total = sum(s["seconds"] for s in spent)
+    text = f"{total:.0f} s over {len(spent)} scoring session(s)"
+    stopped = [s for s in sessions if "seconds" not in s]
+    if stopped:
+        text += f" + {len(stopped)} stopped session(s) of unknown length"
+    return text
+
+
 def _write(out: Path, record: dict[str, Any]) -> Path:
     table = markdown_table(record)
     lines = []
@@ -159,7 +175,7 @@ def _write(out: Path, record: dict[str, Any]) -> Path:
         )
         lines.append(
             f"- {r['method']}: quantize {r['quantize_seconds']:.0f} s, {ppl}, zero-shot "
-            f"{zs['seconds']:.0f} s"
+            f"{_zeroshot_time(zs)}"
         )
     commands = "\n".join(f"`{c}`" for c in record["commands"])
     status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
