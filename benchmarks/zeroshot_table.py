@@ -159,7 +159,11 @@ def _zeroshot_time(zs: dict[str, Any]) -> str:
     text = f"{total:.0f} s over {len(spent)} scoring session(s)"
     stopped = [s for s in sessions if "seconds" not in s]
     if stopped:
-        text += f" + {len(stopped)} stopped session(s) of unknown length"
+        # a stopped session's last heartbeat (at most a minute short); older records lack it
+        known = [s["seconds_so_far"] for s in stopped if "seconds_so_far" in s]
+        text = f"{total + sum(known):.0f} s over {len(spent) + len(known)} session(s)"
+        if len(known) < len(stopped):
+            text += f" + {len(stopped) - len(known)} stopped session(s) of unknown length"
     return text
 
 

@@ -121,7 +121,7 @@ def test_fp_model_is_above_chance_on_arc_easy(shared_data) -> None:
 
 
 def test_request_cache_resumes_and_refuses_another_model(
-    tiny_checkpoint, tiny_data_dir, tmp_path
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch
 ) -> None:
     """A stopped evaluation keeps its answers: the same call with more examples scores only
     the new ones and gives the scores of a run without the cache; another model's answers
@@ -140,8 +140,11 @@ def test_request_cache_resumes_and_refuses_another_model(
             progress=False, request_cache=request_cache,
         )  # fmt: skip
 
+    monkeypatch.setattr(zs, "HEARTBEAT_SECONDS", 0.01)  # a killed session still has its time
     first = score(2, lm.model, cache)["request_cache"]
     assert first["entries_before"] == 0
+    beat = first["sessions"][-1]
+    assert 0 < beat["seconds_so_far"] <= beat["seconds"]
     assert first["entries_after"] == 2 * 4 + 2 * 2  # ARC-E: 4 choices, PIQA: 2
     resumed = score(5, lm.model, cache)
     info = resumed["request_cache"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,17 +248,22 @@ def evaluate_zeroshot(
             cache_info = open_request_cache(Path(request_cache), model, tokenizer)
             cache_db = str(Path(request_cache) / "requests")
         t0 = time.perf_counter()
-        out = simple_evaluate(
-            model=lm,
-            use_cache=cache_db,
-            tasks=list(run_names.values()),
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=0,
-            log_samples=False,
-            bootstrap_iters=1000,
-            verbosity="WARNING" if not progress else "INFO",
-        )
+        heartbeat = None if request_cache is None else _Heartbeat(Path(request_cache), t0)
+        try:
+            out = simple_evaluate(
+                model=lm,
+                use_cache=cache_db,
+                tasks=list(run_names.values()),
+                task_manager=manager,
+                limit=limit,
+                num_fewshot=0,
+                log_samples=False,
+                bootstrap_iters=1000,
+                verbosity="WARNING" if not progress else "INFO",
+            )
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
         seconds = time.perf_counter() - t0
     if out is None:
         raise TorqError("lm-eval returned no results")
@@ -275,6 +281,7 @@ def evaluate_zeroshot(
     }
 
 
+HEARTBEAT_SECONDS = 60.0
 FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
 
 
@@ -312,6 +319,36 @@ def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> di
     meta["sessions"].append({"started": now_iso(), "entries_before": before})
     write_json_atomic(meta_path, meta)
     return {"dir": str(root), "entries_before": before}
+
+
+class _Heartbeat(threading.Thread):
+    """Records the running session's time and answers in ``meta.json`` every ``every``
+    seconds, so that a session that is killed still tells how long it scored."""
+
+    def __init__(self, root: Path, t0: float, every: float | None = None) -> None:
+        super().__init__(daemon=True)
+        self.root, self.t0 = root, t0
+        self.every = HEARTBEAT_SECONDS if every is None else every
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        import json
+
+        from torq.eval.resume import write_json_atomic
+
+        while not self._halt.wait(self.every):
+            meta_path = self.root / "meta.json"
+            meta = json.loads(meta_path.read_text())
+            meta["sessions"][-1].update(
+                seconds_so_far=time.perf_counter() - self.t0,
+                entries_so_far=_cache_entries(self.root / "requests_rank0.db"),
+            )
+            write_json_atomic(meta_path, meta)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
 
 
 def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dict[str, Any]:
