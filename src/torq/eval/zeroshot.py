@@ -264,6 +264,10 @@ def evaluate_zeroshot(
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
+            # lm-eval's CachingLM leaves its SQLite writer thread open; close it here
+            db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
+            if cache_db is not None and db is not None:
+                db.close()
         seconds = time.perf_counter() - t0
     if out is None:
         raise TorqError("lm-eval returned no results")
