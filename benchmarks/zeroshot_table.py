@@ -5,9 +5,12 @@ python benchmarks/zeroshot_table.py --model smollm2-135m --methods fp,rtn,had32,
     --calib-samples 32 --ppl-from results/full/*.json --out results/zeroshot/smollm2.json
 python benchmarks/zeroshot_table.py --limit 50 ...   # a subset (the table says so)
 
-Methods run one at a time and the record is rewritten after each, so a run that is
-stopped loses only the method in progress; run the same command again and the methods
-already in ``--out`` (same tasks, limit, formats and settings) are kept, not re-run.
+Methods run one at a time and the record is rewritten after each; with ``--resume-dir``
+(default ``<out>-requests/``) every answer is kept as it is scored, so a stopped run loses
+nothing. Run the same command again and the methods already in ``--out`` (same tasks,
+limit, formats and settings) are kept, not re-run; ``--merge-from`` takes rows from the
+records of other runs the same way (one process per method on a machine with more cores,
+then one table).
 
 ``--ppl-from`` takes earlier ``torq run`` records: a method whose full-test perplexity was
 measured there with the same formats and settings reuses it (the row names its source)
@@ -70,6 +73,13 @@ def main() -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/zeroshot/table.json")
     p.add_argument(
+        "--merge-from",
+        nargs="*",
+        default=[],
+        help="records of earlier runs of this script (one method each, say): their rows with "
+        "the same tasks and settings are taken as they are",
+    )
+    p.add_argument(
         "--resume-dir",
         default=None,
         help="where each method's answers and perplexity windows are kept as they are "
@@ -101,20 +111,34 @@ def main() -> None:
     out = Path(args.out)
     done: dict[str, dict[str, Any]] = {}
     record: dict[str, Any] | None = None
+    template: dict[str, Any] | None = None  # the first record read: the frame of a table
+    merged_commands: list[str] = []
     if out.exists():
         record = json.loads(out.read_text())
+    for source in [out] * out.exists() + [Path(m) for m in args.merge_from]:
+        other = json.loads(source.read_text())
+        template = template or other
         same = (
-            record["eval"]["zeroshot_tasks"] == base.tasks
-            and record["eval"]["zeroshot_limit"] == base.task_limit
-            and record["config"]["max_windows"] == base.max_windows
+            other["eval"]["zeroshot_tasks"] == base.tasks
+            and other["eval"]["zeroshot_limit"] == base.task_limit
+            and other["config"]["max_windows"] == base.max_windows
         )
-        for row in record["rows"] if same else []:
-            if row.get("key") == setting_key(base_dict, row["method"]):
-                done[row["method"]] = row
-        print(f"resuming {out}: kept {', '.join(done) or 'nothing'}")
+        kept = []
+        for row in other["rows"] if same else []:
+            if row["method"] not in done and row.get("key") == setting_key(
+                base_dict, row["method"]
+            ):
+                done[row["method"]] = {**row, "row_source": str(source)}
+                kept.append(row["method"])
+        print(f"from {source}: kept {', '.join(kept) or 'nothing'}")
+        if kept and source != out:
+            merged_commands.extend(other.get("commands") or [other.get("command", "")])
     loaded = None
     rows: list[dict[str, Any]] = []
     commands = list(record.get("commands", [])) if record else []
+    for c in merged_commands:
+        if c not in commands:
+            commands.append(c)
     commands.append(command_line())
     for method in methods:
         if method in done:
@@ -133,8 +157,11 @@ def main() -> None:
         record = {**result, "rows": rows, "commands": commands, "complete": False}
         record["eval"]["n_windows"] = _windows(rows, result)
         _write(out, record)
-    assert record is not None
+    record = record or template
+    if record is None:
+        raise SystemExit("no methods to run")
     record = {**record, "rows": rows, "commands": commands, "complete": True}
+    record["eval"]["n_windows"] = _windows(rows, record)
     path = _write(out, record)
     figure = accuracy_perplexity_figure(record, path.with_suffix(".png"))
     print(f"wrote {figure}")
