@@ -15,7 +15,9 @@ it, else ``acc``; :func:`headline_scores` does the same and adds the average.
 
 from __future__ import annotations
 
+import json
 import socket
+import sqlite3
 import tempfile
 import threading
 import time
@@ -27,6 +29,8 @@ import torch
 
 from torq.errors import TorqError
 from torq.eval.data import DATA_DIR_ENV, resolve_data_dir
+from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
+from torq.results import now_iso
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,7 @@ def evaluate_zeroshot(
         cache_db = None
         if request_cache is not None:
             cache_info = open_request_cache(Path(request_cache), model, tokenizer)
-            cache_db = str(Path(request_cache) / "requests")
+            cache_db = str(Path(request_cache) / CACHE_STEM)
         t0 = time.perf_counter()
         heartbeat = None if request_cache is None else _Heartbeat(Path(request_cache), t0)
         try:
@@ -266,7 +270,7 @@ def evaluate_zeroshot(
                 heartbeat.stop()
             # lm-eval's CachingLM leaves its SQLite writer thread open; close it here
             db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
-            if cache_db is not None and db is not None:
+            if db is not None:
                 db.close()
         seconds = time.perf_counter() - t0
     if out is None:
@@ -289,11 +293,16 @@ HEARTBEAT_SECONDS = 60.0
 FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
 
 
+CACHE_STEM = "requests"  # lm-eval's CachingLM adds "_rank<N>.db"
+
+
+def _answers_db(root: Path) -> Path:
+    return root / f"{CACHE_STEM}_rank0.db"
+
+
 def _cache_entries(db: Path) -> int:
     if not db.is_file():
         return 0
-    import sqlite3
-
     con = sqlite3.connect(db)
     try:
         return int(con.execute("SELECT COUNT(*) FROM unnamed").fetchone()[0])
@@ -306,11 +315,6 @@ def _cache_entries(db: Path) -> int:
 def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
     """Check (or claim) ``root`` for ``model`` (:mod:`torq.eval.resume`); log the session's
     start in ``meta.json``."""
-    import json
-
-    from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
-    from torq.results import now_iso
-
     root.mkdir(parents=True, exist_ok=True)
     meta_path = root / "meta.json"
     ids = tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
@@ -319,7 +323,7 @@ def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> di
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         check_fingerprint(meta["fingerprint"], fingerprint, root)
-    before = _cache_entries(root / "requests_rank0.db")
+    before = _cache_entries(_answers_db(root))
     meta["sessions"].append({"started": now_iso(), "entries_before": before})
     write_json_atomic(meta_path, meta)
     return {"dir": str(root), "entries_before": before}
@@ -337,16 +341,12 @@ class _Heartbeat(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        import json
-
-        from torq.eval.resume import write_json_atomic
-
         while not self._halt.wait(self.every):
             meta_path = self.root / "meta.json"
             meta = json.loads(meta_path.read_text())
             meta["sessions"][-1].update(
                 seconds_so_far=time.perf_counter() - self.t0,
-                entries_so_far=_cache_entries(self.root / "requests_rank0.db"),
+                entries_so_far=_cache_entries(_answers_db(self.root)),
             )
             write_json_atomic(meta_path, meta)
 
@@ -357,14 +357,9 @@ class _Heartbeat(threading.Thread):
 
 def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dict[str, Any]:
     """Log the finished session in ``meta.json``; the record's summary of the cache."""
-    import json
-
-    from torq.eval.resume import write_json_atomic
-    from torq.results import now_iso
-
     meta_path = root / "meta.json"
     meta = json.loads(meta_path.read_text())
-    after = _cache_entries(root / "requests_rank0.db")
+    after = _cache_entries(_answers_db(root))
     meta["sessions"][-1].update(finished=now_iso(), seconds=seconds, entries_after=after)
     write_json_atomic(meta_path, meta)
     return {**info, "entries_after": after, "sessions": meta["sessions"]}
