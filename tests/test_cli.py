@@ -267,3 +267,75 @@ def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_pat
     again = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert again[0]["ppl"] == pytest.approx(first[0]["ppl"] * math.exp(63.0 / (3 * 63)))
     assert again[1]["ppl"] == pytest.approx(first[1]["ppl"])
+
+
+def test_run_reloads_its_kept_quantized_model(
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch, capsys
+) -> None:
+    """With ``--resume-dir`` each quantized model is kept: a restart reloads it, without
+    quantizing again, and measures the same; ``--no-keep-models`` keeps none."""
+    import json
+
+    from torq.methods import registry
+
+    calls: list[str] = []
+    original = registry.get_method
+
+    def counting(name: str):
+        method = original(name)
+        apply = method.apply
+
+        def counted(model, qconfig, ctx):
+            calls.append(name)
+            return apply(model, qconfig, ctx)
+
+        monkeypatch.setattr(method, "apply", counted)
+        return method
+
+    monkeypatch.setattr("torq.pipeline.get_method", counting)
+    corpus = tmp_path / "calib.txt"
+    corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
+    keep = tmp_path / "keep"
+    args = [
+        "run", "--model", str(tiny_checkpoint), "--methods", "fp,had32,torq",
+        "--seqlen", "64", "--max-windows", "2", "--data-dir", str(tiny_data_dir),
+        "--calib-corpus", str(corpus), "--calib-samples", "2", "--calib-seqlen", "32",
+        "--max-iter", "1", "--reservoir", "16", "--no-progress", "--resume-dir", str(keep),
+    ]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a.json")]) == 0
+    assert calls == ["fp", "had32", "torq"]
+    kept = sorted(p.parent.name.split("-")[0] for p in keep.glob("*/*/quantized-model.pt"))
+    assert kept == ["had32", "torq"]  # the float model is not copied
+    first = json.loads((tmp_path / "a.json").read_text())["rows"]
+    # drop the kept windows, so the second run measures its reloaded models again
+    for p in keep.glob("*/*/ppl-*.json"):
+        p.unlink()
+    calls.clear()
+    assert main([*args, "--out", str(tmp_path / "b.json")]) == 0
+    assert calls == ["fp"]
+    again = json.loads((tmp_path / "b.json").read_text())["rows"]
+    for a, b in zip(first, again, strict=True):
+        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5), a["method"]
+    for a, b in zip(first[1:], again[1:], strict=True):  # the calibration cost it had
+        assert b["quantize_seconds"] == pytest.approx(a["quantize_seconds"])
+    assert again[2]["details"]["kept_model"]["reloaded"] is True
+    assert first[2]["details"]["kept_model"]["reloaded"] is False
+
+    # a kept model that computes something else is refused, not used
+    info_path = next(keep.glob("*/torq-*/quantized-model.json"))
+    info = json.loads(info_path.read_text())
+    info["fingerprint"] = [v + 1.0 for v in info["fingerprint"]]
+    info_path.write_text(json.dumps(info))
+    code = main([*args, "--out", str(tmp_path / "c.json")])
+    assert code == 2
+    assert "no longer computes what it did when it was kept" in capsys.readouterr().err
+    partial = json.loads((tmp_path / "c.json").read_text())  # saved after each method
+    assert not partial["complete"]
+    assert [r["method"] for r in partial["rows"]] == ["fp", "had32"]
+
+    calls.clear()
+    other = tmp_path / "other"
+    argv = [*args[:-1], str(other), "--no-keep-models", "--out", str(tmp_path / "d.json")]
+    assert main(argv) == 0
+    assert calls == ["fp", "had32", "torq"]
+    assert not list(other.glob("*/*/quantized-model.pt"))

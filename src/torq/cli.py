@@ -131,7 +131,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="keep each method's perplexity windows and zero-shot answers in DIR as they are "
-        "measured; the same command again after a stop measures only what is missing",
+        "measured, and each quantized model; the same command again after a stop reloads the "
+        "model instead of calibrating again and measures only what is missing",
+    )
+    run.add_argument(
+        "--no-keep-models",
+        action="store_true",
+        help="with --resume-dir, keep the measurements but not the quantized models",
     )
     run.add_argument(
         "--max-windows", type=_positive_int, default=None, help="evaluate only the first N windows"
@@ -289,6 +295,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         seed=args.seed,
         resume_dir=args.resume_dir,
+        keep_models=not args.no_keep_models,
         torq=torq_settings,
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
         device=args.device,

@@ -22,6 +22,7 @@ import torch
 from torq.errors import TorqError
 from torq.eval.data import load_wikitext2_test
 from torq.eval.perplexity import perplexity, windows_from_text
+from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel, load
@@ -57,6 +58,9 @@ class RunConfig:
     # answers), a sub-directory per method and setting (:func:`method_resume_dir`): the same
     # run again after a stop measures only what is missing
     resume_dir: str | None = None
+    # with a resume directory, also keep each quantized model there, so that a restart
+    # reloads it instead of calibrating again (:func:`torq.eval.resume.keep_model`)
+    keep_models: bool = True
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
@@ -108,20 +112,48 @@ def run(
 
     rows: list[MethodRow] = []
     for method in methods:
-        model = loaded.model if not method.quantizes else copy.deepcopy(loaded.model)
-        t0 = time.perf_counter()
-        ctx = MethodContext(
-            tokenizer=loaded.tokenizer,
-            options={
-                "torq_settings": config.torq,
-                "gptq_config": config.gptq,
-                "data_dir": config.data_dir,
-                "progress": progress,
-            },
-        )
-        details = method.apply(model, qconfig, ctx)
-        t_quant = time.perf_counter() - t0
         resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
+        keep = resume is not None and method.quantizes and config.keep_models
+        kept = None
+        if keep:
+            kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer), device)  # type: ignore[arg-type]
+        if kept is not None:
+            model, info = kept
+            details = info["details"]
+            # the row reports what the calibration cost when it ran, and says it was reloaded
+            t_quant = float(info["quantize_seconds"])
+            details["kept_model"] = {"reloaded": True, "load_seconds": info["load_seconds"]}
+        else:
+            model = loaded.model if not method.quantizes else copy.deepcopy(loaded.model)
+            t0 = time.perf_counter()
+            ctx = MethodContext(
+                tokenizer=loaded.tokenizer,
+                options={
+                    "torq_settings": config.torq,
+                    "gptq_config": config.gptq,
+                    "data_dir": config.data_dir,
+                    "progress": progress,
+                },
+            )
+            details = method.apply(model, qconfig, ctx)
+            t_quant = time.perf_counter() - t0
+            if keep:
+                t0 = time.perf_counter()
+                keep_model(
+                    resume,  # type: ignore[arg-type]
+                    model,
+                    fingerprint_ids(loaded.tokenizer),
+                    {
+                        "method": method.name,
+                        "setting_key": setting_key(asdict(config), method.name),
+                        "quantize_seconds": t_quant,
+                        "details": details,
+                    },
+                )
+                details["kept_model"] = {
+                    "reloaded": False,
+                    "save_seconds": time.perf_counter() - t0,
+                }
         res = (
             None
             if windows is None

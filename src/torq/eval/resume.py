@@ -6,20 +6,32 @@ fingerprint*: the model's last-position logits on a fixed input, at 64 fixed voc
 entries. Thread counts and float rounding move them by far less than
 :data:`FINGERPRINT_TOL`; another method, setting or calibration moves them by far more, and
 such a directory is refused instead of mixing two models' numbers.
+
+A method's directory can also keep the quantized model itself (:func:`keep_model`), so that
+a restart skips the calibration (TORQ's rotations and GPTQ take minutes to an hour here).
+It is a private cache, pickled whole with ``torch.save``: it holds torq's quantized modules,
+which no checkpoint format of transformers describes, and is read back only from the
+directory that this code wrote.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from torq.errors import TorqError
 
 FINGERPRINT_TOL = 0.05
+FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
+MODEL_FILE = "quantized-model.pt"
+MODEL_INFO = "quantized-model.json"  # written last: a model file without it is incomplete
 
 
 @torch.no_grad()
@@ -49,3 +61,65 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def fingerprint_ids(tokenizer: Any) -> torch.Tensor:
+    """The fixed input of every logits fingerprint, as ``[1, T]`` token ids."""
+    return tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
+
+
+def keep_model(root: Path, model: nn.Module, input_ids: torch.Tensor, info: dict[str, Any]) -> Path:
+    """Keep the quantized ``model`` in ``root`` with ``info`` (JSON) and its logits
+    fingerprint; both files are written under temporary names and renamed, the model first,
+    so a stop never leaves a model that :func:`load_kept_model` would take."""
+    root.mkdir(parents=True, exist_ok=True)
+    for module in model.modules():  # activation caches hold weak references: drop them
+        clear = getattr(module, "clear_cache", None)
+        if callable(clear):
+            clear()
+    path = root / MODEL_FILE
+    (root / MODEL_INFO).unlink(missing_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(model, tmp)
+    os.replace(tmp, path)
+    info = {
+        **json.loads(json.dumps(info, default=str)),
+        "fingerprint": logits_fingerprint(model, input_ids),
+        "torch": torch.__version__,
+    }
+    write_json_atomic(root / MODEL_INFO, info)
+    return path
+
+
+def load_kept_model(
+    root: Path, input_ids: torch.Tensor, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, dict[str, Any]] | None:
+    """The model :func:`keep_model` kept in ``root`` and its info (with ``"load_seconds"``),
+    or ``None`` when there is none or it cannot be read here (a warning says why: the
+    caller quantizes again). A model that reads back but computes something else than it
+    did when it was kept (its fingerprint, :data:`FINGERPRINT_TOL`) is refused."""
+    path, info_path = root / MODEL_FILE, root / MODEL_INFO
+    if not (path.is_file() and info_path.is_file()):
+        return None
+    t0 = time.perf_counter()
+    try:
+        info = json.loads(info_path.read_text())
+        # our own pickle, from the directory this code wrote (module docstring)
+        model = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # another torch or transformers, a damaged file
+        warnings.warn(f"{path} could not be read back ({exc}); quantizing again", stacklevel=2)
+        return None
+    if not isinstance(model, nn.Module):
+        warnings.warn(f"{path} holds no model; quantizing again", stacklevel=2)
+        return None
+    model.to(device)
+    model.eval()
+    stored, current = info["fingerprint"], logits_fingerprint(model, input_ids)
+    diff = max((abs(a - b) for a, b in zip(stored, current, strict=False)), default=0.0)
+    if len(stored) != len(current) or diff > FINGERPRINT_TOL:
+        raise TorqError(
+            f"{path} no longer computes what it did when it was kept (its logits differ by "
+            f"{diff:.3g}); remove it to quantize again"
+        )
+    info["load_seconds"] = time.perf_counter() - t0
+    return model, info

@@ -29,7 +29,12 @@ import torch
 
 from torq.errors import TorqError
 from torq.eval.data import DATA_DIR_ENV, resolve_data_dir
-from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
+from torq.eval.resume import (
+    check_fingerprint,
+    fingerprint_ids,
+    logits_fingerprint,
+    write_json_atomic,
+)
 from torq.results import now_iso
 
 
@@ -290,7 +295,6 @@ def evaluate_zeroshot(
 
 
 HEARTBEAT_SECONDS = 60.0
-FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
 
 
 CACHE_STEM = "requests"  # lm-eval's CachingLM adds "_rank<N>.db"
@@ -317,8 +321,7 @@ def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> di
     start in ``meta.json``."""
     root.mkdir(parents=True, exist_ok=True)
     meta_path = root / "meta.json"
-    ids = tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
-    fingerprint = logits_fingerprint(model, ids)
+    fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
     meta: dict[str, Any] = {"fingerprint": fingerprint, "sessions": []}
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
