@@ -113,10 +113,10 @@ def run(
     rows: list[MethodRow] = []
     for method in methods:
         resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
-        keep = resume is not None and method.quantizes and config.keep_models
+        keep_dir = resume if method.quantizes and config.keep_models else None
         kept = None
-        if keep:
-            kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer), device)  # type: ignore[arg-type]
+        if keep_dir is not None:
+            kept = load_kept_model(keep_dir, fingerprint_ids(loaded.tokenizer), device)
         if kept is not None:
             model, info = kept
             details = info["details"]
@@ -137,10 +137,10 @@ def run(
             )
             details = method.apply(model, qconfig, ctx)
             t_quant = time.perf_counter() - t0
-            if keep:
+            if keep_dir is not None:
                 t0 = time.perf_counter()
                 keep_model(
-                    resume,  # type: ignore[arg-type]
+                    keep_dir,
                     model,
                     fingerprint_ids(loaded.tokenizer),
                     {
