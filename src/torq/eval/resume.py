@@ -44,11 +44,18 @@ def logits_fingerprint(model: torch.nn.Module, input_ids: torch.Tensor) -> list[
     return [float(v) for v in logits[picks]]
 
 
+def fingerprint_distance(stored: list[float], current: list[float]) -> float:
+    """Largest difference between two fingerprints; infinite for another kind of model."""
+    if len(stored) != len(current):
+        return float("inf")
+    return max((abs(a - b) for a, b in zip(stored, current, strict=True)), default=0.0)
+
+
 def check_fingerprint(stored: list[float], current: list[float], where: Path) -> None:
     """Raise unless ``current`` is the model that wrote ``stored`` (within the tolerance)."""
     if len(stored) != len(current):
         raise TorqError(f"{where} was written by another kind of model; remove it")
-    diff = max(abs(a - b) for a, b in zip(stored, current, strict=True))
+    diff = fingerprint_distance(stored, current)
     if diff > FINGERPRINT_TOL:
         raise TorqError(
             f"{where} holds another model's results (its logits differ by {diff:.3g}); "
@@ -114,9 +121,8 @@ def load_kept_model(
         return None
     model.to(device)
     model.eval()
-    stored, current = info["fingerprint"], logits_fingerprint(model, input_ids)
-    diff = max((abs(a - b) for a, b in zip(stored, current, strict=False)), default=0.0)
-    if len(stored) != len(current) or diff > FINGERPRINT_TOL:
+    diff = fingerprint_distance(info["fingerprint"], logits_fingerprint(model, input_ids))
+    if diff > FINGERPRINT_TOL:
         raise TorqError(
             f"{path} no longer computes what it did when it was kept (its logits differ by "
             f"{diff:.3g}); remove it to quantize again"
