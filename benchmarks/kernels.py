@@ -33,7 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save
 from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
 from torq.kernels import linear as kernel_linear
-from torq.kernels.linear import TUNED_CONFIGS, quantize_activation
+from torq.kernels.linear import (
+    TUNED_CONFIGS,
+    dequantize_weight_fp8,
+    quantize_activation,
+    quantize_activation_fp8,
+)
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
 
@@ -111,7 +116,25 @@ DECODE_CANDIDATES = [
     _k(16, 32, 256, split=4, a_mode=0),
     _k(16, 32, 256, split=4, kind="dot_scaled", a_mode=0),
 ]
+
+
+def _f(bm, bk, w_tile=(32, 256), warps=4, fast=False) -> KernelConfig:
+    return KernelConfig(bm, 0, bk, 1, warps, 3, "fp8_gemm", w_tile=w_tile, fast_accum=fast)
+
+
 PREFILL_CANDIDATES = [
+    # FP8 path: E4M3 operands with power-of-two row scales, the row-scaled FP8 GEMM
+    # one activation row per program, read once (block_k ≥ K); exact and fast accumulation
+    _f(1, 4096, (32, 512), warps=8),
+    _f(1, 4096, (32, 512), warps=8, fast=True),
+    _f(1, 16384, (32, 512), warps=8),
+    _f(1, 16384, (32, 512), warps=8, fast=True),
+    _f(1, 4096, (32, 256), warps=8),
+    _f(1, 16384, (32, 256), warps=8),
+    _f(1, 4096, (8, 1024), warps=8),
+    _f(1, 4096),
+    _f(4, 1024),  # four rows per program, two passes over each row
+    # bf16 path: MXFP4 values in bf16, the bf16 GEMM (and hand-written tensor-core kernels)
     _k(0, 0, 32, kind="dequant_gemm"),
     _k(32, 256, 32, kind="dequant_gemm", a_mode=1),
     _k(16, 512, 32, kind="dequant_gemm", a_mode=1),
@@ -218,9 +241,9 @@ def sweep(
         )
         tried.append({"config": cfg.__dict__, "seconds": t, "rel_err": err, "ok": ok})
         print(
-            f"  {label} {cfg.kind} a{cfg.a_mode} bn{cfg.block_n} bk{cfg.block_k} "
-            f"s{cfg.split_k} w{cfg.num_warps} pf{int(cfg.prefetch)} "
-            f"pdl{int(cfg.pdl)}: "
+            f"  {label} {cfg.kind} a{cfg.a_mode} bm{cfg.block_m} bn{cfg.block_n} "
+            f"bk{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} pf{int(cfg.prefetch)} "
+            f"pdl{int(cfg.pdl)} wt{cfg.w_tile} fa{int(cfg.fast_accum)}: "
             f"{t * 1e6:.1f} us err {err:.1e}{'' if ok else ' WRONG'}",
             flush=True,
         )
@@ -299,6 +322,22 @@ def decode_and_prefill(
         out["configs"][f"prefill {k}->{n}"] = triedp
         TUNED_CONFIGS[(m, n, k)] = bestp[1]
         t_pre = graph_time([(lambda xx=xx: quantize_activation(xx)) for xx in xs])
+        ok_tries = [t for t in triedp if t.get("ok")]
+        bf16_path = min(
+            (t["seconds"] for t in ok_tries if t["config"]["kind"] != "fp8_gemm"), default=None
+        )
+        fp8_path = min(
+            (t["seconds"] for t in ok_tries if t["config"]["kind"] == "fp8_gemm"), default=None
+        )
+        fp8_exact_path = min(
+            (
+                t["seconds"]
+                for t in ok_tries
+                if t["config"]["kind"] == "fp8_gemm" and not t["config"]["fast_accum"]
+            ),
+            default=None,
+        )
+        parts = fp8_parts(xs, w_packed[:2], bestp[1], ref_p) if bestp[1].kind == "fp8_gemm" else {}
         out["prefill"].append(
             {
                 "shape": f"{k}->{n}",
@@ -307,6 +346,13 @@ def decode_and_prefill(
                 "mxfp4_us": bestp[0] * 1e6,
                 "ratio_bf16_over_mxfp4": t_bf16 / bestp[0],
                 "prepass_us": t_pre * 1e6,
+                "bf16_path_us": None if bf16_path is None else bf16_path * 1e6,
+                "fp8_path_us": None if fp8_path is None else fp8_path * 1e6,
+                "fp8_exact_accum_path_us": None if fp8_exact_path is None else fp8_exact_path * 1e6,
+                "ratio_bf16_over_fp8_exact_accum": None
+                if fp8_exact_path is None
+                else t_bf16 / fp8_exact_path,
+                **parts,
                 "bf16_tflops": 2 * m * n * k / t_bf16 / 1e12,
                 "mxfp4_tflops": 2 * m * n * k / bestp[0] / 1e12,
                 "rel_err_vs_reference": bestp[2],
@@ -317,6 +363,40 @@ def decode_and_prefill(
         del w_float, w_packed
         torch.cuda.empty_cache()
     return out
+
+
+def fp8_parts(
+    xs: list[torch.Tensor], ws: list[MXFP4Weight], cfg: KernelConfig, ref: torch.Tensor
+) -> dict[str, float]:
+    """The FP8 path's three steps timed alone (µs): activation pre-pass, weight decode, GEMM;
+    and the GEMM's error against the reference rounded to bf16, with and without the fast
+    (tensor-core only) accumulation."""
+    a_tile, warps = (cfg.block_m, cfg.block_k), cfg.num_warps
+    acts = [quantize_activation_fp8(x, None, a_tile, warps) for x in xs]
+    dec = [dequantize_weight_fp8(w, cfg.w_tile, warps) for w in ws]
+
+    def gemm(a: tuple[torch.Tensor, ...], d: tuple[torch.Tensor, ...], fast: bool) -> torch.Tensor:
+        return torch._scaled_mm(
+            a[0], d[0].T, a[1], d[1], out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
+
+    ref_bf16 = ref.bfloat16().float()
+    res = {
+        f"fp8_gemm_err_vs_bf16_ref_fast{int(fast)}": rel_err(
+            gemm(acts[0], dec[0], fast).float(), ref_bf16
+        )
+        for fast in (False, True)
+    }
+    res["fp8_act_prepass_us"] = 1e6 * graph_time(
+        [(lambda x=x: quantize_activation_fp8(x, None, a_tile, warps)) for x in xs]
+    )
+    res["fp8_weight_decode_us"] = 1e6 * graph_time(
+        [(lambda w=w: dequantize_weight_fp8(w, cfg.w_tile, warps)) for w in ws]
+    )
+    res["fp8_gemm_us"] = 1e6 * graph_time(
+        [(lambda a=a, d=d: gemm(a, d, cfg.fast_accum)) for a, d in zip(acts, dec, strict=True)]
+    )
+    return res
 
 
 def _torq_rotation(k: int, gen: torch.Generator) -> BlockRotation:
@@ -573,14 +653,29 @@ def markdown(rec: dict[str, Any]) -> str:
         "",
         "#### Prefill, 2048 tokens",
         "",
-        "| K→N | bf16 µs | MXFP4 µs | bf16/MXFP4 | pre-pass µs | bf16 TFLOP/s | MXFP4 TFLOP/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| K→N | bf16 µs | MXFP4 µs | bf16/MXFP4 | path | FP8 path µs (act / weight / GEMM) "
+        "| FP8, exact accumulation µs | bf16-values path µs | bf16 TFLOP/s | MXFP4 TFLOP/s "
+        "| rel. err |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def us(v: float | None) -> str:
+        return "–" if v is None else f"{v:.0f}"
+
     for r in rec["prefill"]:
+        parts = (
+            f" ({r['fp8_act_prepass_us']:.0f} / {r['fp8_weight_decode_us']:.0f} / "
+            f"{r['fp8_gemm_us']:.0f})"
+            if "fp8_gemm_us" in r
+            else ""
+        )
         lines.append(
             f"| {r['shape']} | {r['bf16_us']:.0f} | {r['mxfp4_us']:.0f} | "
-            f"{r['ratio_bf16_over_mxfp4']:.2f}× | {r['prepass_us']:.0f} | "
-            f"{r['bf16_tflops']:.0f} | {r['mxfp4_tflops']:.0f} |"
+            f"{r['ratio_bf16_over_mxfp4']:.2f}× | {r['config']['kind']} | "
+            f"{us(r.get('fp8_path_us'))}{parts} | {us(r.get('fp8_exact_accum_path_us'))} | "
+            f"{us(r.get('bf16_path_us'))} | "
+            f"{r['bf16_tflops']:.0f} | {r['mxfp4_tflops']:.0f} | "
+            f"{r['rel_err_vs_reference']:.1e} |"
         )
     if rec.get("transform"):
         lines += [
@@ -648,7 +743,7 @@ def main() -> None:
         "copy_bandwidth_GBps": bw_copy / 1e9,
     }
     print(rec, flush=True)
-    batches = tuple(int(b) for b in args.batches.split(","))
+    batches = tuple(int(b) for b in args.batches.split(",") if b)
     rec.update(decode_and_prefill(bw, args.quick, batches, not args.skip_prefill))
     if not args.skip_transform:
         rec["transform"] = transform_cost()

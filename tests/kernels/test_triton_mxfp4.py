@@ -402,6 +402,120 @@ def test_gemv_rows_config_validation() -> None:
         KernelConfig(2, 16, 64, split_k=2, kind="gemv_i8", a_mode=1)
 
 
+@pytest.mark.parametrize(("m", "k"), [(1, 32), (6, 96), (9, 1000)])
+def test_fp8_activation_prepass(m: int, k: int) -> None:
+    """E4M3 values times the row scale are the MXFP4 values exactly for every block within
+    2**14 of its row's largest; smaller blocks (these rows span 2**20) are within half an
+    E4M3 subnormal step; NaN blocks stay NaN; every element is written."""
+    from torq.kernels.linear import quantize_activation_fp8
+
+    gen = torch.Generator().manual_seed(m + k)
+    x = _special_activation(m, k, gen)
+    values, scale = quantize_activation_fp8(x.to(DEVICE), block=(2, 64))
+    assert values.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (m, 1)
+    got = (values.float().cpu() * scale.cpu())[:, :k]
+    ref = fake_quantize(x, get_format("mxfp4"))
+    assert torch.equal(got.isnan(), ref.isnan())
+    pad = values.float().cpu()[:, k:]  # zero, or NaN in a NaN block
+    assert ((pad == 0) | (pad.isnan() & ref[:, -1:].isnan())).all()
+    packed = quantize(x, get_format("mxfp4"))
+    exponents = packed.scales.to(torch.int32) - 127
+    finite = packed.scales != 255
+    rows = torch.where(finite, exponents, -200).amax(dim=1).clamp(min=-120)
+    near = (exponents >= rows[:, None] - 14).repeat_interleave(32, dim=1)[:, :k]
+    ok = ~ref.isnan()
+    assert torch.equal(got[ok & near], ref[ok & near])
+    step = torch.ldexp(torch.ones(m, 1), rows[:, None] - 6 - 9)  # a subnormal step, scaled
+    far = ok & ~near
+    assert ((got - ref).abs() <= step / 2)[far].all()
+    assert far.any() or k < 64
+
+
+def test_fp8_weight_decode_and_exactness_check() -> None:
+    from torq.kernels.linear import dequantize_weight_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 100, generator=gen) * 0.1
+    w[5, :32] *= 1e-3  # a 2**10 spread: still exact
+    weight = MXFP4Weight.from_float(w)
+    assert weight.fp8_exact
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 100)
+    values, scale = dequantize_weight_fp8(dev_weight, block=(16, 64))
+    assert torch.equal((values.float() * scale.T).cpu()[:, :100], weight.dequantize())
+    assert torch.equal(values.float().cpu()[:, 100:], torch.zeros(40, 28))
+    w[7, 32:64] *= 1e-6  # a 2**20 spread: E4M3 cannot hold row 7 with one row scale
+    assert not MXFP4Weight.from_float(w).fp8_exact
+    assert MXFP4Weight(weight.codes, weight.scales, 100).fp8_rows()[2]  # derived lazily
+
+
+FP8_RTOL = 4e-3 if DEVICE == "cuda" else FP32_ACCUMULATION_RTOL  # bf16 output on CUDA
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (5, 48, 100), (37, 64, 224)])
+@pytest.mark.parametrize("with_transform", [False, True])
+def test_fp8_prefill_matches_reference(m: int, n: int, k: int, with_transform: bool) -> None:
+    """The FP8 path against the fake-quant reference: exact products, so float32 accuracy
+    in the interpreter and the bf16 output's rounding on a GPU."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    weight = MXFP4Weight.from_float(torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    t = _signed_permutation(gen) if with_transform and k % 32 == 0 else None
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), k)
+    cfg = KernelConfig(2, 0, 64, kind="fp8_gemm", w_tile=(16, 64))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    y = mxfp4_linear(
+        x.to(DEVICE, dtype),
+        dev_weight,
+        bias.to(DEVICE),
+        None if t is None else t.to(DEVICE),
+        backend="triton",
+        config=cfg,
+    )
+    assert y.dtype == dtype and not torch.isnan(y).any()
+    ref = reference_linear(x.to(dtype).float(), weight, bias, t)
+    assert _rel_err(y.float().cpu(), ref) < FP8_RTOL
+
+
+def test_fp8_prefill_refuses_and_falls_back() -> None:
+    """An explicit FP8 launch on a weight it cannot hold exactly is refused; the automatic
+    prefill choice falls back to the bf16 path and stays exact."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 64, generator=gen)
+    w[3, 32:] *= 1e-7
+    weight = MXFP4Weight.from_float(w)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 64)
+    x = torch.randn(300, 64, generator=gen)
+    with pytest.raises(ValueError, match="fp8_gemm cannot run here"):
+        mxfp4_linear(
+            x.to(DEVICE),
+            dev_weight,
+            backend="triton",
+            config=KernelConfig(4, 0, 64, kind="fp8_gemm"),
+        )
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, backend="triton")  # 300 tokens: prefill
+    assert _rel_err(y.cpu(), reference_linear(x, weight)) < FP32_ACCUMULATION_RTOL
+    odd = MXFP4Weight.from_float(torch.randn(40, 64, generator=gen))
+    from torq.kernels.linear import fp8_prefill_usable
+
+    assert "divisible by 16" in str(fp8_prefill_usable(x.to(DEVICE), odd))
+
+
+def test_packed_layer_refreshes_fp8_rows_on_load() -> None:
+    """The FP8 row shifts are derived, not saved: loading another layer's weights must
+    recompute them (stale shifts would scale rows wrongly)."""
+    gen = torch.Generator().manual_seed(8)
+    a = PackedMXFP4Linear.from_linear(nn.Linear(64, 32, bias=False))
+    b_lin = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        b_lin.weight.mul_(1e3 * torch.rand(32, 1, generator=gen))
+    b = PackedMXFP4Linear.from_linear(b_lin)
+    assert not torch.equal(a.fp8_row_exponents, b.fp8_row_exponents)
+    b.load_state_dict(a.state_dict())
+    assert "fp8_row_exponents" not in a.state_dict()
+    assert torch.equal(b.fp8_row_exponents, a.fp8_row_exponents) and b.fp8_exact
+
+
 def test_default_launch_per_token_count() -> None:
     """1 token: the integer GEMV; 2–4: its multi-token form; more: the tensor-core and
     prefill paths."""
@@ -412,4 +526,8 @@ def test_default_launch_per_token_count() -> None:
     assert (picks[2].kind, picks[2].block_m) == ("gemv_i8", 2)
     assert (picks[3].block_m, picks[4].block_m) == (4, 4)
     assert picks[5].kind == "dot"
-    assert picks[300].kind == "dequant_gemm"
+    assert picks[300].kind == "fp8_gemm"
+    assert picks[300].block_k == 4096  # one activation tile per row
+    assert default_config(300, 4096, 14336, False).block_k == 16384
+    assert default_config(300, 64, 100, False).block_k == 128
+    assert default_config(300, 64, 40000, False).block_k == 16384  # two passes over K

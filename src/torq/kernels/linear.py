@@ -4,11 +4,12 @@
 scale byte per 32 inputs) and computes ``y = Q(T x) · Q(W')ᵀ + b`` (the paper's
 Algorithm 3, option B). On a CUDA device it runs the Triton kernels of
 :mod:`torq.kernels.triton_mxfp4`: for one token an int8 pre-pass (with TORQ's online
-transform fused in, when the layer has one) and an integer ``dp4a`` GEMV; for 2–255
-tokens a tensor-core matmul; for more, the weight decoded to a bf16 scratch copy and the
-vendor GEMM. On a CPU it runs the reference: :func:`torq.formats.fake_quantize` on the
-activation and the dequantized weight, which is the same arithmetic, so the same model
-code runs everywhere.
+transform fused in, when the layer has one) and an integer ``dp4a`` GEMV (2–4 tokens:
+the same GEMV on several rows); for 5–255 tokens a tensor-core matmul; for more, both
+operands' MXFP4 values as E4M3 with power-of-two row scales and the vendor's FP8 GEMM
+(exact; GPUs with FP8 tensor cores), else as bf16 and the vendor's bf16 GEMM. On a CPU
+it runs the reference: :func:`torq.formats.fake_quantize` on the activation and the
+dequantized weight, which is the same arithmetic, so the same model code runs everywhere.
 """
 
 from __future__ import annotations
@@ -29,18 +30,24 @@ from torq.rotations.transform import BlockRotation
 BLOCK = 32
 # Up to this many tokens the default is a decode launch (1–4 tokens: gemv_i8).
 DECODE_MAX_TOKENS = 16
-# From this many tokens the default is the prefill path (a bf16 scratch copy of the weight
-# and the vendor GEMM). Between the two the tensor-core decode launch is used; this
-# boundary is an estimate (the scratch decode costs about as much as the decode launch at
-# a few hundred tokens), not a measurement.
+# From this many tokens the default is the prefill path (the operands' MXFP4 values as
+# E4M3 or bf16 and the vendor GEMM). Between the two the tensor-core decode launch is
+# used; this boundary is an estimate (the scratch decode costs about as much as the
+# decode launch at a few hundred tokens), not a measurement.
 PREFILL_MIN_TOKENS = 256
 # Scale bytes above this (block amax >= 2**115) overflow the kernel's bf16 decode.
 MAX_KERNEL_SCALE_BYTE = 240
+# FP8 prefill path: a row is written as Q(row) · 2**(FP8_ROW_HEADROOM − r), r its largest
+# block exponent (at least FP8_MIN_ROW_EXPONENT); E4M3 holds it exactly when its block
+# exponents lie within FP8_EXACT_SPAN of r (triton_mxfp4 repeats the first two).
+FP8_ROW_HEADROOM = 6
+FP8_MIN_ROW_EXPONENT = -120
+FP8_EXACT_SPAN = 14
 
 Backend = Literal["auto", "triton", "reference"]
 
 
-KERNEL_KINDS = ("gemv_i8", "dequant_gemm", "dot", "dot_scaled")
+KERNEL_KINDS = ("gemv_i8", "fp8_gemm", "dequant_gemm", "dot", "dot_scaled")
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,11 @@ class KernelConfig:
       ``"dequant_gemm"`` (prefill: the weight is decoded to a bf16 scratch buffer and the
       vendor GEMM multiplies it with the activation's MXFP4 values; ``a_mode`` 1 there
       selects K permuted within blocks, and ``block_m`` / ``block_n`` the decode kernel's
-      tile), ``"dot"`` (tensor cores, both operands decoded by hand) or ``"dot_scaled"``
+      tile), ``"fp8_gemm"`` (prefill on GPUs with FP8 tensor cores: both operands'
+      MXFP4 values written as E4M3 with one power-of-two scale per row, multiplied by the
+      vendor's row-scaled FP8 GEMM; ``block_m`` × ``block_k`` is the activation pre-pass's
+      tile, ``w_tile`` the weight decode's, ``fast_accum`` the GEMM's accumulation mode),
+      ``"dot"`` (tensor cores, both operands decoded by hand) or ``"dot_scaled"``
       (tensor cores, the weight through Triton's ``tl.dot_scaled``).
     * ``a_mode``: 0, the matmul quantizes the raw activation itself (one launch); 1, a
       pre-pass packs it and the matmul decodes it; 2, a pre-pass writes its dequantized
@@ -77,6 +88,8 @@ class KernelConfig:
     swap_ab: bool = False
     prefetch: bool = False
     pdl: bool = False
+    w_tile: tuple[int, int] = (32, 256)
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_KINDS:
@@ -109,7 +122,16 @@ GEMV_CONFIG = KernelConfig(
 # set to 2 or 4 by default_config).
 ROWS_CONFIG = replace(GEMV_CONFIG, block_m=4)
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, a_mode=2)
-PREFILL_CONFIG = KernelConfig(block_m=16, block_n=512, block_k=32, kind="dequant_gemm", a_mode=1)
+# Prefill: the FP8 path where it applies (see fp8_prefill_usable), else the bf16 one. One
+# activation row per program, read once (block_k is widened to the row by default_config,
+# up to FP8_ONE_TILE_MAX), and the exact (promoted) accumulation of the FP8 GEMM.
+PREFILL_CONFIG = KernelConfig(
+    block_m=1, block_n=0, block_k=4096, num_warps=8, kind="fp8_gemm", w_tile=(32, 512)
+)
+FP8_ONE_TILE_MAX = 16384
+BF16_PREFILL_CONFIG = KernelConfig(
+    block_m=16, block_n=512, block_k=32, kind="dequant_gemm", a_mode=1
+)
 QUANT_CONFIG = KernelConfig(block_m=32, block_n=0, block_k=128, num_warps=4, num_stages=1)
 
 
@@ -142,7 +164,8 @@ def default_config(
         return replace(ROWS_CONFIG, block_m=2 if tokens == 2 else 4)
     if tokens <= DECODE_MAX_TOKENS or tokens < PREFILL_MIN_TOKENS:
         return DECODE_CONFIG
-    return PREFILL_CONFIG
+    kp = (in_features + BLOCK - 1) // BLOCK * BLOCK
+    return replace(PREFILL_CONFIG, block_k=min(FP8_ONE_TILE_MAX, 1 << (kp - 1).bit_length()))
 
 
 @functools.cache
@@ -183,6 +206,10 @@ class MXFP4Weight:
     codes: torch.Tensor
     scales: torch.Tensor
     in_features: int
+    # FP8 prefill path (fp8_rows): each row's shift r_n (int32 [N]) and whether every
+    # row's values are exact in E4M3 after it; computed on first use when not given.
+    fp8_row_exponents: torch.Tensor | None = None
+    fp8_exact: bool | None = None
 
     @property
     def out_features(self) -> int:
@@ -198,7 +225,32 @@ class MXFP4Weight:
         packed = quantize(weight.detach(), get_format("mxfp4"))
         if int(packed.scales.max()) > MAX_KERNEL_SCALE_BYTE:
             raise ValueError("weight magnitudes of 2**115 or more are outside the kernel's range")
-        return cls(packed.codes.contiguous(), packed.scales.contiguous(), int(weight.shape[1]))
+        packed_weight = cls(
+            packed.codes.contiguous(), packed.scales.contiguous(), int(weight.shape[1])
+        )
+        packed_weight.fp8_rows()
+        return packed_weight
+
+    def fp8_rows(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Row shifts of the FP8 prefill path: ``(r int32 [N], scale float32 [1, N], exact)``.
+
+        ``r_n`` is row ``n``'s largest block exponent (at least −120); the row is written
+        in E4M3 as ``Q(W)_n · 2**(6 − r_n)`` and multiplied back by ``scale_n =
+        2**(r_n − 6)``. E4M3 holds E2M1 values times ``2**j`` exactly for ``j`` in [−8, 6],
+        so the row is exact iff every block holding a nonzero code has a scale of at least
+        ``2**(r_n − 14)``; ``exact`` says whether that holds for every row (checked once per
+        weight, cached)."""
+        if self.fp8_row_exponents is None or self.fp8_exact is None:
+            n = self.out_features
+            exponents = self.scales.to(torch.int32) - 127
+            rows = exponents.amax(dim=1).clamp(min=FP8_MIN_ROW_EXPONENT)
+            nonzero = (self.codes.view(n, -1, 16) & 0x77).ne(0).any(dim=-1)
+            low = exponents < rows[:, None] - FP8_EXACT_SPAN
+            self.fp8_row_exponents = rows.to(torch.int32).contiguous()
+            self.fp8_exact = not bool((low & nonzero).any())
+        rows = self.fp8_row_exponents
+        scale = ((rows - FP8_ROW_HEADROOM + 127) << 23).view(torch.float32).reshape(1, -1)
+        return rows, scale, self.fp8_exact
 
     def to_packed_tensor(self) -> PackedTensor:
         return PackedTensor(
@@ -246,6 +298,17 @@ def reference_linear(
     return out.to(x.dtype)
 
 
+def _activation_2d(
+    x: torch.Tensor, block_transform: torch.Tensor | None
+) -> tuple[torch.Tensor, int, int, int]:
+    """Check a pre-pass input: ``(x contiguous, M, K, Kp)`` with ``Kp`` K padded to 32."""
+    _check_block_transform(block_transform)
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    return x.contiguous(), m, k, (k + BLOCK - 1) // BLOCK * BLOCK
+
+
 def quantize_activation(
     x: torch.Tensor,
     block_transform: torch.Tensor | None = None,
@@ -261,12 +324,7 @@ def quantize_activation(
     block of 32 as its even elements, then its odd ones (see :func:`dequantize_weight`)."""
     from torq.kernels import triton_mxfp4 as tk
 
-    _check_block_transform(block_transform)
-    if x.dim() != 2:
-        raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
-    x = x.contiguous()
-    m, k = x.shape
-    kp = (k + BLOCK - 1) // BLOCK * BLOCK
+    x, m, k, kp = _activation_2d(x, block_transform)
     if values_dtype is not None:
         codes = torch.empty((m, kp), dtype=values_dtype, device=x.device)
         scales = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
@@ -328,6 +386,96 @@ def dequantize_weight(
     return out
 
 
+def quantize_activation_fp8(
+    x: torch.Tensor,
+    block_transform: torch.Tensor | None = None,
+    block: tuple[int, int] = (4, 1024),
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 prefill path's activation pre-pass on ``x [M, K]``: (optional block transform,
+    then) the MXFP4 values ``Q(x)`` (paper eq. 1) as ``float8_e4m3fn [M, Kp]`` times
+    ``2**(6 − r_m)`` and the row scales ``2**(r_m − 6)``, float32 ``[M, 1]``, with ``r_m``
+    the row's largest block exponent: ``values · scale == Q(x)`` exactly for every block
+    whose scale is at least ``2**(r_m − 14)``; the few smaller ones (a token whose blocks
+    span more than 2**14) are rounded onto E4M3's subnormals. ``block``: rows per program
+    and the K tile."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    x, m, k, kp = _activation_2d(x, block_transform)
+    out = torch.empty((m, kp), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    out_bytes = out.view(torch.uint8)
+    t_t = _transposed(block_transform, x.dtype)
+    tk._mx_quantize_fp8_kernel[(tk.cdiv(m, block[0]),)](
+        x,
+        t_t if t_t is not None else x,
+        out_bytes,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        out_bytes.stride(0),
+        HAS_T=t_t is not None,
+        ONE_TILE=kp <= block[1],
+        HW_FP8=not interpreter_enabled(),
+        BM=block[0],
+        BK=block[1],
+        num_warps=num_warps,
+    )
+    return out, scale
+
+
+def dequantize_weight_fp8(
+    weight: MXFP4Weight, block: tuple[int, int] = (32, 256), num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed weight as ``float8_e4m3fn [N, Kp]`` with its row scales ``float32 [1, N]``
+    (:meth:`MXFP4Weight.fp8_rows`): ``values · scale == Q(W)`` exactly when
+    ``fp8_rows()`` says so. ``block``: the decode kernel's (rows, K) tile."""
+    from torq.kernels import triton_mxfp4 as tk
+
+    rows, scale, _ = weight.fp8_rows()
+    n = weight.out_features
+    kp = weight.codes.shape[1] * 2
+    out = torch.empty((n, kp), dtype=torch.float8_e4m3fn, device=weight.codes.device)
+    out_bytes = out.view(torch.uint8)
+    grid = (tk.cdiv(n, block[0]), tk.cdiv(kp, block[1]))
+    tk._mx_weight_fp8_kernel[grid](
+        weight.codes,
+        weight.scales,
+        rows,
+        out_bytes,
+        n,
+        kp,
+        weight.codes.stride(0),
+        weight.scales.stride(0),
+        out_bytes.stride(0),
+        HW_FP8=not interpreter_enabled(),
+        BR=block[0],
+        BK=block[1],
+        num_warps=num_warps,
+    )
+    return out, scale
+
+
+def fp8_prefill_usable(x: torch.Tensor, weight: MXFP4Weight) -> str | None:
+    """Why the FP8 prefill path cannot run on ``x`` and ``weight`` (None: it can).
+
+    It needs FP8 tensor cores (compute capability 8.9 or later) or Triton's interpreter
+    on a CPU, ``torch._scaled_mm``, an output width divisible by 16, and a weight whose
+    rows are exact in E4M3 (:meth:`MXFP4Weight.fp8_rows`)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no _scaled_mm"
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "FP8 tensor cores need compute capability 8.9 or later"
+    if not x.is_cuda and not interpreter_enabled():
+        return "the FP8 path runs on CUDA (or in Triton's interpreter)"
+    if weight.out_features % 16:
+        return f"the FP8 GEMM needs an output width divisible by 16, got {weight.out_features}"
+    if not weight.fp8_rows()[2]:
+        return "a row's block scales span more than 2**14, so E4M3 cannot hold it exactly"
+    return None
+
+
 def _transposed(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None:
         return None
@@ -374,6 +522,13 @@ def mxfp4_linear(
     m = x[..., 0].numel()
     n = weight.out_features
     cfg = config or default_config(m, n, weight.in_features, block_transform is not None)
+    if cfg.kind == "fp8_gemm":
+        reason = fp8_prefill_usable(x, weight)
+        if reason is not None and config is not None:
+            raise ValueError(f"fp8_gemm cannot run here: {reason}")
+        if reason is not None or (x.is_cuda and x.dtype != torch.bfloat16):
+            # automatic choice: bf16 activations only (the FP8 GEMM's output is bf16)
+            cfg = BF16_PREFILL_CONFIG
     fuse_rotation = fusable and cfg.kind == "gemv_i8" and cfg.a_mode == 1
     if rotation is not None and not fuse_rotation:
         x = rotation(x)
@@ -396,6 +551,12 @@ def mxfp4_linear(
             x2, weight, bias, block_transform, cfg, out, rotation if fuse_rotation else None
         )
         return out if result is not None else out.reshape(*lead, n)
+    if cfg.kind in ("fp8_gemm", "dequant_gemm"):  # vendor GEMMs: no copy without `out`
+        y = _launch_vendor_gemm(x2, weight, bias, block_transform, cfg)
+        if out is None:
+            return y.reshape(*lead, n)
+        out.copy_(y)
+        return out
     if cfg.split_k > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     elif out is None:
@@ -621,6 +782,38 @@ def _launch_gemv_i8(
     )
 
 
+def _launch_vendor_gemm(
+    x2: torch.Tensor,
+    weight: MXFP4Weight,
+    bias: torch.Tensor | None,
+    block_transform: torch.Tensor | None,
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """The prefill paths: both operands' MXFP4 values in a format the vendor GEMM takes,
+    then the vendor GEMM. ``fp8_gemm``: E4M3 with power-of-two row scales and the
+    row-scaled FP8 GEMM (bf16 output on CUDA); ``dequant_gemm``: bf16 (float32 for float32
+    inputs) and ``F.linear``. Returns ``[M, N]`` in ``x2``'s dtype."""
+    if cfg.kind == "fp8_gemm":
+        a, a_scale = quantize_activation_fp8(
+            x2, block_transform, (cfg.block_m, cfg.block_k), cfg.num_warps
+        )
+        w, w_scale = dequantize_weight_fp8(weight, cfg.w_tile, cfg.num_warps)
+        out_dtype = torch.bfloat16 if x2.is_cuda else x2.dtype
+        y = torch._scaled_mm(
+            a, w.T, a_scale, w_scale, out_dtype=out_dtype, use_fast_accum=cfg.fast_accum
+        )
+        if bias is not None:
+            y += bias.to(out_dtype)
+        return y.to(x2.dtype)
+    values_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
+    permuted = cfg.a_mode == 1  # for dequant_gemm, a_mode 1 selects the permuted order
+    a, _ = quantize_activation(x2, block_transform, values_dtype=values_dtype, permuted=permuted)
+    block = (cfg.block_m or 32, cfg.block_n or 256)
+    w_values = dequantize_weight(weight, values_dtype, block=block, permuted=permuted)
+    b = None if bias is None else bias.to(values_dtype)
+    return F.linear(a, w_values, b).to(x2.dtype)
+
+
 def _launch(
     x2: torch.Tensor,
     weight: MXFP4Weight,
@@ -635,17 +828,6 @@ def _launch(
     n = weight.out_features
     dot_bf16 = not interpreter_enabled()
     even_k = k % cfg.block_k == 0  # then no tile needs a mask along K
-    if cfg.kind == "dequant_gemm":
-        values_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
-        permuted = cfg.a_mode == 1  # for dequant_gemm, a_mode 1 selects the permuted order
-        a, _ = quantize_activation(
-            x2, block_transform, values_dtype=values_dtype, permuted=permuted
-        )
-        block = (cfg.block_m or 32, cfg.block_n or 256)
-        w = dequantize_weight(weight, values_dtype, block=block, permuted=permuted)
-        b = None if bias is None else bias.to(values_dtype)
-        out.copy_(F.linear(a, w, b))
-        return
     t_t = _transposed(block_transform, x2.dtype)
     if cfg.a_mode == 0:
         a, a_scales, stride_as = x2, x2, 0
@@ -716,6 +898,17 @@ class PackedMXFP4Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.register_buffer("block_transform", block_transform)
         self.input_transform = input_transform
+        # the FP8 prefill path's row shifts, derived from the scales (not saved; recomputed
+        # when a state dict is loaded)
+        rows, _, exact = weight.fp8_rows()
+        self.register_buffer("fp8_row_exponents", rows, persistent=False)
+        self.fp8_exact = exact
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
+        rows, _, exact = MXFP4Weight(self.codes, self.scales, self.in_features).fp8_rows()
+        self.fp8_row_exponents = rows
+        self.fp8_exact = exact
 
     @classmethod
     def from_linear(
@@ -737,7 +930,9 @@ class PackedMXFP4Linear(nn.Module):
 
     @property
     def weight_packed(self) -> MXFP4Weight:
-        return MXFP4Weight(self.codes, self.scales, self.in_features)
+        return MXFP4Weight(
+            self.codes, self.scales, self.in_features, self.fp8_row_exponents, self.fp8_exact
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -22,8 +22,12 @@ Kernels (the launcher and the default choice per token count are in
   weight is decoded to bf16 inside the kernel (E2M1 × 2^e is exact in bf16) and multiplied
   with fp32 accumulation, so the result is the exact MXFP4 × MXFP4 product up to the order
   of accumulation (the 2–255-token path).
-* :func:`_mx_dequantize_kernel`, the weight side of the prefill path: packed → bf16
+* :func:`_mx_dequantize_kernel`, the weight side of the bf16 prefill path: packed → bf16
   scratch copy for the vendor GEMM.
+* :func:`_mx_quantize_fp8_kernel` and :func:`_mx_weight_fp8_kernel`, the FP8 prefill
+  path: both operands' MXFP4 values as E4M3 with one power-of-two scale per row (exact
+  when a row's block scales span at most 2**14), multiplied by the vendor's row-scaled
+  FP8 GEMM.
 
 Everything here runs under ``TRITON_INTERPRET=1`` on a CPU, which is how CI tests it.
 """
@@ -902,6 +906,199 @@ def _mx_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=out_mask)
+
+
+# E4M3 (fp8 e4m3fn) holds every E2M1 value times 2**j exactly for j in [-8, 6]: with
+# the row shift below, a row's values are exact when its block scales lie within 2**14 of
+# its largest one.
+FP8_ROW_HEADROOM = tl.constexpr(6)  # 6 · 2**6 = 384 ≤ 448, E4M3's largest finite value
+FP8_MIN_ROW_EXPONENT = tl.constexpr(-120)  # keeps the row scale 2**(r − 6) a normal float32
+
+
+@triton.jit
+def _fp8_e4m3_bits(v):
+    """float32 values on the E4M3 grid → their fp8 e4m3fn bit patterns (int32 0–255).
+
+    Normal values (|v| ≥ 2**-6) keep their exponent and top three mantissa bits, so values
+    with at most three mantissa bits (every E2M1 value times a power of two) are exact;
+    below 2**-6 the value is rounded to the subnormal grid ``m · 2**-9`` (nearest, ties
+    to even; 2**-10 and less → 0). NaN → 0x7F; magnitudes above 448 saturate to 448 (the
+    callers keep |v| ≤ 384). Integer arithmetic only, so Triton's interpreter gives the
+    same bits as the GPU."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = ((bits >> 23) & 0xFF) - 127
+    normal = ((e + 7) << 3) | ((bits >> 20) & 7)
+    a = tl.where(v != v, 0.0, tl.abs(v))
+    sub = ((tl.minimum(a, 1.0) * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
+    mag = tl.minimum(tl.where(e >= -6, normal, sub), 0x7E)
+    mag = tl.where(v != v, 0x7F, mag)
+    return sign | mag
+
+
+@triton.jit
+def _to_fp8_bits(v, HW_FP8: tl.constexpr):
+    """:func:`_fp8_e4m3_bits` (int32), with ``HW_FP8`` through the GPU's own conversion
+    (``cvt.rn.satfinite`` to E4M3: the same bits for values on the grid and NaN, in one
+    instruction per two values)."""
+    if HW_FP8:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        return _fp8_e4m3_bits(v)
+
+
+@triton.jit
+def _pow2(biased_exponent):
+    """``2**(b − 127)`` in float32 for int32 ``b`` in [1, 254]."""
+    return (biased_exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK: tl.constexpr):
+    """Columns ``k0 … k0 + BK − 1`` of the rows ``offs_m`` (zeros past ``K`` or ``M``)."""
+    offs_k = k0 + tl.arange(0, BK)
+    return tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask=m_ok & (offs_k[None, :] < K),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _fp8_row_tile(x, t_ptr, HAS_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """One ``[BM, BK]`` tile of the FP8 activation pre-pass: the (block-transformed) values
+    in float32 and each row's largest finite block exponent."""
+    if HAS_T:
+        x = _block_transform(x, t_ptr, BM, BK)
+    xf = x.to(tl.float32)
+    a = tl.abs(xf)
+    amax = tl.max(tl.where(a <= 3.4e38, a, 0.0), axis=1)  # finite blocks only
+    e = tl.minimum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, 125)
+    return xf, e
+
+
+@triton.jit
+def _fp8_store_row_values(
+    xf,
+    mult,
+    out_ptr,
+    offs_m,
+    m_ok,
+    k0,
+    kp,
+    stride_om,
+    HW_FP8: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    _, _, values = _mx_quantize_tile(xf, BM, BK)
+    bits = _to_fp8_bits(tl.reshape(values, (BM, BK)) * mult[:, None], HW_FP8)
+    offs_k = k0 + tl.arange(0, BK)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_k[None, :],
+        bits.to(tl.uint8),
+        mask=m_ok & (offs_k[None, :] < kp),
+    )
+
+
+@triton.jit
+def _mx_quantize_fp8_kernel(
+    x_ptr,
+    t_ptr,
+    out_ptr,
+    row_scale_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_om,
+    HAS_T: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Activation pre-pass of the FP8 prefill path: ``x [M, K]`` → (optional block transform)
+    → the MXFP4 values ``Q(x)`` (paper eq. 1) as E4M3 ``[M, Kp]`` (``out_ptr``: their
+    bytes) times ``2**(6 − r_m)``, and the row scale ``2**(r_m − 6)`` (float32 ``[M]``),
+    where ``r_m`` is the row's largest block exponent (the block exponent of the row's
+    largest finite magnitude, at least −120; NaN/Inf blocks are NaN as in eq. 1). Exact
+    for blocks whose scale is at least ``2**(r_m − 14)``; smaller blocks are rounded to
+    E4M3's subnormal grid (ties to even, tiny values to 0). ``ONE_TILE`` (``Kp ≤ BK``):
+    the row is read once; otherwise twice, its largest magnitude first."""
+    pid = tl.program_id(0)
+    offs_m = pid * BM + tl.arange(0, BM)
+    m_ok = offs_m[:, None] < M
+    kp = (K + 31) // 32 * 32
+    rmax = tl.full((BM,), FP8_MIN_ROW_EXPONENT, tl.int32)
+    if ONE_TILE:
+        x = _load_rows(x_ptr, offs_m, m_ok, 0, K, stride_xm, BK)
+        xf, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+        rmax = tl.maximum(rmax, e)
+        mult = _pow2(-rmax + (127 + FP8_ROW_HEADROOM))  # 2**(6 − r_m)
+        _fp8_store_row_values(xf, mult, out_ptr, offs_m, m_ok, 0, kp, stride_om, HW_FP8, BM, BK)
+    else:
+        for k0 in range(0, K, BK):
+            x = _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK)
+            _, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+            rmax = tl.maximum(rmax, e)
+        mult = _pow2(-rmax + (127 + FP8_ROW_HEADROOM))  # 2**(6 − r_m)
+        for k0 in range(0, kp, BK):
+            x = _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK)
+            xf, _ = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+            _fp8_store_row_values(
+                xf, mult, out_ptr, offs_m, m_ok, k0, kp, stride_om, HW_FP8, BM, BK
+            )
+    scale = ((rmax - FP8_ROW_HEADROOM + 127) << 23).to(tl.float32, bitcast=True)
+    tl.store(row_scale_ptr + offs_m, scale, mask=offs_m < M)
+
+
+@triton.jit
+def _mx_weight_fp8_kernel(
+    codes_ptr,
+    scales_ptr,
+    row_exp_ptr,
+    out_ptr,
+    N,
+    KP,
+    stride_cn,
+    stride_sn,
+    stride_on,
+    HW_FP8: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Weight side of the FP8 prefill path: packed MXFP4 ``[N, KP/2]`` → E4M3 ``[N, KP]``
+    (``out_ptr``: its bytes) holding ``Q(W) · 2**(6 − r_n)``, with ``r_n`` the row's
+    shift (``row_exp_ptr``, int32 ``[N]``, from :meth:`MXFP4Weight.fp8_rows`). Exact when
+    every nonzero block's scale is at least ``2**(r_n − 14)``, which the launcher checks
+    once per weight."""
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)
+    offs_b = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+    offs_s = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+    r_ok = offs_r[:, None] < N
+    b_ok = r_ok & (offs_b[None, :] < KP // 2)
+    packed = tl.load(codes_ptr + offs_r[:, None] * stride_cn + offs_b[None, :], mask=b_ok, other=0)
+    sb = tl.load(
+        scales_ptr + offs_r[:, None] * stride_sn + offs_s[None, :],
+        mask=r_ok & (offs_s[None, :] < KP // 32),
+        other=0,
+    ).to(tl.int32)
+    r = tl.load(row_exp_ptr + offs_r, mask=offs_r < N, other=0)
+    # the E2M1 half-magnitudes are the values times 2**-14: scale by 2**(e − r + 6 + 14)
+    ex = tl.maximum(sb - 127 - r[:, None] + FP8_ROW_HEADROOM + 14, -126)
+    mult = ((ex + 127) << 23).to(tl.float32, bitcast=True)
+    mult = tl.where(sb == 255, float("nan"), mult)
+    p = packed.to(tl.int32)
+    nibbles = tl.reshape(tl.join(p & 0xF, p >> 4), (BR, BK // 32, 32))
+    values = tl.reshape(_e2m1_half_magnitudes(nibbles) * mult[:, :, None], (BR, BK))
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    tl.store(
+        out_ptr + offs_r[:, None] * stride_on + offs_k[None, :],
+        _to_fp8_bits(values, HW_FP8).to(tl.uint8),
+        mask=r_ok & (offs_k[None, :] < KP),
+    )
 
 
 def cdiv(a: int, b: int) -> int:
