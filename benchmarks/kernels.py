@@ -59,8 +59,10 @@ def _k(bm, bn, bk, split=1, warps=4, stages=3, kind="dot", a_mode=0, swap=False)
     return KernelConfig(bm, bn, bk, split, warps, stages, kind, a_mode, swap)
 
 
-def _g(bn, bk, split=1, warps=4, a_mode=1, pf=True, pdl=False) -> KernelConfig:
-    return KernelConfig(1, bn, bk, split, warps, 3, "gemv_i8", a_mode, False, pf, pdl)
+def _g(bn, bk, split=1, warps=4, a_mode=1, pf=True, pdl=False, stages=3, ev=False) -> KernelConfig:
+    return KernelConfig(
+        1, bn, bk, split, warps, stages, "gemv_i8", a_mode, False, pf, pdl, evict_first=ev
+    )
 
 
 # batch 1 only: the integer GEMV. With its int8 pre-pass (a_mode 1) the weight stream is
@@ -83,13 +85,45 @@ GEMV_CANDIDATES = [
     _g(8, 512),
     _g(32, 1024, 4),
     _g(64, 512, 8, warps=8, a_mode=0, pf=False),
+    # third GPU session: more launches with programmatic dependent launch, the evict-first
+    # hint on the weight stream, one K tile per row at K = 4096, other stage counts
+    _g(16, 1024, pf=False, pdl=True, ev=True),
+    _g(16, 2048, pdl=True, ev=True),
+    _g(4, 1024, pdl=True, ev=True),
+    _g(8, 1024, pdl=True, ev=True),
+    _g(32, 1024, pf=False, pdl=True),
+    _g(16, 512, pf=False, pdl=True),
+    _g(16, 2048, pf=False, pdl=True),
+    _g(8, 2048, pdl=True),
+    _g(16, 1024, warps=8, pf=False, pdl=True),
+    _g(32, 1024, warps=8, pf=False, pdl=True),
+    _g(8, 4096, pdl=True),
+    _g(4, 4096, pdl=True),
+    _g(4, 4096, pf=False, pdl=True),
+    _g(16, 4096, warps=8, pf=False, pdl=True),
+    _g(16, 1024, pf=False, pdl=True, stages=1),
+    _g(16, 1024, pf=False, pdl=True, stages=4),
+    _g(8, 1024, pdl=True, stages=1),
+    _g(16, 1024, pdl=True, ev=True),
+    _g(16, 2048, pf=False, pdl=True, ev=True),
+    _g(32, 1024, pf=False, pdl=True, ev=True),
+    _g(8, 2048, pdl=True, ev=True),
+    _g(4, 4096, pf=False, pdl=True, ev=True),
+    _g(8, 512, pdl=True, ev=True),
+    _g(16, 1024, warps=8, pf=False, pdl=True, ev=True),
+    _g(4, 4096, pf=False, pdl=True, ev=True, warps=2),
+    _g(4, 4096, pf=False, pdl=True, ev=True, warps=8),
+    _g(2, 4096, pf=False, pdl=True, ev=True),
+    _g(8, 4096, pf=False, pdl=True, ev=True),
+    _g(4, 4096, pf=False, pdl=True, ev=True, stages=1),
+    _g(4, 2048, pf=False, pdl=True, ev=True),
     _g(64, 256, 8, a_mode=0, pf=False),
     _g(64, 512, 4, warps=8, a_mode=0),
 ]
 
 
-def _r(rows, bn, bk, warps=4, pf=True, pdl=True) -> KernelConfig:
-    return KernelConfig(rows, bn, bk, 1, warps, 3, "gemv_i8", 1, False, pf, pdl)
+def _r(rows, bn, bk, warps=4, pf=True, pdl=True, ev=False) -> KernelConfig:
+    return KernelConfig(rows, bn, bk, 1, warps, 3, "gemv_i8", 1, False, pf, pdl, evict_first=ev)
 
 
 # 2–4 tokens: the integer GEMV with one weight lookup shared by the tokens
@@ -102,6 +136,11 @@ ROWS_CANDIDATES = [
     _r(4, 8, 512),
     _r(4, 32, 1024, warps=8),
     _r(4, 16, 2048),
+    _r(4, 8, 1024, ev=True),
+    _r(4, 16, 1024, ev=True),
+    _r(4, 16, 1024, pf=False, ev=True),
+    _r(4, 16, 2048, ev=True),
+    _r(4, 32, 1024, warps=8, ev=True),
 ]
 DECODE_CANDIDATES = [
     _k(16, 64, 256, split=2, a_mode=2, swap=True),
@@ -243,7 +282,8 @@ def sweep(
         print(
             f"  {label} {cfg.kind} a{cfg.a_mode} bm{cfg.block_m} bn{cfg.block_n} "
             f"bk{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} pf{int(cfg.prefetch)} "
-            f"pdl{int(cfg.pdl)} wt{cfg.w_tile} fa{int(cfg.fast_accum)}: "
+            f"pdl{int(cfg.pdl)} ev{int(cfg.evict_first)} st{cfg.num_stages} wt{cfg.w_tile} "
+            f"fa{int(cfg.fast_accum)}: "
             f"{t * 1e6:.1f} us err {err:.1e}{'' if ok else ' WRONG'}",
             flush=True,
         )
@@ -649,15 +689,19 @@ def markdown(rec: dict[str, Any]) -> str:
             f"{r['speedup']:.2f}× | {100 * r['mxfp4_bw_fraction']:.0f}% | "
             f"{100 * r['bf16_bw_fraction']:.0f}% | {r['rel_err_vs_reference']:.1e} |"
         )
-    lines += [
-        "",
-        "#### Prefill, 2048 tokens",
-        "",
-        "| K→N | bf16 µs | MXFP4 µs | bf16/MXFP4 | path | FP8 path µs (act / weight / GEMM) "
-        "| FP8, exact accumulation µs | bf16-values path µs | bf16 TFLOP/s | MXFP4 TFLOP/s "
-        "| rel. err |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines += (
+        []
+        if not rec["prefill"]
+        else [
+            "",
+            "#### Prefill, 2048 tokens",
+            "",
+            "| K→N | bf16 µs | MXFP4 µs | bf16/MXFP4 | path | FP8 path µs (act / weight / GEMM) "
+            "| FP8, exact accumulation µs | bf16-values path µs | bf16 TFLOP/s | MXFP4 TFLOP/s "
+            "| rel. err |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    )
 
     def us(v: float | None) -> str:
         return "–" if v is None else f"{v:.0f}"

@@ -189,6 +189,8 @@ KERNEL_VARIANTS = [
     KernelConfig(1, 8, 64, split_k=3, kind="gemv_i8", a_mode=1),
     KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=0),
     KernelConfig(1, 16, 64, split_k=2, kind="gemv_i8", a_mode=1, prefetch=True, pdl=True),
+    KernelConfig(1, 8, 64, kind="gemv_i8", a_mode=1, prefetch=True, pdl=True, evict_first=True),
+    KernelConfig(2, 8, 64, kind="gemv_i8", a_mode=1, evict_first=True),
     KernelConfig(1, 8, 32, kind="gemv_i8", a_mode=0, prefetch=True),
     KernelConfig(2, 16, 64, kind="gemv_i8", a_mode=1, prefetch=True),
     KernelConfig(4, 8, 32, kind="gemv_i8", a_mode=1),

@@ -75,6 +75,7 @@ class KernelConfig:
     * ``prefetch`` (``gemv_i8``): load the next weight tile before multiplying the current
       one. ``pdl`` (``gemv_i8``; Hopper or later, else ignored): programmatic dependent
       launch, so the GEMV starts streaming its weights while the pre-pass runs.
+      ``evict_first`` (``gemv_i8``): weight loads carry the evict-first cache hint.
     """
 
     block_m: int
@@ -90,6 +91,7 @@ class KernelConfig:
     pdl: bool = False
     w_tile: tuple[int, int] = (32, 256)
     fast_accum: bool = False
+    evict_first: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_KINDS:
@@ -106,21 +108,21 @@ class KernelConfig:
             raise ValueError("gemv_i8 on several tokens needs its pre-pass (a_mode 1), split_k 1")
 
 
-# Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/RESULTS.md §6)
+# Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/RESULTS.md §4)
 # for the Llama-3-8B layer shapes.
 GEMV_CONFIG = KernelConfig(
     block_m=1,
-    block_n=8,
-    block_k=1024,
+    block_n=4,
+    block_k=4096,
     num_warps=4,
     kind="gemv_i8",
     a_mode=1,
-    prefetch=True,
     pdl=True,
+    evict_first=True,
 )
 # 2–4 tokens: the integer GEMV with the weight lookups shared by the tokens (block_m is
 # set to 2 or 4 by default_config).
-ROWS_CONFIG = replace(GEMV_CONFIG, block_m=4)
+ROWS_CONFIG = replace(GEMV_CONFIG, block_m=4, block_n=16, block_k=1024, prefetch=True)
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, a_mode=2)
 # Prefill: the FP8 path where it applies (see fp8_prefill_usable), else the bf16 one. One
 # activation row per program, read once (block_k is widened to the row by default_config,
@@ -731,6 +733,7 @@ def _launch_gemv_i8(
         "USE_ASM": not interpreter_enabled(),
         "PREFETCH": cfg.prefetch,
         "PDL": pdl,
+        "STREAM": cfg.evict_first,
         "BN": cfg.block_n,
         "BK": cfg.block_k,
         "num_warps": cfg.num_warps,

@@ -365,6 +365,7 @@ def _mx_gemv_i8_kernel(
     USE_ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
+    STREAM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -404,7 +405,7 @@ def _mx_gemv_i8_kernel(
     if PREFETCH:  # the weights are constants: their first tile needs no wait
         # (an empty split loads a tile it never uses)
         first = tl.minimum(t_begin, t_end - 1)
-        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, first, kp, EVEN_K, BK)
+        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, first, kp, EVEN_K, BK, STREAM)
     if PDL:
         gdc_wait()  # the activation (and the output, the workspace) only from here on
     for tile in range(t_begin, t_end):
@@ -414,9 +415,11 @@ def _mx_gemv_i8_kernel(
         if PREFETCH:  # registers double-buffer the weight stream
             words, w_sb = next_words, next_sb
             ahead = tl.minimum(tile + 1, t_end - 1)  # the last tile again at the end: no mask
-            next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK)
+            next_words, next_sb = _gemv_weight_tile(
+                w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK, STREAM
+            )
         else:
-            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK)
+            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK, STREAM)
         if FUSED_QUANT:
             offs_k = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + offs_k, mask=(offs_k < K) | EVEN_K, other=0.0).to(tl.float32)
@@ -495,6 +498,7 @@ def _mx_gemv_rows_i8_kernel(
     USE_ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
+    STREAM: tl.constexpr,
     ROWS: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -515,7 +519,7 @@ def _mx_gemv_rows_i8_kernel(
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     s_rows = w_scales_ptr + offs_n[:, None] * stride_wsn
     if PREFETCH:
-        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, 0, kp, EVEN_K, BK)
+        next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, 0, kp, EVEN_K, BK, STREAM)
     if PDL:
         gdc_wait()
     for tile in range(0, k_tiles):
@@ -523,9 +527,11 @@ def _mx_gemv_rows_i8_kernel(
         if PREFETCH:
             words, w_sb = next_words, next_sb
             ahead = tl.minimum(tile + 1, k_tiles - 1)
-            next_words, next_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK)
+            next_words, next_sb = _gemv_weight_tile(
+                w_rows, s_rows, n_ok, ahead, kp, EVEN_K, BK, STREAM
+            )
         else:
-            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK)
+            words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK, STREAM)
         offs_xw = k0 // 4 + tl.arange(0, BK // 4)
         xw = tl.load(
             xq_ptr + rows[:, None] * stride_xq + offs_xw[None, :],
@@ -617,13 +623,20 @@ def _e8m0_value(scale_bytes):
 
 
 @triton.jit
-def _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K: tl.constexpr, BK: tl.constexpr):
+def _gemv_weight_tile(
+    w_rows, s_rows, n_ok, tile, kp, EVEN_K: tl.constexpr, BK: tl.constexpr, STREAM: tl.constexpr
+):
     """Weight words ``int32 [BN, BK/8]`` and scale bytes ``[BN, BK/32]`` of one K tile
-    (zeros past the padded width); ``w_rows`` / ``s_rows`` point at the program's rows."""
+    (zeros past the padded width); ``w_rows`` / ``s_rows`` point at the program's rows.
+    ``STREAM``: the words are loaded with the evict-first cache hint (read once)."""
     offs_w = tile * (BK // 8) + tl.arange(0, BK // 8)
-    words = tl.load(
-        w_rows + offs_w[None, :], mask=n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K), other=0
-    )
+    w_mask = n_ok & ((offs_w[None, :] < kp // 8) | EVEN_K)
+    if STREAM:
+        words = tl.load(
+            w_rows + offs_w[None, :], mask=w_mask, other=0, eviction_policy="evict_first"
+        )
+    else:
+        words = tl.load(w_rows + offs_w[None, :], mask=w_mask, other=0)
     offs_s = tile * (BK // 32) + tl.arange(0, BK // 32)
     sb = tl.load(
         s_rows + offs_s[None, :], mask=n_ok & ((offs_s[None, :] < kp // 32) | EVEN_K), other=0
