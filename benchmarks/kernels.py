@@ -117,6 +117,13 @@ GEMV_CANDIDATES = [
     _g(8, 4096, pf=False, pdl=True, ev=True),
     _g(4, 4096, pf=False, pdl=True, ev=True, stages=1),
     _g(4, 2048, pf=False, pdl=True, ev=True),
+    # one launch: each program quantizes its own K range (no pre-pass), split-K
+    _g(64, 512, 8, warps=8, a_mode=0, pf=False, ev=True),
+    _g(64, 256, 16, warps=8, a_mode=0, pf=False, ev=True),
+    _g(32, 512, 8, a_mode=0, pf=False, ev=True),
+    _g(32, 1024, 4, a_mode=0, pf=False, ev=True),
+    _g(64, 1024, 4, warps=8, a_mode=0, pf=False, ev=True),
+    _g(128, 512, 8, warps=8, a_mode=0, pf=False, ev=True),
     _g(64, 256, 8, a_mode=0, pf=False),
     _g(64, 512, 4, warps=8, a_mode=0),
 ]

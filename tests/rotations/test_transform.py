@@ -56,6 +56,32 @@ def test_inter_block_acts_per_position() -> None:
         assert torch.allclose(y[:, pos], r[pos] @ xm[:, pos])
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("use_intra", [True, False])
+def test_forward_matches_the_definition_with_a_channel_scale(
+    requires_grad: bool, use_intra: bool
+) -> None:
+    """The three-pass forward (position-major copy with the scale divided in, batched R_k,
+    transposed intra product) against ``Z[t] = (R_k (X[t] ⊘ S))_k R_intra`` written out;
+    also through autograd, and with no tokens."""
+    k, b = 8, 5
+    r = _random_orthogonal(k, b, seed=4)
+    intra = _random_orthogonal(k, seed=5) if use_intra else None
+    scale = torch.rand(k * b, dtype=F64) + 0.5
+    t = BlockRotation(k, r, intra, dtype=F64, channel_scale=scale)
+    x = torch.randn(2, 3, k * b, dtype=F64, requires_grad=requires_grad)
+    xs = (x / scale).reshape(2, 3, b, k)
+    y = torch.stack([r[pos] @ xs[..., pos].unsqueeze(-1) for pos in range(k)], -1)[..., 0, :]
+    expect = (y if intra is None else y @ intra).reshape(2, 3, k * b)
+    got = t(x)
+    assert got.shape == x.shape and got.is_contiguous()
+    assert torch.allclose(got, expect, atol=1e-12)
+    if requires_grad:
+        got.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert t(torch.zeros(0, k * b, dtype=F64)).shape == (0, k * b)
+
+
 def test_shape_errors() -> None:
     t = BlockRotation(4, None, torch.eye(4))
     with pytest.raises(ValueError, match="width"):

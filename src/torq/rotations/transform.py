@@ -72,15 +72,41 @@ class BlockRotation(nn.Module):
                 f"input width {d} does not match the transform's {self.n_blocks}×{k} blocks"
             )
         lead = x.shape[:-1]
+        if self.r_inter is not None:
+            return self._inter_first(x.reshape(-1, d // k, k)).reshape(*lead, d)
         if self.channel_scale is not None:
             x = x / self.channel_scale.to(x.dtype)
         y = x.reshape(-1, d // k, k)
-        if self.r_inter is not None:
-            # y[t, a, k] = Σ_b R_k[a, b] x[t, b, k]
-            y = torch.einsum("kab,tbk->tak", self.r_inter.to(y.dtype), y)
         if self.r_intra is not None:
             y = y @ self.r_intra.to(y.dtype)
         return y.reshape(*lead, d)
+
+    def _inter_first(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [t, B, K]`` → ``T x`` as ``[t·B, K]`` (or ``[t, B, K]`` without ``R_intra``) in
+        three passes over the activation: one copy to position-major ``[K, t, B]`` (with
+        the channel scale divided in on the way), one batched product with the ``R_k``,
+        and the intra-block product, which reads the position-major result transposed and
+        writes the token-major output directly."""
+        assert self.r_inter is not None
+        k, t, b = x.shape[2], x.shape[0], x.shape[1]
+        src = x.permute(2, 0, 1)  # [K, t, B], a view
+        scale = None
+        if self.channel_scale is not None:
+            scale = self.channel_scale.to(x.dtype).view(b, k).T[:, None, :]
+        if x.requires_grad and torch.is_grad_enabled():
+            xc = (src if scale is None else src / scale).contiguous()
+        else:
+            xc = torch.empty((k, t, b), dtype=x.dtype, device=x.device)
+            if scale is None:
+                xc.copy_(src)
+            else:
+                torch.div(src, scale, out=xc)
+        # y[k, t, a] = Σ_b x[t, b, k] R_k[a, b]
+        y = torch.bmm(xc, self.r_inter.to(x.dtype).transpose(1, 2))
+        if self.r_intra is None:
+            return y.permute(1, 2, 0)
+        # z[(t, a), j] = Σ_k y[k, (t, a)] R_intra[k, j]
+        return torch.mm(y.view(k, t * b).T, self.r_intra.to(x.dtype))
 
 
 @torch.no_grad()
