@@ -208,10 +208,12 @@ class MXFP4Weight:
     codes: torch.Tensor
     scales: torch.Tensor
     in_features: int
-    # FP8 prefill path (fp8_rows): each row's shift r_n (int32 [N]) and whether every
-    # row's values are exact in E4M3 after it; computed on first use when not given.
+    # FP8 prefill path (fp8_rows): each row's shift r_n (int32 [N]), its scale
+    # 2**(r_n − 6) (float32 [1, N]) and whether every row's values are exact in E4M3 after
+    # it; computed on first use when not given, then cached.
     fp8_row_exponents: torch.Tensor | None = None
     fp8_exact: bool | None = None
+    fp8_row_scale: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -250,9 +252,10 @@ class MXFP4Weight:
             low = exponents < rows[:, None] - FP8_EXACT_SPAN
             self.fp8_row_exponents = rows.to(torch.int32).contiguous()
             self.fp8_exact = not bool((low & nonzero).any())
-        rows = self.fp8_row_exponents
-        scale = ((rows - FP8_ROW_HEADROOM + 127) << 23).view(torch.float32).reshape(1, -1)
-        return rows, scale, self.fp8_exact
+        if self.fp8_row_scale is None:
+            biased = self.fp8_row_exponents - FP8_ROW_HEADROOM + 127
+            self.fp8_row_scale = (biased << 23).view(torch.float32).reshape(1, -1)
+        return self.fp8_row_exponents, self.fp8_row_scale, self.fp8_exact
 
     def to_packed_tensor(self) -> PackedTensor:
         return PackedTensor(
@@ -903,15 +906,17 @@ class PackedMXFP4Linear(nn.Module):
         self.input_transform = input_transform
         # the FP8 prefill path's row shifts, derived from the scales (not saved; recomputed
         # when a state dict is loaded)
-        rows, _, exact = weight.fp8_rows()
+        self._set_fp8_rows(weight)
+
+    def _set_fp8_rows(self, weight: MXFP4Weight) -> None:
+        rows, scale, exact = weight.fp8_rows()
         self.register_buffer("fp8_row_exponents", rows, persistent=False)
+        self.register_buffer("fp8_row_scale", scale, persistent=False)
         self.fp8_exact = exact
 
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
-        rows, _, exact = MXFP4Weight(self.codes, self.scales, self.in_features).fp8_rows()
-        self.fp8_row_exponents = rows
-        self.fp8_exact = exact
+        self._set_fp8_rows(MXFP4Weight(self.codes, self.scales, self.in_features))
 
     @classmethod
     def from_linear(
@@ -934,7 +939,12 @@ class PackedMXFP4Linear(nn.Module):
     @property
     def weight_packed(self) -> MXFP4Weight:
         return MXFP4Weight(
-            self.codes, self.scales, self.in_features, self.fp8_row_exponents, self.fp8_exact
+            self.codes,
+            self.scales,
+            self.in_features,
+            self.fp8_row_exponents,
+            self.fp8_exact,
+            self.fp8_row_scale,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
