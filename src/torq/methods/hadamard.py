@@ -8,7 +8,8 @@ Every decoder-linear input is multiplied, group by group, by a normalized Hadama
 * ``had128``: ``g = 128`` where it divides the width; otherwise the largest multiple of 32
   below 128 that divides the width and has a Hadamard matrix (SmolLM2's 576: 96). The
   group actually used is recorded per layer.
-* ``hadfull``: ``g`` = the full width (QuaRot's online Hadamard, as a dense matrix).
+* ``hadfull``: ``g`` = the full width (QuaRot's online Hadamard; applied through its
+  Kronecker factors, e.g. 1536 = 4·384).
 
 The matrices come from :mod:`torq.rotations.hadamard` (Sylvester, Paley and Kronecker
 constructions), which covers the non-power-of-two widths of our models (576, 896, 1536,
@@ -26,7 +27,7 @@ from torch import nn
 from torq.errors import TorqError
 from torq.methods.gptq import FixedTransformSolver, calibrated_apply, gptq_config
 from torq.methods.registry import Method, MethodContext, register_method
-from torq.rotations.hadamard import hadamard_matrix, has_hadamard
+from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.qlinear import QuantConfig
@@ -46,9 +47,22 @@ def hadamard_group(width: int, target: int | None) -> int:
     raise TorqError(f"input width {width} has no Hadamard group of at most {target}")
 
 
+# Above this order a Kronecker-factored Hadamard is applied factor by factor; below it one
+# dense product is as fast on a CPU (fewer, larger matrix products).
+FACTORED_ABOVE = 256
+
+
+def hadamard_rotation(group: int) -> BlockRotation:
+    """The online normalized Hadamard ``x ↦ H_g x`` on each group of ``g`` channels; large
+    orders are applied through their Kronecker factors (:func:`hadamard_factors`), the
+    same matrix at ``O(g·Σ fᵢ)`` instead of ``O(g²)`` per group."""
+    factors = hadamard_factors(group) if group > FACTORED_ABOVE else None
+    return BlockRotation(group, None, hadamard_matrix(group), intra_factors=factors)
+
+
 @cache
 def _block_hadamard(width: int, group: int) -> BlockRotation:
-    return BlockRotation(group, None, hadamard_matrix(group))
+    return hadamard_rotation(group)
 
 
 class _BlockHadamard(Method):

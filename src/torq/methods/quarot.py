@@ -16,9 +16,10 @@ from typing import Any
 from torch import nn
 
 from torq.methods.gptq import FixedTransformSolver, calibrated_apply, gptq_config
+from torq.methods.hadamard import hadamard_rotation
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.fusion import (
     check_supported,
@@ -57,7 +58,7 @@ class QuaRot(Method):
         seed = int(ctx.options.get("seed", 0))
         record = apply_quarot_rotations(model, seed)
         inter = model.config.intermediate_size
-        down = BlockRotation(inter, None, hadamard_matrix(inter))
+        down = hadamard_rotation(inter)
 
         def transform_for(width: int) -> nn.Module | None:
             return down if width == inter else None

@@ -17,6 +17,8 @@ is ``W' = W T⁻¹ = W diag(s) Rᵀ`` (row ``o``: ``R (w_o ⊙ s)``), so still `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ class BlockRotation(nn.Module):
         r_intra: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         channel_scale: torch.Tensor | None = None,
+        intra_factors: Sequence[torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         if r_inter is None and r_intra is None and channel_scale is None:
@@ -53,7 +56,23 @@ class BlockRotation(nn.Module):
             raise ValueError(
                 f"r_intra must be [{block_size}, {block_size}], got {tuple(r_intra.shape)}"
             )
+        factors = list(intra_factors or [])
+        if len(factors) > 2:
+            raise ValueError(f"at most two intra_factors are supported, got {len(factors)}")
+        if factors:
+            if r_intra is None:
+                raise ValueError("intra_factors need the r_intra they factor")
+            kron = factors[0].to(torch.float64)
+            for f in factors[1:]:
+                kron = torch.kron(kron, f.to(torch.float64))
+            if kron.shape != r_intra.shape or not torch.allclose(
+                kron, r_intra.to(torch.float64), atol=1e-6
+            ):
+                raise ValueError("the Kronecker product of intra_factors is not r_intra")
         self.block_size = block_size
+        self.n_factors = len(factors) if len(factors) > 1 else 0
+        for i, f in enumerate(factors if self.n_factors else []):
+            self.register_buffer(f"intra_factor{i}", f.to(dtype).contiguous(), persistent=False)
         self.n_blocks = r_inter.shape[1] if r_inter is not None else None
         self.register_buffer("r_inter", None if r_inter is None else r_inter.to(dtype).contiguous())
         self.register_buffer("r_intra", None if r_intra is None else r_intra.to(dtype).contiguous())
@@ -77,9 +96,25 @@ class BlockRotation(nn.Module):
         if self.channel_scale is not None:
             x = x / self.channel_scale.to(x.dtype)
         y = x.reshape(-1, d // k, k)
-        if self.r_intra is not None:
+        # getattr: a module pickled before the factored path existed has no n_factors
+        if getattr(self, "n_factors", 0):
+            y = self._kronecker_intra(y.reshape(-1, k))
+        elif self.r_intra is not None:
             y = y @ self.r_intra.to(y.dtype)
         return y.reshape(*lead, d)
+
+    def _kronecker_intra(self, y: torch.Tensor) -> torch.Tensor:
+        """``y R_intra`` for ``R_intra = A ⊗ B``: with each row viewed as an ``a×b`` matrix
+        ``Y``, the product is ``Aᵀ Y B``, i.e. ``n·k·(a + b)`` multiply-adds instead of
+        ``n·k²``. ``Y B`` is one product over all rows; ``Aᵀ`` then acts on the ``a`` axis
+        of a position-major copy, and a last copy restores token order."""
+        fa = self.intra_factor0.to(y.dtype)
+        fb = self.intra_factor1.to(y.dtype)
+        n, k = y.shape
+        a, b = fa.shape[0], fb.shape[0]
+        yb = torch.mm(y.reshape(n * a, b), fb)
+        z = torch.mm(fa.T, yb.view(n, a, b).transpose(0, 1).reshape(a, n * b))
+        return z.view(a, n, b).transpose(0, 1).reshape(n, k)
 
     def _inter_first(self, x: torch.Tensor) -> torch.Tensor:
         """``x [t, B, K]`` → ``T x`` as ``[t·B, K]`` (or ``[t, B, K]`` without ``R_intra``) in
