@@ -135,6 +135,15 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "model instead of calibrating again and measures only what is missing",
     )
     run.add_argument(
+        "--portable-dir",
+        default=None,
+        metavar="DIR",
+        help="with --resume-dir: also keep a small portable copy of each method's answers, "
+        "perplexity windows and sessions in DIR (one .npz per method, rewritten as it goes); "
+        "on another machine the same command reads it, checks the model, and scores only "
+        "what is missing",
+    )
+    run.add_argument(
         "--no-keep-models",
         action="store_true",
         help="with --resume-dir, keep the measurements but not the quantized models",
@@ -296,6 +305,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         resume_dir=args.resume_dir,
         keep_models=not args.no_keep_models,
+        portable_dir=args.portable_dir,
         torq=torq_settings,
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
         device=args.device,

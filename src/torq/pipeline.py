@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torq.errors import TorqError
 from torq.eval.data import load_wikitext2_test
 from torq.eval.perplexity import perplexity, windows_from_text
+from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
@@ -61,6 +63,11 @@ class RunConfig:
     # with a resume directory, also keep each quantized model there, so that a restart
     # reloads it instead of calibrating again (:func:`torq.eval.resume.keep_model`)
     keep_models: bool = True
+    # with a resume directory: a portable copy of each method's kept evaluation (answers,
+    # perplexity windows, sessions) in this directory, one small .npz per method, read to
+    # seed a new resume directory (another machine) and rewritten as the evaluation goes
+    # (:mod:`torq.eval.portable`)
+    portable_dir: str | None = None
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
@@ -105,6 +112,8 @@ def run(
     loaded.model.to(device)
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    if config.portable_dir is not None and config.resume_dir is None:
+        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
     windows = None
     if not config.skip_ppl:
         text = load_wikitext2_test(config.data_dir)
@@ -154,6 +163,11 @@ def run(
                     "reloaded": False,
                     "save_seconds": time.perf_counter() - t0,
                 }
+        portable, seeds = None, None
+        if config.portable_dir is not None and resume is not None:
+            portable = portable_path(config, resume)
+            seeds = seed_resume_dir(portable, resume, model, loaded.tokenizer)
+            details["portable"] = {"file": str(portable), "answers_carried": len(seeds)}
         res = (
             None
             if windows is None
@@ -166,8 +180,13 @@ def run(
                 checkpoint=None
                 if resume is None
                 else resume / f"ppl-{windows.shape[0]}x{windows.shape[1]}.json",
+                on_checkpoint=None
+                if portable is None or resume is None
+                else _every(60.0, partial(export_portable, resume, portable)),
             )
         )
+        if portable is not None and resume is not None:
+            export_portable(resume, portable)
         zeroshot = None
         if config.tasks:
             from torq.eval.zeroshot import evaluate_zeroshot
@@ -182,6 +201,8 @@ def run(
                 shared_context=config.shared_context,
                 progress=progress,
                 request_cache=resume,
+                seeds=seeds,
+                portable=portable,
             )
             zeroshot = {
                 **zs["scores"],
@@ -239,6 +260,25 @@ def method_resume_dir(config: RunConfig, method: str) -> str:
     digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
     model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
     return str(Path(config.resume_dir) / model / f"{method}-{digest}")
+
+
+def _every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn``, run at most once per ``seconds`` (the first call runs it)."""
+    last = [-float("inf")]
+
+    def call() -> None:
+        if time.perf_counter() - last[0] >= seconds:
+            last[0] = time.perf_counter()
+            fn()
+
+    return call
+
+
+def portable_path(config: RunConfig, resume: Path) -> Path:
+    """``<portable_dir>/<model>-<method>-<hash>.npz``: named after the method's resume
+    directory (:func:`method_resume_dir`), so one file belongs to one setting."""
+    assert config.portable_dir is not None
+    return Path(config.portable_dir) / f"{resume.parent.name}-{resume.name}.npz"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -16,11 +16,13 @@ it, else ``acc``; :func:`headline_scores` does the same and adds the average.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sqlite3
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +217,8 @@ def evaluate_zeroshot(
     progress: bool = True,
     shared_context: bool = True,
     request_cache: str | Path | None = None,
+    seeds: dict[int, tuple[float, bool]] | None = None,
+    portable: str | Path | None = None,
 ) -> dict[str, Any]:
     """Score ``model`` (in process) on the paper's zero-shot tasks through lm-eval.
 
@@ -226,6 +230,10 @@ def evaluate_zeroshot(
     written as they are scored): a run that is stopped keeps what it scored, and the same
     call again scores only the rest. The directory belongs to one model: its logits
     fingerprint (:mod:`torq.eval.resume`) is stored there and a different model is refused.
+    ``seeds`` are answers carried from another machine (:func:`torq.eval.portable.
+    seed_resume_dir`), used instead of scoring those requests; with ``portable`` (needs
+    ``request_cache``) the cache is also copied there, every heartbeat and at the end
+    (:func:`torq.eval.portable.export_portable`).
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
     versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context,
@@ -235,15 +243,23 @@ def evaluate_zeroshot(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    if portable is not None and request_cache is None:
+        raise TorqError("a portable copy needs a request cache (a resume directory)")
     names = [parse_tasks(t)[0] for t in tasks] if tasks else list(PAPER_TASKS)
     device = next(model.parameters()).device
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
         manager = TaskManager(include_path=tmp)
+        base: type[HFLM] = HFLM
         if shared_context:
-            from torq.eval.shared_context import SharedContextHFLM as wrapper
-        else:
-            wrapper = HFLM
+            from torq.eval.shared_context import SharedContextHFLM
+
+            base = SharedContextHFLM
+        wrapper: type[HFLM] = base
+        if seeds:
+            from torq.eval.portable import SeededAnswers
+
+            wrapper = type(f"Seeded{base.__name__}", (SeededAnswers, base), {"seeds": seeds})
         lm = wrapper(
             pretrained=model,
             tokenizer=tokenizer,
@@ -257,7 +273,16 @@ def evaluate_zeroshot(
             cache_info = open_request_cache(Path(request_cache), model, tokenizer)
             cache_db = str(Path(request_cache) / CACHE_STEM)
         t0 = time.perf_counter()
-        heartbeat = None if request_cache is None else _Heartbeat(Path(request_cache), t0)
+        export = None
+        if portable is not None:
+            from torq.eval.portable import export_portable
+
+            def export() -> None:
+                export_portable(Path(request_cache), Path(portable))  # type: ignore[arg-type]
+
+        heartbeat = (
+            None if request_cache is None else _Heartbeat(Path(request_cache), t0, on_beat=export)
+        )
         try:
             out = simple_evaluate(
                 model=lm,
@@ -282,6 +307,9 @@ def evaluate_zeroshot(
         raise TorqError("lm-eval returned no results")
     if cache_info is not None:
         cache_info = close_request_cache(Path(request_cache), cache_info, seconds)  # type: ignore[arg-type]
+        cache_info["seeded_answers"] = int(getattr(lm, "seeded_answers", 0))
+        if export is not None:
+            export()
     return {
         "scores": headline_scores(out["results"], run_names),
         "lm_eval": _jsonable(
@@ -336,9 +364,16 @@ class _Heartbeat(threading.Thread):
     """Records the running session's time and answers in ``meta.json`` every ``every``
     seconds, so that a session that is killed still tells how long it scored."""
 
-    def __init__(self, root: Path, t0: float, every: float | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        t0: float,
+        every: float | None = None,
+        on_beat: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.root, self.t0 = root, t0
+        self.on_beat = on_beat
         self.every = HEARTBEAT_SECONDS if every is None else every
         self._halt = threading.Event()
         self.start()
@@ -352,6 +387,11 @@ class _Heartbeat(threading.Thread):
                 entries_so_far=_cache_entries(_answers_db(self.root)),
             )
             write_json_atomic(meta_path, meta)
+            if self.on_beat is not None:
+                try:
+                    self.on_beat()
+                except Exception as e:  # a failed copy must not stop the heartbeat
+                    logging.getLogger(__name__).warning("heartbeat callback failed: %s", e)
 
     def stop(self) -> None:
         self._halt.set()

@@ -1,0 +1,209 @@
+"""A small, portable copy of one method's kept evaluation, to carry it to another machine.
+
+A resume directory (:mod:`torq.eval.resume`, ``--resume-dir``) holds a method's zero-shot
+answers in lm-eval's SQLite request cache, its perplexity windows, its sessions and often the
+quantized model: hundreds of MB, tied to the machine it was made on. A full zero-shot row
+costs 2.5–3 core-hours on a 2-core machine (``docs/RESULTS.md`` §5.0), longer than some
+machines are lent for; the evaluation then has to move to another machine part-done.
+
+:func:`export_portable` writes the part worth carrying into one ``.npz``: per answer a
+64-bit prefix of lm-eval's request hash, the log-likelihood and the greedy flag (17 bytes,
+about 12 compressed), plus the logits fingerprint, the sessions and the perplexity windows
+as JSON.
+:func:`seed_resume_dir` reads it into a new resume directory on the other machine, after
+checking that the model there gives the same fingerprint; the answers it carries are then
+handed to lm-eval without running the model (:class:`SeededAnswers`), and the sessions'
+wall time keeps counting from where it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torq.errors import TorqError
+from torq.eval.resume import (
+    check_fingerprint,
+    fingerprint_ids,
+    logits_fingerprint,
+    write_json_atomic,
+)
+
+PORTABLE_VERSION = 1
+ANSWERS_DB = "requests_rank0.db"  # lm-eval's CachingLM file for the stem "requests"
+
+Answer = tuple[float, bool]
+
+
+def answer_key(args: Iterable[Any], attr: str = "loglikelihood") -> int:
+    """The first 64 bits of lm-eval's cache key for a request (``hash_args``: SHA-256 of the
+    JSON of ``[attr, *args]``). 64 bits keep the chance of any collision among a table's
+    ~66 000 answers below 10⁻¹⁰."""
+    from lm_eval.api.model import hash_args
+
+    return int(hash_args(attr, args)[:16], 16)
+
+
+def _db_answers(db: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    keys: list[int] = []
+    lls: list[float] = []
+    greedy: list[bool] = []
+    if db.is_file():
+        # read-only, beside lm-eval's writer; a locked database raises (the caller then
+        # keeps its previous copy) rather than pass for an empty one
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30.0)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+            rows = (
+                con.execute("SELECT key, value FROM unnamed").fetchall()
+                if "unnamed" in tables
+                else []
+            )
+        finally:
+            con.close()
+        for key, value in rows:
+            answer = pickle.loads(value)
+            if not (isinstance(answer, tuple) and len(answer) == 2):
+                continue  # not a log-likelihood answer
+            keys.append(int(key[:16], 16))
+            lls.append(float(answer[0]))
+            greedy.append(bool(answer[1]))
+    return (
+        np.asarray(keys, dtype=np.uint64),
+        np.asarray(lls, dtype=np.float64),
+        np.asarray(greedy, dtype=np.bool_),
+    )
+
+
+def export_portable(resume: Path, path: Path) -> dict[str, int]:
+    """Write ``resume``'s answers, perplexity windows and sessions to ``path`` (``.npz``,
+    replaced atomically, so a stop mid-write leaves the previous copy). Answers the file
+    already holds but the directory does not (seeded ones not yet asked for) are kept."""
+    resume, path = Path(resume), Path(path)
+    meta_path = resume / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    keys, lls, greedy = _db_answers(resume / ANSWERS_DB)
+    ppl = {p.name: json.loads(p.read_text()) for p in sorted(resume.glob("ppl-*.json"))}
+    # the zero-shot fingerprint (fingerprint_ids); a perplexity checkpoint keeps its own
+    fingerprint = meta.get("fingerprint")
+    if path.is_file():
+        old = load_portable(path)
+        if fingerprint is None:
+            fingerprint = old["meta"].get("fingerprint")
+        known = set(keys.tolist())
+        extra = [(k, v) for k, v in old["answers"].items() if k not in known]
+        if extra:
+            keys = np.concatenate([keys, np.asarray([k for k, _ in extra], dtype=np.uint64)])
+            lls = np.concatenate([lls, np.asarray([v[0] for _, v in extra], dtype=np.float64)])
+            greedy = np.concatenate([greedy, np.asarray([v[1] for _, v in extra], dtype=bool)])
+        for name, content in old["meta"].get("ppl", {}).items():
+            if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
+                ppl[name] = content
+    info = {
+        "version": PORTABLE_VERSION,
+        "fingerprint": fingerprint,
+        "sessions": meta.get("sessions", []),
+        "ppl": ppl,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(
+        tmp, keys=keys, loglik=lls, greedy=greedy, meta=np.asarray(json.dumps(info))
+    )
+    os.replace(tmp, path)
+    return {"answers": int(keys.size), "ppl_windows": sum(len(c["nll"]) for c in ppl.values())}
+
+
+def load_portable(path: Path) -> dict[str, Any]:
+    """``{"answers": {key prefix: (log-likelihood, greedy)}, "meta": {...}}`` from a file
+    written by :func:`export_portable`."""
+    path = Path(path)
+    if not path.is_file():
+        raise TorqError(f"no portable evaluation file at {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            keys, lls, greedy = z["keys"], z["loglik"], z["greedy"]
+            meta = json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError) as e:
+        raise TorqError(f"{path} is not a portable evaluation file ({e})") from e
+    if meta.get("version") != PORTABLE_VERSION:
+        raise TorqError(f"{path} has version {meta.get('version')}, expected {PORTABLE_VERSION}")
+    answers = {
+        int(k): (float(v), bool(g))
+        for k, v, g in zip(keys.tolist(), lls.tolist(), greedy.tolist(), strict=True)
+    }
+    return {"answers": answers, "meta": meta}
+
+
+def seed_resume_dir(
+    path: Path, resume: Path, model: torch.nn.Module, tokenizer: Any
+) -> dict[int, Answer]:
+    """Check that ``model`` is the model ``path`` was made with (its logits fingerprint),
+    then fill ``resume`` with what it carries: the sessions (merged into ``meta.json``) and
+    the perplexity windows (where the directory has fewer). Returns the answers, for
+    :class:`SeededAnswers`. An absent ``path`` seeds nothing, but ``resume`` is still
+    claimed for ``model`` (``meta.json`` with its fingerprint), which later copies carry."""
+    path, resume = Path(path), Path(resume)
+    fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
+    data = load_portable(path) if path.is_file() else {"answers": {}, "meta": {}}
+    meta_in = data["meta"]
+    if meta_in.get("fingerprint") is not None:
+        check_fingerprint(meta_in["fingerprint"], fingerprint, path)
+    resume.mkdir(parents=True, exist_ok=True)
+    meta_path = resume / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        check_fingerprint(meta["fingerprint"], fingerprint, meta_path)
+    else:  # claimed for this model now, so that every later copy carries its fingerprint
+        meta = {"fingerprint": fingerprint, "sessions": []}
+    seen = {s.get("started") for s in meta["sessions"]}
+    earlier = [s for s in meta_in.get("sessions", []) if s.get("started") not in seen]
+    meta["sessions"] = earlier + meta["sessions"]
+    write_json_atomic(meta_path, meta)
+    for name, content in meta_in.get("ppl", {}).items():
+        target = resume / name
+        have = json.loads(target.read_text()).get("nll", []) if target.is_file() else []
+        if len(content.get("nll", [])) > len(have):
+            write_json_atomic(target, content)
+    return data["answers"]
+
+
+class SeededAnswers:
+    """Mixin for lm-eval's ``HFLM`` (and :class:`~torq.eval.shared_context.SharedContextHFLM`):
+    log-likelihood requests whose answer is in ``seeds`` (from :func:`seed_resume_dir`) are
+    answered from it, and passed to the request cache at once; the rest are scored."""
+
+    seeds: dict[int, Answer] | None = None
+    seeded_answers: int = 0
+
+    def _loglikelihood_tokens(  # type: ignore[no-untyped-def]
+        self, requests, disable_tqdm: bool = False, override_bs: int | None = None
+    ):
+        if not self.seeds:
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)  # type: ignore[misc]
+        results: list[Answer | None] = [None] * len(requests)
+        todo: list[int] = []
+        for i, request in enumerate(requests):
+            args = request[0]
+            hit = None if args is None else self.seeds.get(answer_key(args))
+            if hit is None:
+                todo.append(i)
+                continue
+            results[i] = hit
+            self.cache_hook.add_partial("loglikelihood", args, hit)  # type: ignore[attr-defined]
+            self.seeded_answers += 1
+        if todo:
+            scored = super()._loglikelihood_tokens(  # type: ignore[misc]
+                [requests[i] for i in todo], disable_tqdm, override_bs
+            )
+            for i, answer in zip(todo, scored, strict=True):
+                results[i] = answer
+        return results

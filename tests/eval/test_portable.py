@@ -1,0 +1,202 @@
+"""Carrying a part-done evaluation to another machine (``torq.eval.portable``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torq.cli import main
+from torq.errors import TorqError
+from torq.eval import zeroshot as zs
+from torq.eval.portable import (
+    answer_key,
+    export_portable,
+    load_portable,
+    seed_resume_dir,
+)
+from torq.eval.resume import fingerprint_ids, logits_fingerprint
+
+pytest.importorskip("lm_eval")
+
+from tests.eval.test_zeroshot import _zeroshot_dir
+
+
+def _fake_resume(root: Path, fingerprint: list[float], answers: dict[tuple[str, str], tuple]):
+    from lm_eval.api.model import hash_args
+    from sqlitedict import SqliteDict
+
+    root.mkdir(parents=True)
+    db = SqliteDict(str(root / "requests_rank0.db"), autocommit=True)
+    for args, answer in answers.items():
+        db[hash_args("loglikelihood", args)] = answer
+    db.close()
+    meta = {"fingerprint": fingerprint, "sessions": [{"started": "t0", "seconds": 5.0}]}
+    (root / "meta.json").write_text(json.dumps(meta))
+    ppl = {"windows_sha256": "abc", "fingerprint": fingerprint, "nll": [1.5, 2.5], "seconds": 3.0}
+    (root / "ppl-4x8.json").write_text(json.dumps(ppl))
+
+
+def test_export_and_load_round_trip(tmp_path) -> None:
+    answers = {("ctx a", " x"): (-1.25, True), ("ctx b", " y"): (-3.5, False)}
+    _fake_resume(tmp_path / "r", [0.1, 0.2], answers)
+    out = tmp_path / "carry" / "m.npz"
+    assert export_portable(tmp_path / "r", out) == {"answers": 2, "ppl_windows": 2}
+    assert not list(out.parent.glob("*.tmp.npz"))
+    data = load_portable(out)
+    assert data["answers"] == {answer_key(a): v for a, v in answers.items()}
+    assert data["meta"]["fingerprint"] == [0.1, 0.2]
+    assert data["meta"]["sessions"] == [{"started": "t0", "seconds": 5.0}]
+    assert data["meta"]["ppl"]["ppl-4x8.json"]["nll"] == [1.5, 2.5]
+    # 17 bytes an answer before compression: a key prefix, a float64, a flag
+    with np.load(out) as z:
+        assert z["keys"].dtype == np.uint64 and z["loglik"].dtype == np.float64
+
+    # answers the file holds but a (new) directory does not yet are not dropped
+    _fake_resume(tmp_path / "r2", [0.1, 0.2], {("ctx c", " z"): (-0.5, True)})
+    assert export_portable(tmp_path / "r2", out)["answers"] == 3
+
+
+def test_bad_files_are_clear_errors(tmp_path) -> None:
+    with pytest.raises(TorqError, match="no portable"):
+        load_portable(tmp_path / "missing.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(TorqError, match="not a portable"):
+        load_portable(tmp_path / "junk.npz")
+    np.savez(tmp_path / "old.npz", keys=np.zeros(0, np.uint64), loglik=np.zeros(0),
+             greedy=np.zeros(0, bool), meta=np.asarray(json.dumps({"version": 0})))  # fmt: skip
+    with pytest.raises(TorqError, match="version"):
+        load_portable(tmp_path / "old.npz")
+
+
+def test_seeding_checks_the_model_and_fills_a_new_directory(tiny_checkpoint, tmp_path) -> None:
+    from torq.models import load
+
+    lm = load(str(tiny_checkpoint))
+    fp = logits_fingerprint(lm.model, fingerprint_ids(lm.tokenizer))
+    _fake_resume(tmp_path / "r", fp, {("ctx", " a"): (-2.0, False)})
+    carry = tmp_path / "m.npz"
+    export_portable(tmp_path / "r", carry)
+    new = tmp_path / "elsewhere"
+    seeds = seed_resume_dir(carry, new, lm.model, lm.tokenizer)
+    assert seeds == {answer_key(("ctx", " a")): (-2.0, False)}
+    meta = json.loads((new / "meta.json").read_text())
+    assert meta["fingerprint"] == fp and meta["sessions"][0]["started"] == "t0"
+    assert json.loads((new / "ppl-4x8.json").read_text())["nll"] == [1.5, 2.5]
+    # seeding twice does not repeat the sessions
+    seed_resume_dir(carry, new, lm.model, lm.tokenizer)
+    assert len(json.loads((new / "meta.json").read_text())["sessions"]) == 1
+    assert seed_resume_dir(tmp_path / "absent.npz", new, lm.model, lm.tokenizer) == {}
+
+    other = load(str(tiny_checkpoint)).model
+    with torch.no_grad():
+        other.lm_head.weight.mul_(3.0)
+    with pytest.raises(TorqError, match="another model"):
+        seed_resume_dir(carry, tmp_path / "third", other, lm.tokenizer)
+
+
+def test_a_seeded_evaluation_scores_only_what_is_missing(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """Two questions' answers scored on "machine A", carried; "machine B" (a new resume
+    directory) gets them without running the model, with the same scores, and scores only
+    the questions it lacks."""
+    from torq.models import load
+
+    data = str(_zeroshot_dir(tiny_data_dir))
+    lm = load(str(tiny_checkpoint))
+    carry = tmp_path / "carry.npz"
+
+    def score(limit: int, cache: Path | None, seeds=None, portable=None) -> dict:
+        return zs.evaluate_zeroshot(
+            lm.model, lm.tokenizer, ["arc_easy", "piqa"], data_dir=data, limit=limit,
+            progress=False, request_cache=cache, seeds=seeds, portable=portable,
+        )  # fmt: skip
+
+    with pytest.raises(TorqError, match="request cache"):
+        score(2, None, portable=carry)
+    first_run = score(2, tmp_path / "a", portable=carry)
+    first = first_run["request_cache"]
+    assert first["entries_after"] == 12 and first["seeded_answers"] == 0
+    assert len(load_portable(carry)["answers"]) == 12
+    shutil.rmtree(tmp_path / "a")  # the first machine is gone
+
+    b = tmp_path / "b"
+    seeds = seed_resume_dir(carry, b, lm.model, lm.tokenizer)
+    calls: list[int] = []
+    original = lm.model.forward
+
+    def counting(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    lm.model.forward = counting
+    again = score(2, b, seeds=seeds, portable=carry)
+    lm.model.forward = original
+    info = again["request_cache"]
+    assert info["seeded_answers"] == 12 and info["entries_after"] == 12
+    # only the fingerprint check ran the model, no request did
+    assert len(calls) == 1
+    assert [s["entries_before"] for s in info["sessions"]] == [0, 0]
+    assert again["lm_eval"]["results"] == first_run["lm_eval"]["results"]
+
+    more = score(5, b, seeds=seeds, portable=carry)
+    assert more["request_cache"]["seeded_answers"] == 0  # already in b's cache
+    assert more["request_cache"]["entries_after"] == 30
+    assert len(load_portable(carry)["answers"]) == 30
+
+
+def test_eval_command_carries_answers_to_a_new_resume_dir(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    _zeroshot_dir(tiny_data_dir)
+    carry = tmp_path / "carry"
+
+    def run(resume: str) -> list[dict]:
+        args = [
+            "eval", "--model", str(tiny_checkpoint), "--methods", "rtn", "--tasks", "piqa",
+            "--limit", "2", "--seqlen", "64", "--max-windows", "2",
+            "--data-dir", str(tiny_data_dir), "--no-progress", "--resume-dir", resume,
+            "--portable-dir", str(carry), "--out", str(tmp_path / "zs.json"),
+        ]  # fmt: skip
+        assert main(args) == 0
+        return json.loads((tmp_path / "zs.json").read_text())["rows"]
+
+    first = run(str(tmp_path / "a"))
+    files = sorted(p.name for p in carry.glob("*.npz"))
+    assert len(files) == 1 and "-rtn-" in files[0]
+    second = run(str(tmp_path / "b"))
+    for r1, r2 in zip(first, second, strict=True):
+        assert r2["zeroshot"]["request_cache"]["seeded_answers"] == 4
+        assert r2["details"]["portable"]["answers_carried"] == 4
+        assert r2["zeroshot"]["tasks"] == r1["zeroshot"]["tasks"]
+        assert r2["ppl"] == r1["ppl"]
+    # the perplexity windows came along too
+    for ckpt in (tmp_path / "b").glob("*/*/ppl-*.json"):
+        assert len(json.loads(ckpt.read_text())["nll"]) == 2
+    assert len(list((tmp_path / "b").glob("*/*/ppl-*.json"))) == 1
+    args = ["run", "--model", str(tiny_checkpoint), "--methods", "fp", "--portable-dir", "x"]
+    assert main(args) == 2  # a portable copy needs --resume-dir: a clear error
+
+
+def test_perplexity_reports_each_checkpoint_write(tiny_checkpoint, tmp_path) -> None:
+    """The hook the pipeline uses to refresh the portable copy while perplexity runs."""
+    from torq.eval.perplexity import perplexity
+    from torq.models import load
+    from torq.pipeline import _every
+
+    lm = load(str(tiny_checkpoint))
+    windows = torch.randint(0, lm.model.config.vocab_size, (3, 16))
+    calls: list[int] = []
+    perplexity(lm.model, windows, progress=False, checkpoint=tmp_path / "p.json",
+               on_checkpoint=lambda: calls.append(1))  # fmt: skip
+    assert len(calls) == 3
+    throttled: list[int] = []
+    hook = _every(3600.0, lambda: throttled.append(1))
+    for _ in range(5):
+        hook()
+    assert throttled == [1]
