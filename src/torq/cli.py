@@ -105,7 +105,10 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="embedded default, HF folder, .gguf or hub id"
     )
     run.add_argument(
-        "--methods", default="fp,rtn", help="comma-separated methods (see 'torq methods')"
+        "--methods",
+        default=None,
+        help="comma-separated methods (see 'torq methods'); default fp,rtn, or for a model "
+        "saved quantized by --save-dir the method it was saved with",
     )
     run.add_argument(
         "--format", type=_format_name, default="mxfp4", help="weights and activations format"
@@ -164,6 +167,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--out", default=None, help="result JSON path (default: results/run-<model>-<time>.json)"
+    )
+    run.add_argument(
+        "--save-dir",
+        default=None,
+        metavar="DIR",
+        help="write each quantized model to DIR/<model>-<method>/ (config, tokenizer, packed "
+        "4-bit weights and the online transforms in model.safetensors); evaluate it later "
+        "with --model DIR/<model>-<method>, or load it with torq.export.load_quantized",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -292,9 +303,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     if args.paper:
         torq_settings = torq_settings.paper()
+    methods = args.methods
+    if methods is None:
+        from torq.pipeline import saved_manifest
+
+        saved = saved_manifest(args.model)
+        methods = "fp,rtn" if saved is None else (saved.get("method") or "saved")
     config = RunConfig(
         model=args.model,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
         weight_format=w,
         act_format=a,
         scale_mode=args.scale_mode,
@@ -309,6 +326,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         torq=torq_settings,
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
         device=args.device,
+        save_dir=args.save_dir,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks

@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,9 @@ class RunConfig:
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
+    # write each quantized model as a checkpoint folder <save_dir>/<model>-<method>
+    # (packed 4-bit weights and the online transforms, :mod:`torq.export`)
+    save_dir: str | None = None
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -102,13 +105,20 @@ def run(
     """
     if not config.methods:
         raise TorqError("no methods given")
-    methods = [get_method(m) for m in config.methods]
+    saved = loaded.quantized if loaded is not None else saved_manifest(config.model)
+    if saved is None:
+        methods = [get_method(m) for m in config.methods]
+    else:
+        config = _saved_config(config, saved)
+        methods = [_SavedMethod(saved)]
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     if loaded is None:
         loaded = load(config.model)
+    if saved is not None and loaded.quantized is not None:
+        saved = loaded.quantized  # with how it loaded (time, fingerprint check)
     loaded.model.to(device)
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
@@ -122,11 +132,20 @@ def run(
     rows: list[MethodRow] = []
     for method in methods:
         resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
-        keep_dir = resume if method.quantizes and config.keep_models else None
+        keep_dir = resume if method.quantizes and config.keep_models and saved is None else None
         kept = None
         if keep_dir is not None:
             kept = load_kept_model(keep_dir, fingerprint_ids(loaded.tokenizer), device)
-        if kept is not None:
+        if saved is not None:
+            # a checkpoint torq saved already quantized: evaluated as it is
+            model = loaded.model
+            info = saved.get("info", {})
+            details = {
+                **info.get("details", {}),
+                "loaded_from": {"path": loaded.path, **saved.get("load", {})},
+            }
+            t_quant = float(info.get("quantize_seconds", 0.0))
+        elif kept is not None:
             model, info = kept
             details = info["details"]
             # the row reports what the calibration cost when it ran, and says it was reloaded
@@ -163,6 +182,8 @@ def run(
                     "reloaded": False,
                     "save_seconds": time.perf_counter() - t0,
                 }
+        if config.save_dir is not None and method.quantizes and saved is None:
+            details["saved"] = _save(config, method.name, model, loaded, t_quant, details)
         portable, seeds = None, None
         if config.portable_dir is not None and resume is not None:
             portable = portable_path(config, resume)
@@ -234,6 +255,90 @@ def run(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def saved_manifest(model: str) -> dict[str, Any] | None:
+    """The manifest when ``model`` is a checkpoint folder torq saved quantized, else None."""
+    from torq.export import is_quantized_checkpoint, read_manifest
+
+    path = Path(model).expanduser()
+    return read_manifest(path) if path.is_dir() and is_quantized_checkpoint(path) else None
+
+
+class _SavedMethod:
+    """The row of a model that was quantized before it was saved: nothing to apply."""
+
+    quantizes = True
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.name = manifest.get("method") or "saved"
+
+
+def _saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
+    """``config`` with the saved model's formats; its methods must name the saved method."""
+    name = manifest.get("method") or "saved"
+    if config.methods != [name]:
+        raise TorqError(
+            f"{config.model} holds a model already quantized with '{name}'; evaluate it with "
+            f"--methods {name} (or without --methods). To compare other methods, start from "
+            "the float model."
+        )
+    linear = next((e for e in manifest["modules"].values() if e["kind"] == "linear"), None)
+    if linear is None:
+        return config
+
+    def name_of(spec: dict[str, Any] | None) -> str | None:
+        return None if spec is None else spec["name"]
+
+    specs = [s for s in (linear["weight"], linear["activation"]) if s is not None]
+    scale_mode = next((s["scale_mode"] for s in specs if s["name"] == "mxfp4"), "ocp")
+    return replace(
+        config,
+        weight_format=name_of(linear["weight"]),
+        act_format=name_of(linear["activation"]),
+        scale_mode=scale_mode,
+    )
+
+
+def saved_model_dir(config: RunConfig, method: str) -> Path:
+    """``<save_dir>/<model>-<method>``: where ``--save-dir`` writes one method's model."""
+    if config.save_dir is None:
+        raise TorqError("no save directory configured")
+    stem = Path(config.model).name or config.model
+    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
+    return Path(config.save_dir) / f"{model}-{method.replace('+', '-')}"
+
+
+def _save(
+    config: RunConfig,
+    method: str,
+    model: torch.nn.Module,
+    loaded: LoadedModel,
+    quantize_seconds: float,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    from torq.export import save_quantized
+
+    t0 = time.perf_counter()
+    out = saved_model_dir(config, method)
+    save_quantized(
+        model,
+        out,
+        loaded.tokenizer,
+        method=method,
+        info={
+            "model": config.model,
+            "source": loaded.source,
+            "quantize_seconds": quantize_seconds,
+            "details": {k: v for k, v in details.items() if k != "kept_model"},
+            "config": asdict(config),
+            "command": command_line(),
+            "saved_at": now_iso(),
+        },
+        overwrite=True,
+    )
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return {"path": str(out), "bytes": size, "seconds": time.perf_counter() - t0}
 
 
 def setting_key(config: dict[str, Any], method: str) -> str:

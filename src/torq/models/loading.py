@@ -84,6 +84,8 @@ class LoadedModel:
     tokenizer: Any
     source: str
     path: str
+    # the manifest of a checkpoint that torq saved already quantized (torq.export), else None
+    quantized: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         cfg = self.model.config
@@ -239,12 +241,29 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
 
 
+def _from_quantized_folder(path: Path) -> LoadedModel:
+    from torq.export import load_quantized
+
+    model, tokenizer, manifest = load_quantized(path)
+    if tokenizer is None:
+        raise TorqError(f"{path} holds no tokenizer; save it with one to evaluate it here")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        source=f"torq-quantized:{path.resolve()}",
+        path=str(path),
+        quantized=manifest,
+    )
+
+
 def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a causal LM in float for quantization.
 
     ``name_or_path`` is an embedded default (see :data:`EMBEDDED_MODELS`), a ``.gguf``
     file, a local Hugging Face folder or a hub id. GGUF weights are de-quantized to
-    float32 once and cached (``$TORQ_CACHE``).
+    float32 once and cached (``$TORQ_CACHE``). A folder written by
+    :func:`torq.export.save_quantized` loads as the quantized model it holds
+    (``LoadedModel.quantized`` is then its manifest).
     """
     key = name_or_path.strip()
     if key.lower() in EMBEDDED_MODELS:
@@ -255,6 +274,10 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         folder = convert_gguf(path)
         return _from_folder(str(folder), f"gguf:{path.resolve()}", dtype)
     if path.is_dir():
+        from torq.export import is_quantized_checkpoint
+
+        if is_quantized_checkpoint(path):
+            return _from_quantized_folder(path)
         if not (path / "config.json").is_file():
             raise TorqError(
                 f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"

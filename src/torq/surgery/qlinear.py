@@ -206,6 +206,26 @@ class QuantExperts(nn.Module):
             self.gate_up_proj = nn.Parameter(gu.clone(), requires_grad=False)
             self.down_proj = nn.Parameter(dn.clone(), requires_grad=False)
 
+    @classmethod
+    def from_quantized(
+        cls,
+        act_fn: nn.Module,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        config: QuantConfig,
+    ) -> QuantExperts:
+        """Experts whose weights are already quantized (read back from a checkpoint)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+            raise ValueError("fused expert weights are 3-D [experts, out, in]")
+        self.config = config
+        self.num_experts = gate_up_proj.shape[0]
+        self.act_fn = act_fn
+        self.gate_up_proj = nn.Parameter(gate_up_proj.detach().clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj.detach().clone(), requires_grad=False)
+        return self
+
     def _qa(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quantize(x, self.config.activation) if self.config.activation is not None else x
 
