@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import torq
+from torq.paths import usual_permissions
 
 
 def _cpu_model() -> str:
@@ -76,6 +77,7 @@ def write_json_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> 
         with os.fdopen(fd, "w") as fh:
             json.dump(payload, fh, indent=2, default=str)
             fh.write("\n")
+        usual_permissions(Path(tmp))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -89,6 +91,10 @@ def test_split_checkpoint_is_concatenated_in_order(tmp_path, monkeypatch) -> Non
     path = loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
     assert path.read_bytes() == b"".join(chunks)
     assert path.name.endswith(".gguf")
+    # readable like any file the user creates (mkstemp alone would make it owner-only)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     # the second call reuses the cached file
     assert loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b") == path
 

@@ -56,6 +56,7 @@ from torq.eval.resume import (
 )
 from torq.formats import FormatSpec
 from torq.formats.packed import PackedTensor, dequantize, quantize
+from torq.paths import usual_permissions
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts, QuantLinear
 
@@ -345,19 +346,9 @@ def save_quantized(
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "torq": CHECKPOINT_FORMAT})
         manifest["stats"]["save_seconds"] = time.perf_counter() - t0
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _usual_permissions(tmp)
+        usual_permissions(tmp)
     log.info("saved %d quantized modules (%d packed) to %s", len(modules), packed, out)
     return out
-
-
-def _usual_permissions(folder: Path) -> None:
-    """Files as a plain ``open`` would create them (safetensors writes them owner-only)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError
-from torq.paths import cache_dir
+from torq.paths import cache_dir, usual_permissions
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ def assemble_parts(entry: EmbeddedModel) -> Path:
                     f"the parts of '{entry.name}' do not form a GGUF file (bad magic); "
                     f"reinstall them with: {entry.install_hint}"
                 )
+        usual_permissions(tmp)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -223,6 +224,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
         (tmp / "torq_source.json").write_text(
             json.dumps({"gguf": str(gguf_path.resolve()), "dtype": "float32"}, indent=2)
         )
+        usual_permissions(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
