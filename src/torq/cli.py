@@ -111,7 +111,11 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "saved quantized by --save-dir the method it was saved with",
     )
     run.add_argument(
-        "--format", type=_format_name, default="mxfp4", help="weights and activations format"
+        "--format",
+        type=_format_name,
+        default=argparse.SUPPRESS,
+        help="weights and activations format (default mxfp4; a saved quantized model keeps "
+        "its own)",
     )
     run.add_argument(
         "--w-format",
@@ -126,7 +130,10 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="activation format, overrides --format ('none' keeps activations in float)",
     )
     run.add_argument(
-        "--scale-mode", choices=SCALE_MODES, default="ocp", help="MXFP4 block scale rule"
+        "--scale-mode",
+        choices=SCALE_MODES,
+        default=argparse.SUPPRESS,
+        help="MXFP4 block scale rule (default ocp; a saved quantized model keeps its own)",
     )
     run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
     run.add_argument(
@@ -271,8 +278,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    w = getattr(args, "w_format", args.format)
-    a = getattr(args, "a_format", args.format)
+    fmt = getattr(args, "format", "mxfp4")
+    w = getattr(args, "w_format", fmt)
+    a = getattr(args, "a_format", fmt)
+    scale_mode = getattr(args, "scale_mode", "ocp")
     from torq.calibration.data import CalibrationConfig
     from torq.methods.torq_rotation import TorqSettings
     from torq.rotations.inter_block import InterBlockConfig
@@ -303,18 +312,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     if args.paper:
         torq_settings = torq_settings.paper()
+    from torq.pipeline import saved_formats, saved_manifest
+
+    saved = saved_manifest(args.model)
     methods = args.methods
     if methods is None:
-        from torq.pipeline import saved_manifest
-
-        saved = saved_manifest(args.model)
         methods = "fp,rtn" if saved is None else (saved.get("method") or "saved")
+    given = [f for f in ("format", "w_format", "a_format", "scale_mode") if hasattr(args, f)]
+    formats = None if saved is None else saved_formats(saved)
+    # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
+    asked = (w, a, scale_mode if "mxfp4" in (w, a) else "ocp")
+    if given and formats is not None and formats != asked:
+        sw, sa, smode = formats
+        raise TorqError(
+            f"{args.model} was saved quantized with weights {sw or 'float'}, activations "
+            f"{sa or 'float'}, scale rule {smode}; its formats cannot be changed by "
+            f"{', '.join('--' + f.replace('_', '-') for f in given)}. Drop those flags, or "
+            "quantize the float model again with them."
+        )
     config = RunConfig(
         model=args.model,
         methods=[m.strip() for m in methods.split(",") if m.strip()],
         weight_format=w,
         act_format=a,
-        scale_mode=args.scale_mode,
+        scale_mode=scale_mode,
         seqlen=args.seqlen,
         max_windows=args.max_windows,
         batch_size=args.batch_size,

@@ -283,21 +283,28 @@ def _saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
             f"--methods {name} (or without --methods). To compare other methods, start from "
             "the float model."
         )
+    formats = saved_formats(manifest)
+    if formats is None:
+        return config
+    weight_format, act_format, scale_mode = formats
+    return replace(
+        config, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
+    )
+
+
+def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:
+    """``(weight format, activation format, MXFP4 scale rule)`` of a saved quantized model's
+    linear layers (None for a float side), or None when it has no quantized linear layer."""
     linear = next((e for e in manifest["modules"].values() if e["kind"] == "linear"), None)
     if linear is None:
-        return config
+        return None
 
     def name_of(spec: dict[str, Any] | None) -> str | None:
         return None if spec is None else spec["name"]
 
     specs = [s for s in (linear["weight"], linear["activation"]) if s is not None]
     scale_mode = next((s["scale_mode"] for s in specs if s["name"] == "mxfp4"), "ocp")
-    return replace(
-        config,
-        weight_format=name_of(linear["weight"]),
-        act_format=name_of(linear["activation"]),
-        scale_mode=scale_mode,
-    )
+    return name_of(linear["weight"]), name_of(linear["activation"]), scale_mode
 
 
 def saved_model_dir(config: RunConfig, method: str) -> Path:

@@ -273,6 +273,19 @@ def test_cli_saves_and_evaluates_a_saved_model(
     code = main(["run", "--model", str(saved), "--methods", "fp,rtn", *common])
     assert code == 2
     assert "already quantized with 'had32'" in capsys.readouterr().err
+    # its formats are its own: a flag that asks for others is refused, one that agrees is not
+    code = main(["run", "--model", str(saved), "--format", "nvfp4", *common])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "weights mxfp4, activations mxfp4, scale rule ocp" in err and "--format" in err
+    code = main(["run", "--model", str(saved), "--scale-mode", "nearest", *common])
+    assert code == 2 and "--scale-mode" in capsys.readouterr().err
+    third = tmp_path / "c.json"
+    assert (
+        main(["run", "--model", str(saved), "--w-format", "mxfp4", *common, "--out", str(third)])
+        == 0
+    )
+    assert json.loads(third.read_text())["rows"][0]["ppl"] == row["ppl"]
 
 
 def test_model_copy_is_unaffected_by_saving(tmp_path) -> None:
