@@ -168,7 +168,15 @@ def main() -> None:
     record = record or template
     if record is None:
         raise SystemExit("no methods to run")
-    record = {**record, "rows": rows, "commands": commands, "complete": True}
+    # the top-level command is the one that wrote this record (a merge-only run included);
+    # the commands behind its rows are in ``commands``
+    record = {
+        **record,
+        "command": command_line(),
+        "rows": rows,
+        "commands": commands,
+        "complete": True,
+    }
     record["eval"]["n_windows"] = _windows(rows, record)
     path = _write(out, record)
     figure = accuracy_perplexity_figure(record, path.with_suffix(".png"))
