@@ -34,10 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
+from torq.errors import TorqError
 from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import load
+from torq.paths import check_destination
 from torq.pipeline import RunConfig, markdown_table, run, setting_key
 from torq.results import command_line
 
@@ -117,6 +119,7 @@ def main() -> None:
     base_dict = asdict(base)
     earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}
     out = Path(args.out)
+    check_destination(out, folder=False, what="--out")
     done: dict[str, dict[str, Any]] = {}
     record: dict[str, Any] | None = None
     template: dict[str, Any] | None = None  # the first record read: the frame of a table
@@ -230,4 +233,7 @@ def _write(out: Path, record: dict[str, Any]) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TorqError as exc:
+        raise SystemExit(f"zeroshot_table.py: error: {exc}") from None

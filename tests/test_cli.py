@@ -43,6 +43,39 @@ def test_bad_arguments_give_one_line(argv, needle, capsys) -> None:
     assert "Traceback" not in err
 
 
+def test_destinations_and_methods_are_checked_before_any_work(
+    tiny_checkpoint, tiny_data_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    """A file where a folder goes (or the reverse), and a method named twice, are refused
+    with one line before the model is loaded, not after the quantization they would waste."""
+    import torq.pipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(torq.pipeline, "load", no_load)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    (tmp_path / "a-folder").mkdir()
+    base = ["run", "--model", str(tiny_checkpoint), "--data-dir", str(tiny_data_dir)]
+    cases = [
+        (["--methods", "rtn", "--out", str(a_file / "r.json")], f"{a_file} is a file"),
+        (["--methods", "rtn", "--out", str(tmp_path / "a-folder")], "is a folder"),
+        (["--methods", "rtn", "--save-dir", str(a_file)], "exists and is not a folder"),
+        (["--methods", "rtn", "--save-dir", str(a_file / "sub")], f"{a_file} is a file"),
+        (["--methods", "fp", "--resume-dir", str(a_file)], "--resume-dir"),
+        (["--methods", "fp,rtn,fp"], "'fp' is given twice"),
+        (["--methods", "gptq,RTN+gptq"], "'gptq' and 'RTN+gptq' are the same method"),
+    ]
+    for extra, needle in cases:
+        code, _, err = _run([*base, *extra], capsys)
+        assert code == 2, (extra, err)
+        assert needle in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1, err
+    assert a_file.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder", "tiny-llama"]
+
+
 def test_lists(capsys) -> None:
     assert _run(["methods"], capsys)[1].count("\n") >= 2
     assert "smollm2-135m" in _run(["models"], capsys)[1]

@@ -273,6 +273,7 @@ def _slug(text: str) -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
+    from torq.paths import check_destination
     from torq.pipeline import RunConfig, markdown_table, run
     from torq.results import write_json_atomic
 
@@ -361,6 +362,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     )
+
+    check_destination(out, folder=False, what="--out")
 
     def save(record: dict) -> str:
         table = markdown_table(record)

@@ -25,3 +25,25 @@ def usual_permissions(path: Path) -> None:
                 f.chmod(0o666 & ~umask)
     else:
         path.chmod(0o666 & ~umask)
+
+
+def check_destination(path: str | os.PathLike[str], *, folder: bool, what: str) -> None:
+    """Refuse, before any work is done, a destination that could not be written when the work
+    ends: a file where a folder is wanted or a folder where a file is, a file among its
+    parents, or a parent this user may not write to. ``what`` names the option in the
+    message (``"--out"``). Raises :class:`torq.errors.TorqError`."""
+    from torq.errors import TorqError
+
+    path = Path(path).expanduser()
+    if path.exists():
+        if folder and not path.is_dir():
+            raise TorqError(f"{what} {path} exists and is not a folder")
+        if not folder and path.is_dir():
+            raise TorqError(f"{what} {path} is a folder; give a file name")
+    parent = path if folder and path.exists() else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise TorqError(f"{what} {path} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise TorqError(f"{what} {path} cannot be created: {parent} is not writable")

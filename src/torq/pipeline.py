@@ -28,6 +28,7 @@ from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel, load
+from torq.paths import check_destination
 from torq.results import command_line, machine_info, now_iso, versions
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
@@ -108,9 +109,32 @@ def run(
     saved = loaded.quantized if loaded is not None else saved_manifest(config.model)
     if saved is None:
         methods = [get_method(m) for m in config.methods]
+        seen: dict[str, str] = {}
+        for given, method in zip(config.methods, methods, strict=True):
+            if method.name in seen:
+                first = seen[method.name]
+                twice = f"'{given}' is given twice"
+                if first.strip().lower() != given.strip().lower():
+                    twice = f"'{first}' and '{given}' are the same method"
+                raise TorqError(f"methods: {twice}")
+            seen[method.name] = given
     else:
         config = _saved_config(config, saved)
         methods = [_SavedMethod(saved)]
+    # what would fail only when the work is done (a file where a folder goes) fails now
+    for option, folder in (
+        ("--save-dir", config.save_dir),
+        ("--resume-dir", config.resume_dir),
+        ("--portable-dir", config.portable_dir),
+    ):
+        if folder is not None:
+            check_destination(folder, folder=True, what=option)
+    if config.save_dir is not None and saved is None:
+        for method in methods:
+            if method.quantizes:
+                check_destination(
+                    saved_model_dir(config, method.name), folder=True, what="--save-dir"
+                )
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)
