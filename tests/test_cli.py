@@ -6,11 +6,13 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from torq.cli import main
+from torq.errors import TorqError
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -74,6 +76,73 @@ def test_destinations_and_methods_are_checked_before_any_work(
         assert len(err.strip().splitlines()) == 1, err
     assert a_file.read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder", "tiny-llama"]
+
+
+def test_missing_data_is_found_before_any_work(
+    tiny_checkpoint, tiny_data_dir, tmp_path, capsys, monkeypatch
+) -> None:
+    """A calibration corpus, WikiText-2 test file or zero-shot file that is not there is
+    reported before the model is loaded, not when the method that reads it starts (after
+    the methods before it have run)."""
+    import torq.eval.zeroshot
+    import torq.pipeline
+
+    class Loaded(Exception):
+        pass
+
+    def no_load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(torq.pipeline, "load", no_load)
+    monkeypatch.setattr(torq.eval.zeroshot, "hub_reachable", lambda timeout=3.0: False)
+    corpus = tiny_data_dir / "wikitext-2" / "wiki.valid.tokens"
+    assert not corpus.exists()
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    base = ["--model", str(tiny_checkpoint), "--data-dir", str(tiny_data_dir)]
+    no_corpus = f"calibration corpus file not found: expected {corpus}"
+    cases = [
+        (["run", *base, "--methods", "fp,rtn,torq"], f"method 'torq' calibrates: {no_corpus}"),
+        (["run", *base, "--methods", "rtn,gptq"], "method 'gptq' calibrates"),
+        (["run", *base, "--methods", "had32+gptq"], "method 'had32+gptq' calibrates"),
+        (["run", *base, "--methods", "quarot+gptq"], "method 'quarot+gptq' calibrates"),
+        (["run", *base, "--methods", "torq-had32"], "method 'torq-had32' calibrates"),
+        (
+            ["run", "--model", str(tiny_checkpoint), "--data-dir", str(empty), "--methods", "rtn"],
+            "WikiText-2 test file not found",
+        ),
+        (
+            ["eval", *base, "--methods", "fp", "--tasks", "piqa", "--limit", "2"],
+            "zero-shot data not found (expected",
+        ),
+    ]
+    for argv, needle in cases:
+        code, _, err = _run(argv, capsys)
+        assert code == 2, (argv, err)
+        assert needle in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err
+    # methods that read no calibration data get past the check to the model
+    for methods in ("fp,rtn,had32,quarot", "hadfull"):
+        with pytest.raises(Loaded):
+            main(["run", *base, "--methods", methods])
+    # a method whose quantized model is kept in the resume directory is reloaded, not
+    # calibrated again: its corpus is not needed
+    from torq.eval.resume import MODEL_INFO
+    from torq.pipeline import RunConfig, method_resume_dir, run
+
+    config = RunConfig(
+        model=str(tiny_checkpoint),
+        methods=["torq"],
+        data_dir=str(tiny_data_dir),
+        resume_dir=str(tmp_path / "resume"),
+    )
+    with pytest.raises(TorqError, match="method 'torq' calibrates"):
+        run(config)
+    kept = Path(method_resume_dir(config, "torq"))
+    kept.mkdir(parents=True)
+    (kept / MODEL_INFO).write_text("{}")
+    with pytest.raises(Loaded):
+        run(config)
 
 
 def test_lists(capsys) -> None:

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from torq.calibration.data import corpus_path
 from torq.errors import TorqError
-from torq.eval.data import load_wikitext2_test
+from torq.eval.data import WIKITEXT2_TEST_RAW, load_wikitext2_test, resolve_data_dir
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.eval.portable import export_portable, seed_resume_dir
-from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
-from torq.methods.registry import MethodContext, get_method
+from torq.eval.resume import MODEL_INFO, fingerprint_ids, keep_model, load_kept_model
+from torq.methods.registry import Method, MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel, load
 from torq.paths import check_destination
@@ -135,6 +136,12 @@ def run(
                 check_destination(
                     saved_model_dir(config, method.name), folder=True, what="--save-dir"
                 )
+    if config.skip_ppl and not config.tasks:
+        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    if config.portable_dir is not None and config.resume_dir is None:
+        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
+    if saved is None:
+        check_data(config, methods)
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)
@@ -144,10 +151,6 @@ def run(
     if saved is not None and loaded.quantized is not None:
         saved = loaded.quantized  # with how it loaded (time, fingerprint check)
     loaded.model.to(device)
-    if config.skip_ppl and not config.tasks:
-        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
-    if config.portable_dir is not None and config.resume_dir is None:
-        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
     windows = None
     if not config.skip_ppl:
         text = load_wikitext2_test(config.data_dir)
@@ -279,6 +282,32 @@ def run(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def check_data(config: RunConfig, methods: list[Method]) -> None:
+    """Fail before any work when data the run will read is missing: a method's calibration
+    corpus (unless its quantized model is kept in the resume directory), the WikiText-2 test
+    file in a configured data directory, the zero-shot tasks' files (or the hub)."""
+    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
+    for method in methods:
+        calibration = method.calibration(ctx)
+        if calibration is None:
+            continue
+        if config.resume_dir is not None and config.keep_models:
+            kept = Path(method_resume_dir(config, method.name)) / MODEL_INFO
+            if kept.is_file():
+                continue  # reloaded, not calibrated again
+        try:
+            corpus_path(calibration.corpus, config.data_dir)
+        except TorqError as exc:
+            raise TorqError(f"method '{method.name}' calibrates: {exc}") from None
+    root = resolve_data_dir(config.data_dir)
+    if not config.skip_ppl and root is not None and not (root / WIKITEXT2_TEST_RAW).is_file():
+        raise TorqError(f"WikiText-2 test file not found: expected {root / WIKITEXT2_TEST_RAW}")
+    if config.tasks:
+        from torq.eval.zeroshot import task_data_files
+
+        task_data_files(config.tasks, config.data_dir)
 
 
 def saved_manifest(model: str) -> dict[str, Any] | None:

@@ -150,26 +150,24 @@ def local_task_yaml(task: ZeroShotTask, data_file: Path, tasks_dir: Path) -> str
     return "\n".join(lines) + "\n"
 
 
-def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> dict[str, str]:
-    """Write the offline configs into ``config_dir``; map each paper task to the lm-eval
-    task name to run (the local config, or the built-in one as the hub fallback)."""
-    tasks_dir = _lm_eval_tasks_dir()
+def task_data_files(names: list[str], data_dir: str | None) -> dict[str, Path | None]:
+    """Each paper task's local data file, or ``None`` where it is read from the hub.
+
+    Raises :class:`TorqError` (before any model is loaded, :func:`torq.pipeline.run`) when
+    lm-eval is not installed, or a file is missing and the hub is not reachable."""
+    _lm_eval_tasks_dir()
     root = resolve_data_dir(data_dir)
-    run_names: dict[str, str] = {}
+    files: dict[str, Path | None] = {}
     missing: list[Path] = []
     for name in names:
-        task = TASKS[name]
-        data_file = None if root is None else root / task.local_file
+        data_file = None if root is None else root / TASKS[name].local_file
         if data_file is not None and data_file.is_file():
-            (config_dir / f"{LOCAL_PREFIX}{name}.yaml").write_text(
-                local_task_yaml(task, data_file.resolve(), tasks_dir)
-            )
-            run_names[name] = f"{LOCAL_PREFIX}{name}"
+            files[name] = data_file.resolve()
         else:
-            run_names[name] = name
+            files[name] = None
             if data_file is not None:
                 missing.append(data_file)
-    if any(v == k for k, v in run_names.items()) and not hub_reachable():
+    if any(f is None for f in files.values()) and not hub_reachable():
         where = (
             f"expected {', '.join(str(m) for m in missing)}"
             if missing
@@ -178,6 +176,22 @@ def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> d
         raise TorqError(
             f"zero-shot data not found ({where}) and the Hugging Face hub is not reachable"
         )
+    return files
+
+
+def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> dict[str, str]:
+    """Write the offline configs into ``config_dir``; map each paper task to the lm-eval
+    task name to run (the local config, or the built-in one as the hub fallback)."""
+    tasks_dir = _lm_eval_tasks_dir()
+    run_names: dict[str, str] = {}
+    for name, data_file in task_data_files(names, data_dir).items():
+        if data_file is None:
+            run_names[name] = name
+            continue
+        (config_dir / f"{LOCAL_PREFIX}{name}.yaml").write_text(
+            local_task_yaml(TASKS[name], data_file, tasks_dir)
+        )
+        run_names[name] = f"{LOCAL_PREFIX}{name}"
     return run_names
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
-from torq.calibration.data import calibration_windows
+from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_layer
@@ -172,12 +172,26 @@ def gptq_config(ctx: MethodContext) -> GPTQConfig:
     return ctx.options.get("gptq_config") or GPTQConfig()
 
 
+def gptq_calibration(method: Method, ctx: MethodContext) -> CalibrationConfig | None:
+    """The calibration tokens of :func:`calibrated_apply` when ``method`` runs GPTQ."""
+    from torq.methods.torq_rotation import TorqSettings
+
+    if not method.gptq_enabled:
+        return None
+    settings: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
+    return settings.calibration
+
+
 @register_method
 class GPTQ(Method):
     """GPTQ weights on the format's grid, RTN activations, no transform."""
 
     name = "gptq"
     description = "GPTQ weights (format grid, damp 0.01), RTN activations, no transform"
+    gptq_enabled = True
+
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        return gptq_calibration(self, ctx)
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         cfg = gptq_config(ctx)

@@ -24,8 +24,14 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
-from torq.methods.gptq import FixedTransformSolver, calibrated_apply, gptq_config
+from torq.methods.gptq import (
+    FixedTransformSolver,
+    calibrated_apply,
+    gptq_calibration,
+    gptq_config,
+)
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
@@ -71,6 +77,9 @@ class _BlockHadamard(Method):
 
     def transform_for(self, width: int) -> BlockRotation:
         return _block_hadamard(width, hadamard_group(width, self.group_size))
+
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        return gptq_calibration(self, ctx)
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         groups: dict[int, int] = {}

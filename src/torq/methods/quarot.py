@@ -15,7 +15,13 @@ from typing import Any
 
 from torch import nn
 
-from torq.methods.gptq import FixedTransformSolver, calibrated_apply, gptq_config
+from torq.calibration.data import CalibrationConfig
+from torq.methods.gptq import (
+    FixedTransformSolver,
+    calibrated_apply,
+    gptq_calibration,
+    gptq_config,
+)
 from torq.methods.hadamard import hadamard_rotation
 from torq.methods.registry import Method, MethodContext, register_method
 from torq.rotations.hadamard import hadamard_matrix
@@ -53,6 +59,9 @@ class QuaRot(Method):
         "QuaRot: fused random-Hadamard residual + head rotations, online Hadamard at down_proj"
     )
     supports_gptq = True
+
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        return gptq_calibration(self, ctx)
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         seed = int(ctx.options.get("seed", 0))

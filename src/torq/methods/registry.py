@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
 from torq.surgery.qlinear import QuantConfig
 
@@ -36,6 +37,11 @@ class Method:
 
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         raise NotImplementedError
+
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        """The calibration tokens ``apply`` will read with these options; ``None`` when the
+        method needs no data (checked before any work, :func:`torq.pipeline.run`)."""
+        return None
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -169,6 +169,9 @@ class _TorqBase(Method):
             settings = replace(settings, intra=replace(settings.intra, init="hadamard", max_iter=0))
         return settings
 
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        return self.settings(ctx).calibration
+
     def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         settings = self.settings(ctx)
         if config.activation is not None and config.activation.name == "mxfp4":
