@@ -140,8 +140,8 @@ def run(
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
     if config.portable_dir is not None and config.resume_dir is None:
         raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
-    if saved is None:
-        check_data(config, methods)
+    # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
+    check_data(config, methods if saved is None else [])
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)

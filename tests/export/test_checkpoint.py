@@ -280,6 +280,11 @@ def test_cli_saves_and_evaluates_a_saved_model(
     assert "weights mxfp4, activations mxfp4, scale rule ocp" in err and "--format" in err
     code = main(["run", "--model", str(saved), "--scale-mode", "nearest", *common])
     assert code == 2 and "--scale-mode" in capsys.readouterr().err
+    # its evaluation data is checked before it is loaded, as for a float model
+    no_data = tmp_path / "no-data"
+    no_data.mkdir()
+    code = main(["run", "--model", str(saved), "--data-dir", str(no_data), "--no-progress"])
+    assert code == 2 and "WikiText-2 test file not found" in capsys.readouterr().err
     third = tmp_path / "c.json"
     assert (
         main(["run", "--model", str(saved), "--w-format", "mxfp4", *common, "--out", str(third)])
