@@ -95,11 +95,15 @@ def test_missing_data_is_found_before_any_work(
 
     monkeypatch.setattr(torq.pipeline, "load", no_load)
     monkeypatch.setattr(torq.eval.zeroshot, "hub_reachable", lambda timeout=3.0: False)
-    corpus = tiny_data_dir / "wikitext-2" / "wiki.valid.tokens"
-    assert not corpus.exists()
+    # a data folder of its own: other tests add files to the shared tiny one
+    data = tmp_path / "data"
+    (data / "wikitext-2-raw").mkdir(parents=True)
+    test_file = Path("wikitext-2-raw") / "wiki.test.raw"
+    (data / test_file).write_bytes((tiny_data_dir / test_file).read_bytes())
+    corpus = data / "wikitext-2" / "wiki.valid.tokens"
     empty = tmp_path / "empty-data"
     empty.mkdir()
-    base = ["--model", str(tiny_checkpoint), "--data-dir", str(tiny_data_dir)]
+    base = ["--model", str(tiny_checkpoint), "--data-dir", str(data)]
     no_corpus = f"calibration corpus file not found: expected {corpus}"
     cases = [
         (["run", *base, "--methods", "fp,rtn,torq"], f"method 'torq' calibrates: {no_corpus}"),
@@ -133,7 +137,7 @@ def test_missing_data_is_found_before_any_work(
     config = RunConfig(
         model=str(tiny_checkpoint),
         methods=["torq"],
-        data_dir=str(tiny_data_dir),
+        data_dir=str(data),
         resume_dir=str(tmp_path / "resume"),
     )
     with pytest.raises(TorqError, match="method 'torq' calibrates"):
