@@ -22,7 +22,7 @@ import torch
 
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
-from torq.eval.data import WIKITEXT2_TEST_RAW, load_wikitext2_test, resolve_data_dir
+from torq.eval.data import load_wikitext2_test, wikitext2_test_path
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import MODEL_INFO, fingerprint_ids, keep_model, load_kept_model
@@ -301,9 +301,8 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
             corpus_path(calibration.corpus, config.data_dir)
         except TorqError as exc:
             raise TorqError(f"method '{method.name}' calibrates: {exc}") from None
-    root = resolve_data_dir(config.data_dir)
-    if not config.skip_ppl and root is not None and not (root / WIKITEXT2_TEST_RAW).is_file():
-        raise TorqError(f"WikiText-2 test file not found: expected {root / WIKITEXT2_TEST_RAW}")
+    if not config.skip_ppl:
+        wikitext2_test_path(config.data_dir)
     if config.tasks:
         from torq.eval.zeroshot import task_data_files
 

@@ -47,12 +47,21 @@ def _hub_wikitext2_test() -> str:
     return "".join(ds["text"])
 
 
-def load_wikitext2_test(data_dir: str | os.PathLike[str] | None = None) -> str:
-    """The WikiText-2 raw test split as one string (method-notes §3)."""
+def wikitext2_test_path(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The local WikiText-2 raw test file; ``None`` without a data directory (the hub
+    fallback). A configured directory that lacks it raises :class:`TorqError`."""
     root = resolve_data_dir(data_dir)
     if root is None:
-        return _hub_wikitext2_test()
+        return None
     path = root / WIKITEXT2_TEST_RAW
     if not path.is_file():
         raise TorqError(f"WikiText-2 test file not found: expected {path}")
+    return path
+
+
+def load_wikitext2_test(data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The WikiText-2 raw test split as one string (method-notes §3)."""
+    path = wikitext2_test_path(data_dir)
+    if path is None:
+        return _hub_wikitext2_test()
     return path.read_text(encoding="utf-8")
