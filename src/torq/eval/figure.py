@@ -70,27 +70,25 @@ def _place_labels(fig: Any, ax: Any, points: list[tuple[float, float, str]]) -> 
     labels = []
     for x, y, method in sorted(points, key=lambda p: (-p[1], p[0])):
         colour = colours.get(method, "black")
-        best: tuple[float, tuple[int, int]] | None = None
+        best: tuple[float, tuple[int, int], tuple[float, ...]] | None = None
+        first: tuple[float, ...] | None = None
         for dx, dy in _OFFSETS:
             text = _label(ax, method, (x, y), (dx, dy), colour, leader=False)
             box = text.get_window_extent(renderer)
             text.remove()
             extent = (box.x0, box.y0, box.x1, box.y1)
+            first = extent if first is None else first
             inside = frame.x0 <= box.x0 and box.x1 <= frame.x1
             if not (inside and frame.y0 <= box.y0 and box.y1 <= frame.y1):
                 continue
             clash = sum(_overlap_area(extent, other) for other in placed + markers)
             if best is None or clash < best[0]:
-                best = (clash, (dx, dy))
+                best = (clash, (dx, dy), extent)
             if clash == 0:
                 break
-        offset = _OFFSETS[0] if best is None else best[1]
-        box = _label(ax, method, (x, y), offset, colour, leader=False)
-        extent = box.get_window_extent(renderer)
-        box.remove()
-        placed.append((extent.x0, extent.y0, extent.x1, extent.y1))
-        text = _label(ax, method, (x, y), offset, colour, leader=True)
-        labels.append(text)
+        offset, extent = (_OFFSETS[0], first) if best is None else best[1:]
+        placed.append(extent)
+        labels.append(_label(ax, method, (x, y), offset, colour, leader=True))
     return labels
 
 
