@@ -40,6 +40,29 @@ def _wrappers(model: torch.nn.Module, tokenizer) -> tuple:
     return HFLM(**kw), SharedContextHFLM(**kw)
 
 
+def _compare(
+    model: torch.nn.Module, tokenizer, reqs: list, counted: torch.nn.Module, tol: float
+) -> float:
+    """Score ``reqs`` with both wrappers, assert the same answers (log-likelihoods to
+    ``tol``, greedy flags exactly) in request order, and return the ratio of the token
+    positions that entered ``counted`` (shared over ``HFLM``)."""
+    reference, shared = _wrappers(model, tokenizer)
+    positions: list[int] = []
+    hook = counted.register_forward_hook(
+        lambda _m, args, _out: positions.append(args[0].shape[:2].numel())
+    )
+    want = reference._loglikelihood_tokens(reqs, disable_tqdm=True)
+    n_reference = sum(positions)
+    positions.clear()
+    got = shared._loglikelihood_tokens(reqs, disable_tqdm=True)
+    hook.remove()
+    assert len(got) == len(want) == len(reqs)
+    for (ll_got, greedy_got), (ll_want, greedy_want) in zip(got, want, strict=True):
+        assert ll_got == pytest.approx(ll_want, rel=tol, abs=tol)
+        assert greedy_got == greedy_want
+    return sum(positions) / n_reference
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_scores_match_hflm(arch, quantized, tiny_tokenizer) -> None:
     """Same log-likelihoods (to float rounding) and the same greedy flags as ``HFLM``, in
@@ -49,22 +72,10 @@ def test_scores_match_hflm(arch, quantized, tiny_tokenizer) -> None:
         get_method("had32").apply(
             model, QuantConfig.from_names("mxfp4", "mxfp4"), MethodContext(tokenizer=None)
         )
-    reference, shared = _wrappers(model, tiny_tokenizer)
     reqs = _requests(model.config.vocab_size)
-    tokens = []  # token positions that entered the model, per call
-    hook = model.get_input_embeddings().register_forward_hook(
-        lambda _m, args, _out: tokens.append(args[0].numel())
-    )
-    want = reference._loglikelihood_tokens(reqs, disable_tqdm=True)
-    n_reference = sum(tokens)
-    tokens.clear()
-    got = shared._loglikelihood_tokens(reqs, disable_tqdm=True)
-    hook.remove()
-    assert sum(tokens) < 0.8 * n_reference  # the shared contexts ran once
-    assert len(got) == len(want) == len(reqs)
-    for (ll_got, greedy_got), (ll_want, greedy_want) in zip(got, want, strict=True):
-        assert ll_got == pytest.approx(ll_want, rel=1e-4, abs=1e-4)
-        assert greedy_got == greedy_want
+    # token positions that entered the model: the shared contexts ran once
+    ratio = _compare(model, tiny_tokenizer, reqs, model.get_input_embeddings(), 1e-4)
+    assert ratio < 0.8
 
 
 def test_too_long_groups_fall_back_to_hflm(tiny_tokenizer) -> None:
@@ -83,3 +94,57 @@ def test_empty_context_is_refused(tiny_tokenizer) -> None:
     _, shared = _wrappers(model, tiny_tokenizer)
     with pytest.raises(ValueError, match="needs a context"):
         shared._loglikelihood_tokens([(("", "x"), [], [3])], disable_tqdm=True)
+
+
+def test_unshared_requests_project_only_continuation_positions(tiny_tokenizer) -> None:
+    """LAMBADA-shaped requests (a long context each, a short continuation) and one-token
+    continuations after the same one-token context (lm-eval's logits reuse): ``HFLM``'s
+    scores, with the vocabulary projection run on each batch's window of continuation
+    positions only, not on every position."""
+    model = tiny_model("llama").eval()
+    rng = random.Random(3)
+    vocab = model.config.vocab_size
+    # lengths as dense as a real task's: lm-eval's batches (sorted by length) then span a
+    # few positions, and the projected window is about the continuations' own length
+    reqs = [
+        (
+            (f"p{i}", "w"),
+            [rng.randrange(1, vocab) for _ in range(40 + i // 2)],
+            [rng.randrange(1, vocab) for _ in range(rng.randint(1, 2))],
+        )
+        for i in range(9)
+    ]
+    reqs += [(("one", "a"), [7], [10]), (("one", "b"), [7], [11]), (("one", "c"), [7], [8, 9])]
+    rng.shuffle(reqs)
+    # positions that reached the vocabulary projection
+    assert _compare(model, tiny_tokenizer, reqs, model.get_output_embeddings(), 1e-5) < 0.25
+
+
+def test_continuation_longer_than_the_window_is_refused(tiny_tokenizer) -> None:
+    model = tiny_model("llama").eval()
+    _, shared = _wrappers(model, tiny_tokenizer)
+    with pytest.raises(ValueError, match="cannot be scored within 64 positions"):
+        shared._loglikelihood_tokens([(("", "x"), [1, 2], list(range(1, 70)))], disable_tqdm=True)
+
+
+def test_mixed_precision_is_honoured_on_every_path(tiny_tokenizer) -> None:
+    """lm-eval's ``mixed_precision_dtype`` runs every model call under autocast, shared
+    contexts and unshared requests alike, as ``HFLM`` does."""
+    from torq.eval.shared_context import SharedContextHFLM
+
+    model = tiny_model("llama").eval()
+    shared = SharedContextHFLM(
+        pretrained=model,
+        tokenizer=tiny_tokenizer,
+        batch_size=3,
+        device="cpu",
+        max_length=64,
+        mixed_precision_dtype=torch.bfloat16,
+    )
+    seen: list[bool] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a: seen.append(torch.is_autocast_enabled("cpu"))
+    )
+    shared._loglikelihood_tokens(_requests(model.config.vocab_size), disable_tqdm=True)
+    hook.remove()
+    assert len(seen) >= 3 and all(seen)  # pass 1, pass 2 and the unshared batches

@@ -11,18 +11,23 @@ rounding; HellaSwag runs 1.8× faster and ARC 2× (``docs/RESULTS.md`` §5.1).
 
 Requests whose context is not shared (WinoGrande's partial scoring, LAMBADA), groups whose
 continuations are much longer than the shared context (PIQA: the saving is smaller than the
-padding it costs), and any that would need lm-eval's left truncation go through ``HFLM``'s
-own batched code unchanged.
+padding it costs), and any that would need lm-eval's left truncation are scored one sequence
+each, in ``HFLM``'s own order and batches, except that the vocabulary projection and
+log-softmax run only where continuation tokens are predicted (lm-eval computes them at every
+position): LAMBADA's one-word continuation follows a paragraph, so most of that work was
+thrown away.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import Collator
 from tqdm import tqdm
 
 Request = tuple[tuple[str, str], list[int], list[int]]
@@ -59,9 +64,7 @@ class SharedContextHFLM(HFLM):
             else:
                 alone.extend(members)
         if alone:
-            scored = super()._loglikelihood_tokens(
-                [requests[i] for i in alone], disable_tqdm, override_bs
-            )
+            scored = self._score_alone([requests[i] for i in alone], disable_tqdm, override_bs)
             for i, answer in zip(alone, scored, strict=True):
                 results[i] = answer
         # longest contexts first, as lm-eval orders its batches (memory trouble shows at
@@ -88,6 +91,88 @@ class SharedContextHFLM(HFLM):
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """lm-eval's mixed-precision context for model calls (none unless it was asked for)."""
+        dtype = getattr(self, "mixed_precision_dtype", None)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=dtype)
+
+    @torch.no_grad()
+    def _score_alone(
+        self, requests: list[Request], disable_tqdm: bool, override_bs: int | None
+    ) -> list[tuple[float, bool]]:
+        """``HFLM._loglikelihood_tokens`` for requests that share no context, with logits
+        kept only for the positions that predict a continuation token.
+
+        Same order, batches, right padding and left truncation as lm-eval (its ``Collator``,
+        one-token-continuation reuse included), so the transformer body computes exactly
+        what ``HFLM`` computes; the vocabulary projection then runs on the batch's window
+        ``[min(start), max(end))`` of continuation positions (``logits_to_keep``), not on
+        every position of every row.
+        """
+        size = override_bs if self.batch_size == "auto" else self.batch_size
+        if not isinstance(size, int):  # automatic batch size: lm-eval's own search
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+        order = Collator(
+            requests,
+            sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
+            group_by="contexts" if getattr(self, "logits_cache", True) else None,
+            group_fn=lambda r: r[1] + r[2][:-1],
+        )
+        bar = tqdm(
+            total=len(requests),
+            disable=disable_tqdm or self.rank != 0,
+            desc="Running loglikelihood requests",
+        )
+        answers: list[tuple[float, bool]] = []
+        dev = self.device
+        for chunk in order.get_batched(n=size):
+            inputs = []
+            for _, context, continuation in chunk:
+                if not 0 < len(continuation) <= self.max_length:
+                    raise ValueError(
+                        f"a continuation of {len(continuation)} tokens cannot be scored "
+                        f"within {self.max_length} positions"
+                    )
+                # as lm-eval: the last max_length + 1 tokens, the final one only predicted
+                inputs.append((context + continuation)[-(self.max_length + 1) :][:-1])
+            width = max(len(x) for x in inputs)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)  # lm-eval pads with 0
+            for b, x in enumerate(inputs):
+                ids[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            starts = [len(x) - len(r[2]) for x, r in zip(inputs, chunk, strict=True)]
+            lo, hi = min(starts), max(len(x) for x in inputs)
+            with self._autocast():
+                logits = self.model(
+                    input_ids=ids.to(dev), logits_to_keep=torch.arange(lo, hi, device=dev)
+                ).logits
+            if logits.shape[1] != hi - lo:
+                raise RuntimeError(
+                    f"{type(self.model).__name__} ignored logits_to_keep "
+                    f"({logits.shape[1]} positions, {hi - lo} asked for)"
+                )
+            logp = F.log_softmax(logits, dim=-1, dtype=getattr(self, "softmax_dtype", None))
+            for b, (key, context, continuation) in enumerate(chunk):
+                rows = logp[b, starts[b] - lo : starts[b] - lo + len(continuation)][None]
+                greedy = rows.argmax(dim=-1)
+                # requests that differ only in a one-token continuation share these logits
+                for key_i, cont_i, rows_i in order.get_cache(
+                    req_str=key, cxt_toks=context, cont_toks=continuation, logits=rows
+                ):
+                    target = torch.tensor(cont_i, dtype=torch.long, device=rows_i.device)
+                    n = len(cont_i)
+                    answer = (
+                        float(rows_i[0, -n:].gather(1, target[:, None]).sum()),
+                        bool((greedy[0, -n:] == target).all()),
+                    )
+                    answers.append(answer)
+                    if key_i is not None:
+                        self.cache_hook.add_partial("loglikelihood", key_i, answer)
+                    bar.update(1)
+        bar.close()
+        return order.get_original(answers)
+
     @torch.no_grad()
     def _score_groups(
         self, groups: list[tuple[list[int], list[list[int]]]]
@@ -112,9 +197,10 @@ class SharedContextHFLM(HFLM):
             ids[g, : len(head)] = torch.tensor(head, dtype=torch.long)
             mask[g, : len(head)] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        cache = model(
-            input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1
-        ).past_key_values
+        with self._autocast():
+            cache = model(
+                input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1
+            ).past_key_values
 
         owner = [g for g, (_, conts) in enumerate(groups) for _ in conts]
         rows = [[ctx[-1], *cont[:-1]] for ctx, conts in groups for cont in conts]
@@ -136,13 +222,14 @@ class SharedContextHFLM(HFLM):
                 positions[b] = len(heads[owner[r]]) + torch.arange(length)
             index = torch.tensor([owner[r] for r in batch], dtype=torch.long, device=dev)
             rows_cache = _select_rows(cache, index)
-            logits = model(
-                input_ids=q_ids.to(dev),
-                attention_mask=torch.cat([mask[index], q_mask.to(dev)], dim=1),
-                position_ids=positions.to(dev),
-                past_key_values=rows_cache,
-                use_cache=True,
-            ).logits
+            with self._autocast():
+                logits = model(
+                    input_ids=q_ids.to(dev),
+                    attention_mask=torch.cat([mask[index], q_mask.to(dev)], dim=1),
+                    position_ids=positions.to(dev),
+                    past_key_values=rows_cache,
+                    use_cache=True,
+                ).logits
             for b, r in enumerate(batch):
                 cont = targets[r]
                 logp = F.log_softmax(
