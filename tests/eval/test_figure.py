@@ -9,7 +9,12 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from torq.errors import TorqError
-from torq.eval.figure import _overlap_area, _place_labels, accuracy_perplexity_figure
+from torq.eval.figure import (
+    _log_axis,
+    _overlap_area,
+    _place_labels,
+    accuracy_perplexity_figure,
+)
 
 
 def _result(points: list[tuple[str, float, float]]) -> dict:
@@ -61,6 +66,28 @@ def test_labels_of_close_points_do_not_overlap() -> None:
         for b in boxes[i + 1 :]:
             assert _overlap_area((a.x0, a.y0, a.x1, a.y1), (b.x0, b.y0, b.x1, b.y1)) == 0
     plt.close(fig)
+
+
+def test_log_axis_ticks_read_as_plain_numbers() -> None:
+    """Perplexities 22–160 on a log axis: tick labels such as "30" and "100", no
+    scientific notation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.0), dpi=150)
+    ax.scatter([22.0, 32.9, 160.0], [42.9, 38.1, 31.9])
+    _log_axis(ax)
+    fig.canvas.draw()
+    shown = [
+        t.get_text()
+        for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True)
+        if t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]
+    ]
+    plt.close(fig)
+    assert "100" in shown and len(shown) >= 3
+    assert all(text.replace(".", "").isdigit() for text in shown), shown
 
 
 def test_figure_is_written(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def accuracy_perplexity_figure(result: dict[str, Any], path: str | Path) -> Path
         ax.scatter([x], [y], s=60, marker="*" if method == "fp" else "o", zorder=3, label=method)
     ppls = [x for x, _, _ in points]
     if max(ppls) / min(ppls) > 4:
-        ax.set_xscale("log")
+        _log_axis(ax)
     ax.set_xlabel("WikiText-2 perplexity (2048 tokens, lower is better)")
     ax.set_ylabel("average zero-shot accuracy, % (higher is better)")
     cfg = result.get("config", {})
@@ -45,6 +45,16 @@ def accuracy_perplexity_figure(result: dict[str, Any], path: str | Path) -> Path
     if out.stat().st_size == 0:
         raise TorqError(f"failed to write {out}")
     return out
+
+
+def _log_axis(ax: Any) -> None:
+    """A logarithmic perplexity axis whose ticks read as plain numbers (20, 30, 100), not
+    matplotlib's default scientific notation (2×10¹, 10²)."""
+    from matplotlib.ticker import LogFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(LogFormatter())
+    ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
 
 
 # label offsets in points, tried in this order: beside the marker (right, then left), then
