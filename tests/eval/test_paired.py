@@ -1,0 +1,138 @@
+"""Question-by-question comparison of zero-shot rows (``torq.eval.paired``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torq.errors import TorqError
+from torq.eval import zeroshot as zs
+from torq.eval.paired import (
+    build_questions,
+    compare_rows,
+    mcnemar_exact,
+    paired_difference,
+    question_scores,
+)
+from torq.eval.portable import load_portable
+
+pytest.importorskip("lm_eval")
+
+from tests.eval.test_zeroshot import _zeroshot_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_mcnemar_exact_is_the_two_sided_binomial_test() -> None:
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(5, 0) == pytest.approx(2 / 2**5)
+    assert mcnemar_exact(0, 5) == mcnemar_exact(5, 0)
+    assert mcnemar_exact(3, 3) == 1.0
+    # 10 discordant, 2 against 8: 2 · P(X ≤ 2), X ~ Bin(10, ½) = 2 · 56 / 1024
+    assert mcnemar_exact(2, 8) == pytest.approx(112 / 1024)
+    # large counts stay finite and small
+    assert 0.0 <= mcnemar_exact(100, 300) < 1e-20
+    with pytest.raises(TorqError):
+        mcnemar_exact(-1, 2)
+
+
+def test_paired_difference_on_shared_questions() -> None:
+    a = {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0}
+    b = {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 9: 1.0}  # question 9 only in b: left out
+    p = paired_difference(a, b)
+    assert p.n == 4 and p.only_a == 1 and p.only_b == 2
+    assert p.mean_a == 0.5 and p.mean_b == 0.75 and p.diff == -0.25
+    # d = [0, 1, −1, −1]: sample variance 2.75 / 3, error √(var / 4)
+    assert p.stderr == pytest.approx(math.sqrt(2.75 / 3 / 4))
+    assert p.p_mcnemar == 1.0
+    with pytest.raises(TorqError, match="no question in common"):
+        paired_difference({0: 1.0}, {1: 1.0})
+    same = compare_rows({"piqa": a}, {"piqa": dict(a)})
+    assert same["average"]["diff"] == 0 and same["tasks"]["piqa"]["p_mcnemar"] == 1.0
+
+
+def _lambada(root: Path) -> None:
+    lines = [
+        json.dumps({"text": f"The cat number {i} sat on the warm mat and then it went to sleep"})
+        for i in range(5)
+    ]
+    (root / "zeroshot" / "lambada_openai_test.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_carried_answers_are_scored_as_lm_eval_scores_them(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """One evaluation of a tiny model (kept as a portable copy): every question scored
+    again from the copy gives lm-eval's numbers; a row with a missing answer leaves that
+    question out; the benchmark script compares two carried rows end to end."""
+    from torq.models import load
+
+    data = _zeroshot_dir(tiny_data_dir)
+    _lambada(data)
+    lm = load(str(tiny_checkpoint))
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    fp_file = carry / "tiny-fp-0123abcd.npz"
+    tasks = ["arc_easy", "piqa", "lambada_openai"]
+    out = zs.evaluate_zeroshot(
+        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False,
+        request_cache=tmp_path / "r", portable=fp_file,
+    )  # fmt: skip
+    answers = load_portable(fp_file)["answers"]
+    questions = build_questions(tasks, str(data))
+    scores, missing = question_scores(answers, questions)
+    assert missing == {t: 0 for t in tasks}
+    assert {t: len(s) for t, s in scores.items()} == {"arc_easy": 6, "piqa": 6, "lambada_openai": 5}
+    for t in tasks:
+        values = list(scores[t].values())
+        assert set(values) <= {0.0, 1.0}
+        # each question scored with lm-eval's own rule: the task means are its numbers
+        assert sum(values) / len(values) == pytest.approx(out["scores"]["tasks"][t]["value"])
+
+    # a row still being scored: a question with a missing answer is left out, not guessed
+    dropped = dict(answers)
+    dropped.pop(next(iter(dropped)))
+    partial, missing = question_scores(dropped, questions)
+    assert sum(missing.values()) == 1
+    assert sum(len(s) for s in partial.values()) == 16
+    cmp = compare_rows(scores, partial)
+    assert all(p["diff"] == 0 and p["only_a"] == p["only_b"] == 0 for p in cmp["tasks"].values())
+    assert sum(p["n"] for p in cmp["tasks"].values()) == 16
+
+    # a second row whose every log-likelihood is negated picks the other PIQA solution on
+    # every question (both rules: acc compares ll, acc_norm ll / length)
+    with np.load(fp_file) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(carry / "tiny-flip-4567ef01.npz", **{**arrays, "loglik": -arrays["loglik"]})
+    (carry / "tiny-fp+x-0123abcd.npz").write_bytes(b"")  # another method: must not match
+    record_path = tmp_path / "paired.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "zeroshot_paired.py"), "--model", "tiny",
+        "--methods", "fp,flip", "--tasks", "piqa", "--carry", str(carry),
+        "--data-dir", str(data), "--out", str(record_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(record_path.read_text())
+    assert record["command"].startswith("zeroshot_paired.py --model tiny")
+    right = int(sum(scores["piqa"].values()))
+    assert record["methods"]["fp"]["means"]["piqa"] == pytest.approx(right / 6)
+    assert record["methods"]["flip"]["means"]["piqa"] == pytest.approx(1 - right / 6)
+    pair = record["pairs"][0]
+    assert (pair["a"], pair["b"]) == ("fp", "flip")
+    p = pair["tasks"]["piqa"]
+    assert (p["n"], p["only_a"], p["only_b"]) == (6, right, 6 - right)
+    assert p["diff"] == pytest.approx((2 * right - 6) / 6)
+    assert p["p_mcnemar"] == pytest.approx(mcnemar_exact(right, 6 - right))
+    assert record_path.with_suffix(".md").read_text().startswith("`zeroshot_paired.py")
+
+    bad = subprocess.run(
+        [*cmd[:5], "fp,absent", *cmd[6:]], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert bad.returncode != 0 and "no carried answers for 'absent'" in bad.stderr
