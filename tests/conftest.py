@@ -102,6 +102,18 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_calibration_data_dir(tmp_path_factory) -> Path:
+    """A data directory with the WikiText-2 test file and a calibration corpus
+    (``wikitext-2/wiki.valid.tokens``), for runs whose methods calibrate."""
+    root = tmp_path_factory.mktemp("calib-data")
+    (root / "wikitext-2-raw").mkdir()
+    (root / "wikitext-2-raw" / "wiki.test.raw").write_text(TINY_TEXT * 40, encoding="utf-8")
+    (root / "wikitext-2").mkdir()
+    (root / "wikitext-2" / "wiki.valid.tokens").write_text(TINY_TEXT * 80, encoding="utf-8")
+    return root
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path, tiny_tokenizer) -> Path:
     """A tiny llama saved as an ordinary Hugging Face folder."""

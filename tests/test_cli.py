@@ -382,23 +382,16 @@ def test_run_reloads_its_kept_quantized_model(
     quantizing again, and measures the same; ``--no-keep-models`` keeps none."""
     import json
 
-    from torq.methods import registry
+    from torq.methods import Method
 
     calls: list[str] = []
-    original = registry.get_method
+    original = Method.apply
 
-    def counting(name: str):
-        method = original(name)
-        apply = method.apply
+    def counted(self: Method, model, qconfig, ctx):
+        calls.append(self.name)
+        return original(self, model, qconfig, ctx)
 
-        def counted(model, qconfig, ctx):
-            calls.append(name)
-            return apply(model, qconfig, ctx)
-
-        monkeypatch.setattr(method, "apply", counted)
-        return method
-
-    monkeypatch.setattr("torq.pipeline.get_method", counting)
+    monkeypatch.setattr(Method, "apply", counted)
     corpus = tmp_path / "calib.txt"
     corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
     keep = tmp_path / "keep"

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 from diag_common import calib_windows, setup
 
-from torq.calibration.capture import calibrate_layerwise
+from torq.driver import calibrate_layerwise
 from torq.formats import fake_quantize, get_format
-from torq.methods.hadamard import _block_hadamard
+from torq.methods.hadamard import block_hadamard
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
 
@@ -43,7 +43,7 @@ def solver(li, layer, groups, stats):
         w = W.pow(2).reshape(W.shape[0], B, 32).sum((0, 2)).double()
         out[kind]["C_raw/C_eq"].append(float((a * w).sum() / (a.sum() / B * w.sum())))
         x = s.sample[:512]
-        H = _block_hadamard(g.width, 32)
+        H = block_hadamard(g.width, 32)
         R, _ = inter_block_rotations(s.covariance(), InterBlockConfig())
         IH = BlockRotation(32, R, H.r_intra)
         for tag, T in (

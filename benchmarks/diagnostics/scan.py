@@ -6,7 +6,7 @@ import sys
 from diag_common import eval_windows, setup
 
 from torq.eval import perplexity
-from torq.methods.hadamard import _block_hadamard
+from torq.methods.hadamard import block_hadamard
 from torq.models.architecture import decoder_layers
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
@@ -21,7 +21,7 @@ for L in [int(v) for v in sys.argv[2].split(",")]:
     def f(name, lin, L=L):
         if mode == "raw" and name.startswith(f"layers.{L}."):
             return None
-        t = _block_hadamard(lin.in_features, 32)
+        t = block_hadamard(lin.in_features, 32)
         lin.weight.data = fuse_inverse_into_weight(lin.weight, t)
         return t
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
@@ -25,14 +26,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{value}'") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum``, else a one-line error naming ``what``."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got '{value}'") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
+        return n
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_nonnegative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _balance_alpha(value: str) -> float | None:
@@ -165,7 +175,12 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--data-dir", default=None, help="data directory (default: $TORQ_DATA_DIR, else the HF hub)"
     )
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--seed",
+        type=_nonnegative_int,
+        default=0,
+        help="seed of QuaRot's random Hadamard signs (calibration draws: --calib-seed)",
+    )
     run.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
     run.add_argument(
         "--device",
@@ -183,6 +198,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "4-bit weights and the online transforms in model.safetensors); evaluate it later "
         "with --model DIR/<model>-<method>, or load it with torq.export.load_quantized",
     )
+    run.add_argument(
+        "--stream",
+        action="store_true",
+        help="read the float checkpoint one decoder layer at a time: quantize and evaluate "
+        "layer by layer in the memory of one layer, not the model (perplexity only; not "
+        "QuaRot)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     t = run.add_argument_group("TORQ (methods torq, torq-inter, torq-intra, torq-had32)")
@@ -195,7 +217,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--calib-seqlen", type=_positive_int, default=2048, help="calibration window length"
     )
-    t.add_argument("--calib-seed", type=int, default=0)
+    t.add_argument(
+        "--calib-seed",
+        type=_nonnegative_int,
+        default=0,
+        help="seed of the calibration windows, each group's token sample and the solver's "
+        "subsample (the same for every method, whatever else runs)",
+    )
     t.add_argument(
         "--sequential",
         action=argparse.BooleanOptionalAction,
@@ -349,6 +377,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
         device=args.device,
         save_dir=args.save_dir,
+        stream=args.stream,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks
@@ -400,8 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             from torq.methods import METHODS
 
-            for name, cls in sorted(METHODS.items()):
-                print(f"{name}\t{cls.description}")
+            for name, method in sorted(METHODS.items()):
+                notes = [] if method.streams else ["whole model only: not with --stream"]
+                if method.supports_gptq:
+                    notes.append(f"+gptq: {name}+gptq")
+                print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))
             return 0
     except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:
         print(f"torq: error: {exc}", file=sys.stderr)

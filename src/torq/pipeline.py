@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -31,6 +30,7 @@ from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel, load
 from torq.paths import check_destination
 from torq.results import command_line, machine_info, now_iso, versions
+from torq.seeding import method_rng
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
@@ -76,6 +76,9 @@ class RunConfig:
     # write each quantized model as a checkpoint folder <save_dir>/<model>-<method>
     # (packed 4-bit weights and the online transforms, :mod:`torq.export`)
     save_dir: str | None = None
+    # read the float checkpoint one decoder layer at a time and quantize and evaluate layer
+    # by layer (:mod:`torq.driver`): memory bounded by one layer, not the model
+    stream: bool = False
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -136,6 +139,8 @@ def run(
                 check_destination(
                     saved_model_dir(config, method.name), folder=True, what="--save-dir"
                 )
+    if config.stream:
+        check_streamable(config, methods if saved is None else [])
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
     if config.portable_dir is not None and config.resume_dir is None:
@@ -146,6 +151,11 @@ def run(
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
+    if config.stream:
+        if saved is not None or loaded is not None:
+            raise TorqError("--stream reads a float checkpoint; a loaded or saved model is not one")
+        return _run_streamed(config, methods, qconfig, device, progress, on_row, t_start)
+    own = loaded is None  # the run loads the model itself, so it can read it again
     if loaded is None:
         loaded = load(config.model)
     if saved is not None and loaded.quantized is not None:
@@ -179,18 +189,12 @@ def run(
             t_quant = float(info["quantize_seconds"])
             details["kept_model"] = {"reloaded": True, "load_seconds": info["load_seconds"]}
         else:
-            model = loaded.model if not method.quantizes else copy.deepcopy(loaded.model)
+            model = loaded.model if not method.quantizes else _fresh_model(config, loaded, own)
             t0 = time.perf_counter()
-            ctx = MethodContext(
-                tokenizer=loaded.tokenizer,
-                options={
-                    "torq_settings": config.torq,
-                    "gptq_config": config.gptq,
-                    "data_dir": config.data_dir,
-                    "progress": progress,
-                },
-            )
-            details = method.apply(model, qconfig, ctx)
+            ctx = method_context(config, loaded.tokenizer, progress)
+            # the method's draws depend on its own settings, never on what ran before it
+            with method_rng(config.seed, setting_key(asdict(config), method.name)):
+                details = method.apply(model, qconfig, ctx)
             t_quant = time.perf_counter() - t0
             if keep_dir is not None:
                 t0 = time.perf_counter()
@@ -271,7 +275,11 @@ def run(
                 quantize_seconds=t_quant,
                 eval_seconds=0.0 if res is None else res.seconds,
                 eval_tokens_per_s=0.0 if res is None else res.tokens_per_s,
-                details={**details, "perplexity": None if res is None else res.to_dict()},
+                details={
+                    **details,
+                    "perplexity": None if res is None else res.to_dict(),
+                    "peak_memory": peak_memory(device),
+                },
                 zeroshot=zeroshot,
             )
         )
@@ -282,6 +290,135 @@ def run(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def method_context(config: RunConfig, tokenizer: Any, progress: bool) -> MethodContext:
+    """What every method of the run reads beyond the model."""
+    return MethodContext(
+        tokenizer=tokenizer,
+        options={
+            "torq_settings": config.torq,
+            "gptq_config": config.gptq,
+            "data_dir": config.data_dir,
+            "progress": progress,
+            "seed": config.seed,
+        },
+    )
+
+
+def _fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.Module:
+    """A float model for one method to quantize in place: read again from its source when
+    the run loaded it (each method reads the checkpoint anew, as the streamed path does),
+    a copy only of a model object the caller handed in."""
+    device = next(loaded.model.parameters()).device
+    if own:
+        return load(config.model).model.to(device)
+    return copy.deepcopy(loaded.model)
+
+
+def check_streamable(config: RunConfig, methods: list[Method]) -> None:
+    """Fail before any work when a streamed run asks for what it cannot do yet."""
+    if not methods:
+        raise TorqError("--stream reads a float checkpoint; this model is already quantized")
+    for option, value in (
+        ("--tasks", config.tasks),
+        ("--resume-dir", config.resume_dir),
+        ("--save-dir", config.save_dir),
+        ("--portable-dir", config.portable_dir),
+        ("--skip-ppl", config.skip_ppl),
+    ):
+        if value:
+            raise TorqError(f"--stream does not support {option} yet; drop one of them")
+    for method in methods:
+        if not method.streams:
+            raise TorqError(
+                f"method '{method.name}' needs the whole model at once (a whole-model step "
+                "before its layers) and cannot run streamed; drop --stream for it"
+            )
+
+
+def _run_streamed(
+    config: RunConfig,
+    methods: list[Method],
+    qconfig: QuantConfig,
+    device: torch.device,
+    progress: bool,
+    on_row: Callable[[dict[str, Any]], None] | None,
+    t_start: float,
+) -> dict[str, Any]:
+    """:func:`run` one decoder layer at a time (:mod:`torq.driver`): each method streams the
+    checkpoint again from its folder, so no copy of the model is made or held."""
+    from transformers import AutoTokenizer
+
+    from torq.calibration.data import calibration_windows
+    from torq.driver import run_layerwise
+    from torq.models.loading import model_folder
+    from torq.models.streaming import LayerStream
+
+    folder, source_name = model_folder(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    text = load_wikitext2_test(config.data_dir)
+    windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
+    rows: list[MethodRow] = []
+    loaded = None
+    for method in methods:
+        source = LayerStream(folder, device)
+        loaded = LoadedModel(source.model, tokenizer, source_name, str(folder))
+        t0 = time.perf_counter()
+        ctx = method_context(config, tokenizer, progress)
+        with method_rng(config.seed, setting_key(asdict(config), method.name)):
+            plan = method.layer_plan(qconfig, ctx)
+            calib = None
+            if plan.calibration is not None:
+                calib = calibration_windows(tokenizer, plan.calibration, config.data_dir)
+            t_data = time.perf_counter() - t0
+            result = run_layerwise(
+                source, plan, calib, windows, config.batch_size, progress, desc=method.name
+            )
+        res = result.perplexity
+        assert res is not None
+        details = {
+            **result.details,
+            "streamed": {
+                "stored_dtypes": source.stored_dtypes,
+                "per_layer": result.per_layer,
+                "peak_memory": peak_memory(device),
+            },
+            "perplexity": res.to_dict(),
+        }
+        if "calibration_seconds" in details:
+            details["calibration_seconds"]["data"] = t_data
+        quantizes = method.quantizes
+        rows.append(
+            MethodRow(
+                method=method.name,
+                weights=qconfig.weight.name if quantizes and qconfig.weight else "fp",
+                activations=qconfig.activation.name if quantizes and qconfig.activation else "fp",
+                ppl=res.ppl,
+                quantize_seconds=(result.quantize_seconds + t_data) if quantizes else 0.0,
+                eval_seconds=res.seconds,
+                eval_tokens_per_s=res.tokens_per_s,
+                details=details,
+            )
+        )
+        del source
+        gc.collect()
+        if on_row is not None and len(rows) < len(methods):
+            on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
+    assert loaded is not None
+    return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def peak_memory(device: torch.device | None = None) -> dict[str, int]:
+    """The process's peak resident set so far (bytes) and, on a GPU, its peak allocation."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"host_rss_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}
+    if device is not None and device.type == "cuda":
+        out["gpu_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
 
 
 def check_data(config: RunConfig, methods: list[Method]) -> None:
@@ -401,19 +538,9 @@ def _save(
 
 
 def setting_key(config: dict[str, Any], method: str) -> str:
-    """What makes two rows of one method the same quantized model: the model, formats and
-    window length, plus TORQ's settings for the TORQ methods and GPTQ's (with the
-    calibration data) for the GPTQ ones. ``config`` is ``asdict(RunConfig)``."""
-    key = {k: config.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
-    key["seqlen"] = config.get("seqlen")
-    torq = config.get("torq") or {}
-    if method.startswith("torq"):
-        key["torq"] = torq
-    if "gptq" in method:
-        key["gptq"] = config.get("gptq")
-        calib = ("calibration", "sequential", "reservoir_tokens")
-        key["calibration"] = [torq.get(k) for k in calib]
-    return json.dumps([method, key], sort_keys=True, default=str)
+    """What makes two rows of one method the same quantized model (``config`` is
+    ``asdict(RunConfig)``): the method's own settings key, :meth:`Method.settings_key`."""
+    return get_method(method).settings_key(config)
 
 
 def method_resume_dir(config: RunConfig, method: str) -> str:
@@ -487,6 +614,7 @@ def _record(
         },
         "rows": [asdict(r) for r in rows],
         "wall_seconds": time.perf_counter() - t_start,
+        "peak_memory": peak_memory(resolve_device(config.device)),
         "versions": versions(),
         "machine": machine_info(),
     }
@@ -534,5 +662,10 @@ def markdown_table(result: dict[str, Any]) -> str:
             + (f"first {limit} examples per task" if limit else "full tasks")
             + ")"
         )
+    peak = (result.get("peak_memory") or {}).get("host_rss_bytes")
+    if peak:
+        notes.append(f"peak RSS {peak / 2**30:.2f} GiB")
+    if result["config"].get("stream"):
+        notes.append("streamed one decoder layer at a time")
     out.append("; ".join(notes) + f"; model {result['config']['model']}.")
     return "\n".join(out)

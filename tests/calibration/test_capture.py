@@ -7,7 +7,8 @@ import copy
 import torch
 
 from tests.conftest import tiny_model
-from torq.calibration.capture import BlockStatistics, calibrate_layerwise, capture_layer_inputs
+from torq.calibration.capture import BlockStatistics, capture_layer_inputs
+from torq.driver import calibrate_layerwise
 
 
 def test_block_covariance_matches_direct_computation() -> None:

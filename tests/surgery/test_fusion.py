@@ -51,6 +51,20 @@ def test_each_step_preserves_the_function(arch) -> None:
     assert not torch.allclose(q.get_input_embeddings().weight, model.get_input_embeddings().weight)
 
 
+def test_random_signs_flip_channels_before_the_hadamard() -> None:
+    """QuaRot's ``Q = diag(s) H / √n``: ``x Q = (x ⊙ s) H / √n``. With the signs after the
+    Hadamard they would only flip output signs, which a sign-symmetric quantizer ignores,
+    and the seed would change nothing."""
+    n = 64
+    q0, q1 = random_hadamard(n, seed=0), random_hadamard(n, seed=1)
+    assert torch.allclose(q0 @ q0.T, torch.eye(n, dtype=q0.dtype), atol=1e-12)
+    x = torch.randn(8, n, dtype=torch.float64)
+    signs = torch.sign(q0[:, 0]) * torch.sign(hadamard_matrix(n)[:, 0])
+    assert torch.allclose(x @ q0, (x * signs) @ hadamard_matrix(n))
+    # different seeds give rotated vectors with different magnitudes, not just signs
+    assert not torch.allclose((x @ q0).abs(), (x @ q1).abs())
+
+
 @pytest.mark.parametrize("arch", DENSE)
 def test_quarot_method_is_exact_in_float(arch) -> None:
     model = tiny_model(arch)

@@ -1,6 +1,6 @@
 """Calibration: seeded token windows and layer-wise capture of block statistics."""
 
-from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
+from torq.calibration.capture import BlockStatistics, LinearGroup, capture_layer
 from torq.calibration.data import CORPORA, CalibrationConfig, calibration_windows
 
 __all__ = [
@@ -8,6 +8,6 @@ __all__ = [
     "BlockStatistics",
     "CalibrationConfig",
     "LinearGroup",
-    "calibrate_layerwise",
     "calibration_windows",
+    "capture_layer",
 ]

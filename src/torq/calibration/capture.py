@@ -1,8 +1,9 @@
 """Layer-by-layer calibration capture: statistics of every linear-layer input group.
 
-The model is run one decoder layer at a time over all calibration windows (as GPTQ does),
-so peak memory is the model, one layer's hidden states for the calibration set, and the
-statistics — never all activations of all layers.
+The layer-streaming driver (:mod:`torq.driver`) runs the model one decoder layer at a time
+over all calibration windows (as GPTQ does) and calls :func:`capture_layer` on each layer,
+so memory holds one layer's hidden states for the calibration set and its statistics —
+never all activations of all layers.
 
 For each *group* of linear layers that read the same tensor (q/k/v; gate/up; o_proj;
 down_proj; discovered by identity of the input tensor, so no per-architecture table is
@@ -19,21 +20,14 @@ needed) two statistics are streamed:
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from torq.models.architecture import decoder_layers
-
-
-class _StopForward(Exception):
-    pass
+from torq.models.streaming import ModelLayers, embed_windows
 
 
 @dataclass
@@ -94,7 +88,15 @@ class BlockStatistics:
         slots = (torch.rand(x.shape[0], generator=self._gen, dtype=torch.float64) * seen).long()
         keep = slots < self.capacity
         if keep.any():
-            self.sample[slots[keep]] = x[keep]
+            # Several items of one batch may draw the same slot; in Algorithm R the last of
+            # them holds it. An indexed assignment with repeated indices leaves the winner
+            # to the threads (a different sample from run to run), so the winner is chosen
+            # first: the largest item index per slot (a max, whatever order it is taken in).
+            items = torch.nonzero(keep).squeeze(1)
+            winner = torch.full((self.capacity,), -1, dtype=torch.long)
+            winner.scatter_reduce_(0, slots[items], items, reduce="amax")
+            taken = torch.nonzero(winner >= 0).squeeze(1)
+            self.sample[taken] = x[winner[taken]]
         self._seen += x.shape[0]
 
     def covariance(self) -> torch.Tensor:
@@ -108,58 +110,12 @@ class BlockStatistics:
         return self.xtx / max(self.count, 1)
 
 
-@dataclass
-class CaptureTimes:
-    forward_seconds: float = 0.0
-    solve_seconds: float = 0.0
-    per_layer: list[dict[str, float]] = field(default_factory=list)
-
-
 def capture_layer_inputs(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 1
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-    """Hidden states entering decoder layer 0 for every batch of windows, and each layer's kwargs.
-
-    All windows have the same length and no padding, so each layer's keyword arguments
-    (position embeddings, attention mask, ...) are the same for every batch; they are read
-    per layer from one full forward, because layers may differ (Gemma 3 alternates sliding
-    and global attention, with their own masks and rotary tables).
-    """
-    layers = decoder_layers(model)
-    hidden: list[torch.Tensor] = []
-    layer_kwargs: list[dict[str, Any]] = [{} for _ in layers]
-    first = True
-    device = next(model.parameters()).device
-
-    def make_hook(index: int) -> Callable[[nn.Module, tuple, dict], None]:
-        def grab(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if index == 0:
-                hidden.append((args[0] if args else kwargs["hidden_states"]).detach())
-            if first:
-                kw = {
-                    k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values")
-                }
-                kw["use_cache"] = False
-                layer_kwargs[index] = kw
-            else:
-                raise _StopForward
-
-        return grab
-
-    handles = [
-        layer.register_forward_pre_hook(make_hook(i), with_kwargs=True)
-        for i, layer in enumerate(layers)
-    ]
-    try:
-        with torch.no_grad():
-            for i in range(0, windows.shape[0], batch_size):
-                with contextlib.suppress(_StopForward):
-                    model(input_ids=windows[i : i + batch_size].to(device), use_cache=False)
-                first = False
-    finally:
-        for h in handles:
-            h.remove()
-    return hidden, layer_kwargs
+    """Hidden states entering decoder layer 0 for every batch of windows, and each layer's
+    kwargs (:func:`torq.models.streaming.embed_windows` on the model in memory)."""
+    return embed_windows(ModelLayers(model), windows, batch_size)
 
 
 def _layer_output(out: Any) -> torch.Tensor:
@@ -224,71 +180,51 @@ LayerSolver = Callable[
 
 
 @torch.no_grad()
-def calibrate_layerwise(
-    model: nn.Module,
-    windows: torch.Tensor,
-    solve_layer: LayerSolver,
+def capture_layer(
+    index: int,
+    layer: nn.Module,
+    hidden: list[torch.Tensor],
+    kwargs: dict[str, Any],
     block_size: int = 32,
     reservoir: int = 2048,
-    sequential: bool = False,
     seed: int = 0,
-    progress: bool = True,
     hessian: bool = False,
-) -> tuple[list[dict[str, Any]], CaptureTimes]:
-    """Capture statistics layer by layer and let ``solve_layer`` transform each layer in place.
+    keep_outputs: bool = True,
+) -> tuple[list[LinearGroup], dict[str, BlockStatistics], list[torch.Tensor]]:
+    """One layer of the capture: its input groups, their statistics over ``hidden`` (every
+    calibration batch) and, with ``keep_outputs``, the layer's outputs (the next layer's
+    inputs). Group ``gi`` of layer ``index`` samples its reservoir with the seed
+    ``seed·1000 + index·10 + gi``: a stable identity, whatever ran before."""
+    groups = discover_groups(layer, hidden[0], kwargs)
+    stats = {
+        g.name: BlockStatistics(
+            g.width, block_size, reservoir, seed=seed * 1000 + index * 10 + gi, hessian=hessian
+        )
+        for gi, g in enumerate(groups)
+    }
+    modules = dict(layer.named_modules())
+    handles = []
+    for g in groups:
 
-    ``solve_layer(index, layer, groups, stats)`` builds and fuses the layer's transforms and
-    quantizes it; it returns a JSON-able record. With ``sequential`` the next layer's inputs
-    are recomputed through the quantized layer; otherwise they come from the float layer.
-    With ``hessian`` each group's statistics also hold ``Σ x xᵀ`` (for GPTQ).
-    """
-    times = CaptureTimes()
-    t0 = time.perf_counter()
-    hidden, layer_kwargs = capture_layer_inputs(model, windows)
-    times.forward_seconds += time.perf_counter() - t0
-    layers = decoder_layers(model)
-    records = []
-    bar = tqdm(total=len(layers), desc="calibrate", unit="layer", disable=not progress, leave=False)
-    for li, layer in enumerate(layers):
-        t_fwd = time.perf_counter()
-        kwargs = layer_kwargs[li]
-        groups = discover_groups(layer, hidden[0], kwargs)
-        stats = {
-            g.name: BlockStatistics(
-                g.width, block_size, reservoir, seed=seed * 1000 + li * 10 + gi, hessian=hessian
-            )
-            for gi, g in enumerate(groups)
-        }
-        modules = dict(layer.named_modules())
-        handles = []
-        for g in groups:
+        def hook(_m: nn.Module, args: tuple, _s: BlockStatistics = stats[g.name]) -> None:
+            _s.update(args[0])
 
-            def hook(_m: nn.Module, args: tuple, _s: BlockStatistics = stats[g.name]) -> None:
-                _s.update(args[0])
+        handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
+    outputs = []
+    try:
+        for hs in hidden:
+            out = _layer_output(layer(hs, **kwargs))
+            if keep_outputs:
+                outputs.append(out)
+    finally:
+        for h in handles:
+            h.remove()
+    return groups, stats, outputs
 
-            handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
-        outputs = []
-        try:
-            for hs in hidden:
-                out = _layer_output(layer(hs, **kwargs))
-                if not sequential:
-                    outputs.append(out)
-        finally:
-            for h in handles:
-                h.remove()
-        fwd = time.perf_counter() - t_fwd
-        t_solve = time.perf_counter()
-        record = solve_layer(li, layer, groups, stats)
-        solve = time.perf_counter() - t_solve
-        if sequential:
-            t_seq = time.perf_counter()
-            outputs = [_layer_output(layer(hs, **kwargs)) for hs in hidden]
-            fwd += time.perf_counter() - t_seq
-        hidden = outputs
-        times.forward_seconds += fwd
-        times.solve_seconds += solve
-        times.per_layer.append({"forward_seconds": fwd, "solve_seconds": solve})
-        records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
-        bar.update(1)
-    bar.close()
-    return records, times
+
+@torch.no_grad()
+def layer_outputs(
+    layer: nn.Module, hidden: list[torch.Tensor], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """``layer`` applied to every batch of hidden states."""
+    return [_layer_output(layer(hs, **kwargs)) for hs in hidden]

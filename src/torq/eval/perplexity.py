@@ -98,15 +98,11 @@ def perplexity(
             continue
         batch = windows[i : i + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits
-        nll = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-            batch[:, 1:].reshape(-1),
-            reduction="none",
-        ).view(batch.shape[0], -1)
-        if not torch.isfinite(nll).all():
+        try:
+            per_window = window_nll(logits, batch, first=i)
+        except TorqError:
             bar.close()
-            raise TorqError(f"non-finite loss in window {i}: the model produced NaN/Inf logits")
-        per_window = nll.double().sum(dim=1).tolist()
+            raise
         total_nll += sum(per_window)
         if saved is not None:
             done.update({str(i + b): v for b, v in enumerate(per_window)})
@@ -117,14 +113,34 @@ def perplexity(
         bar.update(batch.shape[0])
     bar.close()
     seconds = earlier_seconds + time.perf_counter() - start
-    predicted = n * (seqlen - 1)
-    mean_nll = total_nll / predicted
+    return perplexity_from_nll(total_nll, n, seqlen, seconds)
+
+
+def window_nll(logits: torch.Tensor, batch: torch.Tensor, first: int = 0) -> list[float]:
+    """Each window's summed NLL of its tokens ``1..L-1`` (float64 sums of the float32
+    per-token losses), from the logits of a batch of windows (``first``: the batch's first
+    window, for the error message)."""
+    nll = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        batch[:, 1:].reshape(-1),
+        reduction="none",
+    ).view(batch.shape[0], -1)
+    if not torch.isfinite(nll).all():
+        raise TorqError(f"non-finite loss in window {first}: the model produced NaN/Inf logits")
+    return nll.double().sum(dim=1).tolist()
+
+
+def perplexity_from_nll(
+    total_nll: float, n_windows: int, seqlen: int, seconds: float
+) -> PerplexityResult:
+    """PPL = exp(mean token NLL) over ``n_windows`` windows of ``seqlen`` tokens."""
+    mean_nll = total_nll / (n_windows * (seqlen - 1))
     return PerplexityResult(
         ppl=math.exp(mean_nll),
         mean_nll=mean_nll,
-        n_windows=n,
+        n_windows=n_windows,
         seqlen=seqlen,
-        n_tokens=n * seqlen,
+        n_tokens=n_windows * seqlen,
         seconds=seconds,
     )
 

@@ -1,29 +1,34 @@
 """Quantization methods behind one registry (``fp``, ``rtn``, ``had32``, ``gptq``, ``torq``
-and its ablations; ``<method>+gptq`` composes a method with GPTQ weights)."""
+and its ablations, ``quarot``; ``<method>+gptq`` composes a method with GPTQ weights).
 
-from torq.methods.gptq import GPTQ
-from torq.methods.hadamard import Hadamard32, Hadamard128, HadamardFull
-from torq.methods.quarot import QuaRot
-from torq.methods.registry import METHODS, Method, MethodContext, get_method, register_method
-from torq.methods.rtn import FullPrecision, RoundToNearest
-from torq.methods.torq_rotation import Torq, TorqHadamard, TorqInter, TorqIntra, TorqSettings
+Every module of this package is imported here, so a new method is one new file: its
+transform builder and its ``register(Method(...))``.
+"""
+
+import importlib
+import pkgutil
+
+from torq.methods.registry import (
+    METHODS,
+    LayerPlan,
+    Method,
+    MethodContext,
+    TransformBuilder,
+    get_method,
+    register,
+)
+from torq.methods.torq_rotation import TorqSettings
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "GPTQ",
     "METHODS",
-    "FullPrecision",
-    "Hadamard32",
-    "Hadamard128",
-    "HadamardFull",
+    "LayerPlan",
     "Method",
     "MethodContext",
-    "QuaRot",
-    "RoundToNearest",
-    "Torq",
-    "TorqHadamard",
-    "TorqInter",
-    "TorqIntra",
     "TorqSettings",
+    "TransformBuilder",
     "get_method",
-    "register_method",
+    "register",
 ]

@@ -20,22 +20,12 @@ constructions), which covers the non-power-of-two widths of our models (576, 896
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any
 
-from torch import nn
-
-from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
-from torq.methods.gptq import (
-    FixedTransformSolver,
-    calibrated_apply,
-    gptq_calibration,
-    gptq_config,
-)
-from torq.methods.registry import Method, MethodContext, register_method
+from torq.methods.registry import Method, MethodContext, TransformBuilder, register
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
-from torq.surgery.apply import quantize_model
+from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -67,65 +57,50 @@ def hadamard_rotation(group: int) -> BlockRotation:
 
 
 @cache
-def _block_hadamard(width: int, group: int) -> BlockRotation:
+def block_hadamard(width: int, group: int) -> BlockRotation:
+    """:func:`hadamard_rotation` of ``group``, one module per (width, group) for the whole
+    process: every layer of a width shares it (the export stores each transform once)."""
     return hadamard_rotation(group)
 
 
-class _BlockHadamard(Method):
-    group_size: ClassVar[int | None] = 32
-    supports_gptq = True
+class BlockHadamard(TransformBuilder):
+    """The online block-diagonal Hadamard of groups of ``group_size`` channels (``None``:
+    the full width), :func:`hadamard_group` choosing the group for each width."""
 
-    def transform_for(self, width: int) -> BlockRotation:
-        return _block_hadamard(width, hadamard_group(width, self.group_size))
+    def __init__(self, group_size: int | None) -> None:
+        self.group_size = group_size
+        self.groups: dict[int, int] = {}  # width → group actually used (recorded)
 
-    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
-        return gptq_calibration(self, ctx)
+    def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> BlockRotation:
+        transform = block_hadamard(width, hadamard_group(width, self.group_size))
+        self.groups[width] = transform.block_size
+        return transform
 
-    def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        groups: dict[int, int] = {}
-
-        def transform_for(width: int) -> BlockRotation:
-            t = self.transform_for(width)
-            groups[width] = t.block_size
-            return t
-
-        if self.gptq_enabled:
-            cfg = gptq_config(ctx)
-            solver = FixedTransformSolver(transform_for, config, cfg)
-            rec = calibrated_apply(model, config, ctx, solver)
-            return {"group_by_width": groups, "gptq": cfg.__dict__, **rec}
-
-        def factory(name: str, linear: nn.Linear) -> nn.Module:
-            transform = transform_for(linear.in_features)
-            linear.weight.data = fuse_inverse_into_weight(linear.weight, transform)
-            return transform
-
-        replaced = quantize_model(model, config, factory)
-        return {"group_by_width": groups, "replaced": replaced}
+    def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
+        # a new dict per plan, filled as its layers are quantized (an earlier row keeps its own)
+        self.groups = {}
+        return {"group_by_width": self.groups}
 
 
-@register_method
-class Hadamard32(_BlockHadamard):
-    """Online block-diagonal Hadamard, group 32 (aligned with the MX blocks)."""
-
-    name = "had32"
-    description = "online Hadamard on each 32-element block, inverse fused into the weights"
-    group_size = 32
-
-
-@register_method
-class Hadamard128(_BlockHadamard):
-    """Online block-diagonal Hadamard, group 128 (or the largest valid group below)."""
-
-    name = "had128"
-    description = "online Hadamard on groups of 128 channels (largest valid group <= 128)"
-    group_size = 128
-
-
-@register_method
-class HadamardFull(_BlockHadamard):
-    """Online Hadamard over the full input width (dense)."""
-
-    name = "hadfull"
-    description = "online Hadamard over the full input width, inverse fused into the weights"
-    group_size = None
+# BRQ-style, aligned with the MX blocks: the "online 32-block Hadamard" reference.
+HAD32 = register(
+    Method(
+        "had32",
+        "online Hadamard on each 32-element block, inverse fused into the weights",
+        BlockHadamard(32),
+    )
+)
+HAD128 = register(
+    Method(
+        "had128",
+        "online Hadamard on groups of 128 channels (largest valid group <= 128)",
+        BlockHadamard(128),
+    )
+)
+HADFULL = register(
+    Method(
+        "hadfull",
+        "online Hadamard over the full input width, inverse fused into the weights",
+        BlockHadamard(None),
+    )
+)

@@ -1,20 +1,37 @@
-"""The method registry: a name maps to a class that turns a float model into a quantized one.
+"""Methods as small typed values, all run by one layer-streaming driver.
 
-A method sees the float model, the quantization config and a :class:`MethodContext` (the
-tokenizer and, for methods that calibrate, a way to get calibration data). Later methods
-(TORQ, Hadamard, GPTQ) register themselves here with :func:`register_method`.
+A :class:`Method` is a frozen value: its name, an online-transform builder
+(:class:`TransformBuilder`: none, a fixed block Hadamard, QuaRot's, TORQ's calibrated
+ones…) and a weight quantizer (``"rtn"`` or ``"gptq"``). ``<method>+gptq`` is the same
+value with GPTQ weights (:meth:`Method.with_gptq`), composable with any transform, as
+llm-compressor composes its GPTQ modifier with any transform. Each builder declares the
+run settings it reads (:meth:`TransformBuilder.key_settings`), so a method's settings key
+(:meth:`Method.settings_key`) names exactly what makes its quantized model.
+
+Every method becomes a :class:`LayerPlan` (:meth:`Method.layer_plan`) that
+:func:`torq.driver.run_layerwise` runs one decoder layer at a time, on a model in memory
+(:meth:`Method.apply`) or streamed from its checkpoint: the driver is the only code that
+walks the layers. A rotation method is one file: a builder and its ``register(Method(…))``
+(the package imports every module in it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+import torch
 from torch import nn
 
+from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
 from torq.surgery.qlinear import QuantConfig
+
+WEIGHT_QUANTIZERS: tuple[str, ...] = ("rtn", "gptq")
 
 
 @dataclass
@@ -24,60 +41,216 @@ class MethodContext:
     tokenizer: Any = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    def capture_settings(self) -> Any:
+        """The run's :class:`~torq.methods.torq_rotation.TorqSettings`, which also hold the
+        capture settings every calibrating method shares (windows, reservoir, sequential)."""
+        from torq.methods.torq_rotation import TorqSettings
 
-class Method:
-    """Base class: ``apply`` quantizes ``model`` in place and returns a record of what it did."""
+        return self.options.get("torq_settings") or TorqSettings()
 
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    quantizes: ClassVar[bool] = True
-    # whether ``<name>+gptq`` exists: the method's transforms, then GPTQ weights
-    supports_gptq: ClassVar[bool] = False
-    gptq_enabled: bool = False
+    def gptq_config(self) -> Any:
+        from torq.surgery.gptq import GPTQConfig
 
-    def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        raise NotImplementedError
+        return self.options.get("gptq_config") or GPTQConfig()
 
-    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
-        """The calibration tokens ``apply`` will read with these options; ``None`` when the
-        method needs no data (checked before any work, :func:`torq.pipeline.run`)."""
+
+LayerQuantize = Callable[[int, nn.Module, list[LinearGroup], dict[str, BlockStatistics]], dict]
+
+
+@dataclass
+class LayerPlan:
+    """A method as the layer-streaming driver (:mod:`torq.driver`) runs it: what to capture
+    for each decoder layer, and ``quantize(index, layer, groups, stats)``, which quantizes
+    that layer in place and returns its record (``None``: the layer stays in float).
+
+    With ``calibration`` the driver runs the calibration windows through every layer and
+    hands ``quantize`` the statistics of each input group (``hessian``: with ``Σ x xᵀ``);
+    without it ``groups`` and ``stats`` are empty. ``record`` is the method's own record
+    (its settings), stored with the row.
+    """
+
+    quantize: LayerQuantize | None
+    calibration: CalibrationConfig | None = None
+    block_size: int = 32
+    reservoir: int = 1024
+    sequential: bool = False
+    hessian: bool = False
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class TransformBuilder:
+    """The online transform ``T`` of each input group (its inverse fused into the weights,
+    ``W' = W Tᵀ``). Fixed builders answer :meth:`fixed` from the width alone; calibrating
+    ones (``calibrates``) answer :meth:`for_group` from the group's statistics and weights.
+    """
+
+    calibrates: bool = False
+    composes_with_gptq: bool = True
+
+    def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> nn.Module | None:
+        """The transform for an input of ``width`` channels (``None``: none)."""
         return None
 
+    def for_group(
+        self,
+        group: LinearGroup,
+        stats: BlockStatistics,
+        weight: torch.Tensor,
+        qconfig: QuantConfig,
+        ctx: MethodContext,
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        """The transform of one input group (``weight``: its members' weights stacked by
+        rows) and a record of how it was built."""
+        return self.fixed(group.width, qconfig, ctx), {}
 
-METHODS: dict[str, type[Method]] = {}
+    def prelude(self, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext) -> dict | None:
+        """A whole-model step before the layers (QuaRot's residual rotation); a builder
+        that has one cannot stream. Returns its record; ``None``: no such step."""
+        return None
+
+    def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
+        """The run settings (``asdict(RunConfig)``) this transform reads, for the key."""
+        return {}
+
+    def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
+        """The method-level record (the settings it ran with)."""
+        return {}
 
 
-def register_method(cls: type[Method]) -> type[Method]:
-    """Class decorator adding a method to :data:`METHODS` under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in METHODS:
-        raise ValueError(f"method '{cls.name}' is registered twice")
-    METHODS[cls.name] = cls
-    return cls
+@dataclass(frozen=True)
+class Method:
+    """A quantization method: a transform builder and a weight quantizer (module doc)."""
+
+    name: str
+    description: str
+    transform: TransformBuilder = field(default_factory=TransformBuilder)
+    weights: str = "rtn"
+    quantizes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_QUANTIZERS:
+            raise ValueError(f"weight quantizer must be one of {WEIGHT_QUANTIZERS}")
+
+    @property
+    def gptq_enabled(self) -> bool:
+        return self.weights == "gptq"
+
+    @property
+    def supports_gptq(self) -> bool:
+        """Whether ``<name>+gptq`` exists: this transform, then GPTQ weights."""
+        return self.quantizes and self.transform.composes_with_gptq and not self.gptq_enabled
+
+    @property
+    def streams(self) -> bool:
+        """Whether the method runs one layer at a time from a checkpoint (no whole-model
+        step)."""
+        return not _overrides(self.transform, "prelude")
+
+    def with_gptq(self, name: str | None = None) -> Method:
+        """The same transform with GPTQ weights (``<name>+gptq``)."""
+        if not self.supports_gptq:
+            raise TorqError(f"method '{self.name}' does not compose with GPTQ")
+        return replace(self, name=name or f"{self.name}+gptq", weights="gptq")
+
+    def calibrates(self) -> bool:
+        """Whether the method reads calibration data (its transform or GPTQ does)."""
+        return self.quantizes and (self.transform.calibrates or self.gptq_enabled)
+
+    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+        """The calibration tokens the method reads with these options; ``None`` when it
+        needs no data (checked before any work, :func:`torq.pipeline.run`)."""
+        return ctx.capture_settings().calibration if self.calibrates() else None
+
+    def settings_key(self, run: dict[str, Any]) -> str:
+        """What makes two rows of this method the same quantized model: the model, formats
+        and window length, plus the settings its transform reads and, with GPTQ, GPTQ's
+        and the calibration's (``run`` is ``asdict(RunConfig)``)."""
+        key: dict[str, Any] = {
+            k: run.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")
+        }
+        key["seqlen"] = run.get("seqlen")
+        key.update(self.transform.key_settings(run))
+        if self.gptq_enabled:
+            torq = run.get("torq") or {}
+            key["gptq"] = run.get("gptq")
+            key["calibration"] = [
+                torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
+            ]
+        return json.dumps([self.name, key], sort_keys=True, default=str)
+
+    def layer_plan(self, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
+        """The method one decoder layer at a time (:class:`LayerPlan`)."""
+        from torq.methods.layers import layer_plan
+
+        return layer_plan(self, qconfig, ctx)
+
+    def apply(self, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
+        """Quantize ``model`` in place (its whole-model step, then the driver over its
+        layers); returns the record of what was done."""
+        from torq.calibration.data import calibration_windows
+        from torq.driver import run_layerwise
+        from torq.models.streaming import ModelLayers
+
+        record: dict[str, Any] = {}
+        if self.quantizes:
+            record.update(self.transform.prelude(model, qconfig, ctx) or {})
+        plan = self.layer_plan(qconfig, ctx)
+        if plan.quantize is None:
+            return record
+        t0 = time.perf_counter()
+        windows = None
+        if plan.calibration is not None:
+            windows = calibration_windows(
+                ctx.tokenizer, plan.calibration, ctx.options.get("data_dir")
+            )
+        t_data = time.perf_counter() - t0
+        run = run_layerwise(
+            ModelLayers(model), plan, windows, None, progress=ctx.options.get("progress", True),
+            desc=self.name,
+        )  # fmt: skip
+        record.update(run.details)
+        if "calibration_seconds" in record:
+            record["calibration_seconds"] = {"data": t_data, **record["calibration_seconds"]}
+        return record
+
+
+def _overrides(obj: object, method: str) -> bool:
+    return getattr(type(obj), method) is not getattr(TransformBuilder, method)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add ``method`` to :data:`METHODS` under its name."""
+    if not method.name or method.name != method.name.strip().lower() or "+" in method.name:
+        raise ValueError(f"invalid method name {method.name!r}")
+    if method.name in METHODS:
+        raise ValueError(f"method '{method.name}' is registered twice")
+    METHODS[method.name] = method
+    return method
+
+
+GPTQ_SUFFIX = "+gptq"
 
 
 def get_method(name: str) -> Method:
-    """Instantiate a registered method by name; ``<method>+gptq`` composes a method's
-    transforms with GPTQ weights (``rtn+gptq`` is ``gptq``). Unknown names list the known
-    ones."""
+    """A registered method by name; ``<method>+gptq`` composes its transform with GPTQ
+    weights (``rtn+gptq`` is ``gptq``). Unknown names list the known ones."""
     key = name.strip().lower()
-    if key.endswith("+gptq"):
-        base = key[: -len("+gptq")]
+    if key.endswith(GPTQ_SUFFIX):
+        base = key[: -len(GPTQ_SUFFIX)]
         if base == "rtn":
             return get_method("gptq")
-        cls = METHODS.get(base)
-        if cls is None or not cls.supports_gptq:
-            composable = sorted(n for n, c in METHODS.items() if c.supports_gptq)
+        method = METHODS.get(base)
+        if method is None or not method.supports_gptq:
+            composable = sorted(n for n, m in METHODS.items() if m.supports_gptq and n != "rtn")
             raise TorqError(
                 f"unknown method '{name}': '+gptq' composes with rtn, {', '.join(composable)}"
             )
-        method = cls()
-        method.gptq_enabled = True
-        method.name = key  # type: ignore[misc]
-        return method
+        return method.with_gptq(key)
     try:
-        return METHODS[key]()
+        return METHODS[key]
     except KeyError:
         raise TorqError(
             f"unknown method '{name}'; known methods: {', '.join(sorted(METHODS))}"

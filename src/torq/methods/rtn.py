@@ -1,34 +1,21 @@
-"""The two reference points of every table: full precision and round-to-nearest (RTN)."""
+"""The reference rows of every table: full precision, round-to-nearest (RTN), and GPTQ
+weights without a transform."""
 
 from __future__ import annotations
 
-from typing import Any
+from torq.methods.registry import Method, register
 
-from torch import nn
+# The float model itself (the GGUF de-quantized to float32): the baseline row.
+FP = register(Method("fp", "full precision, no quantization", quantizes=False))
 
-from torq.methods.registry import Method, MethodContext, register_method
-from torq.surgery.apply import quantize_model
-from torq.surgery.qlinear import QuantConfig
+# RTN: Eq. (1) of the paper applied directly, no transform, to weights and activations.
+RTN = register(Method("rtn", "round to nearest in the target format, no transform"))
 
-
-@register_method
-class FullPrecision(Method):
-    """The float model itself (the GGUF de-quantized to float32): the baseline row."""
-
-    name = "fp"
-    description = "full precision, no quantization"
-    quantizes = False
-
-    def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        return {}
-
-
-@register_method
-class RoundToNearest(Method):
-    """RTN: Eq. (1) of the paper applied directly, no transform, to weights and activations."""
-
-    name = "rtn"
-    description = "round to nearest in the target format, no transform"
-
-    def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        return {"replaced": quantize_model(model, config)}
+# GPTQ weights on the format's grid, RTN activations, no transform (``rtn+gptq``).
+GPTQ = register(
+    Method(
+        "gptq",
+        "GPTQ weights (format grid, damp 0.01), RTN activations, no transform",
+        weights="gptq",
+    )
+)

@@ -15,23 +15,20 @@ per-channel scale that balances activation and weight energy runs first
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from torq.calibration.capture import BlockStatistics, LinearGroup, calibrate_layerwise
-from torq.calibration.data import CalibrationConfig, calibration_windows
+from torq.calibration.capture import BlockStatistics, LinearGroup
+from torq.calibration.data import CalibrationConfig
 from torq.formats import FormatSpec, fake_quantize
-from torq.methods.gptq import GroupSolver, gptq_config
-from torq.methods.registry import Method, MethodContext, register_method
+from torq.methods.registry import Method, MethodContext, TransformBuilder, register
 from torq.rotations.balance import balance_covariance, balance_scales, channel_energy
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
 from torq.rotations.transform import BlockRotation
-from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
@@ -139,108 +136,68 @@ def relative_quant_error(x: torch.Tensor, fmt: FormatSpec) -> float:
     return float(err / x.double().pow(2).sum().clamp_min(1e-300))
 
 
-class TorqLayerSolver(GroupSolver):
-    """Builds, fuses and quantizes one decoder layer's transforms (the calibration callback);
-    with ``gptq`` the fused weights are quantized by GPTQ instead of RTN."""
+class TorqTransform(TransformBuilder):
+    """TORQ's calibrated transform of each input group (:func:`build_group_transform`) with
+    the run's :class:`TorqSettings`, one or both levels, or the fixed ``H₃₂`` after the
+    balancing (``fixed_hadamard``: Algorithm 2 from the Hadamard with no iteration)."""
+
+    calibrates = True
 
     def __init__(
-        self, settings: TorqSettings, qconfig: QuantConfig, gptq: GPTQConfig | None = None
+        self, use_inter: bool = True, use_intra: bool = True, fixed_hadamard: bool = False
     ) -> None:
-        super().__init__(qconfig, gptq)
-        self.settings = settings
+        self.use_inter, self.use_intra, self.fixed_hadamard = use_inter, use_intra, fixed_hadamard
 
-    def transform(
-        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
-    ) -> tuple[nn.Module | None, dict[str, Any]]:
-        return build_group_transform(stats, self.settings, self.qconfig.activation, weight)
-
-
-class _TorqBase(Method):
-    use_inter: ClassVar[bool] = True
-    use_intra: ClassVar[bool] = True
-    supports_gptq = True
-
-    fixed_hadamard: ClassVar[bool] = False
-
-    def settings(self, ctx: MethodContext) -> TorqSettings:
+    def settings(self, qconfig: QuantConfig, ctx: MethodContext) -> TorqSettings:
+        """The run's settings with this method's levels, and the intra-block solver's scale
+        rule that of the MXFP4 activations it fits for."""
         base: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
         settings = replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
         if self.fixed_hadamard:
             settings = replace(settings, intra=replace(settings.intra, init="hadamard", max_iter=0))
+        act = qconfig.activation
+        if act is not None and act.name == "mxfp4" and settings.intra.scale_mode != act.scale_mode:
+            settings = replace(settings, intra=replace(settings.intra, scale_mode=act.scale_mode))
         return settings
 
-    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
-        return self.settings(ctx).calibration
+    def for_group(
+        self,
+        group: LinearGroup,
+        stats: BlockStatistics,
+        weight: torch.Tensor,
+        qconfig: QuantConfig,
+        ctx: MethodContext,
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        return build_group_transform(stats, self.settings(qconfig, ctx), qconfig.activation, weight)
 
-    def apply(self, model: nn.Module, config: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        settings = self.settings(ctx)
-        if config.activation is not None and config.activation.name == "mxfp4":
-            intra = settings.intra
-            if intra.scale_mode != config.activation.scale_mode:
-                settings = replace(
-                    settings, intra=replace(intra, scale_mode=config.activation.scale_mode)
-                )
-        t0 = time.perf_counter()
-        windows = calibration_windows(
-            ctx.tokenizer, settings.calibration, ctx.options.get("data_dir")
-        )
-        t_data = time.perf_counter() - t0
-        gptq = gptq_config(ctx) if self.gptq_enabled else None
-        records, times = calibrate_layerwise(
-            model,
-            windows,
-            TorqLayerSolver(settings, config, gptq),
-            block_size=settings.block_size,
-            reservoir=settings.reservoir_tokens,
-            sequential=settings.sequential,
-            seed=settings.calibration.seed,
-            progress=ctx.options.get("progress", True),
-            hessian=gptq is not None,
-        )
-        return {
-            "settings": settings.to_dict(),
-            "gptq": None if gptq is None else gptq.__dict__,
-            "calibration_seconds": {
-                "data": t_data,
-                "capture_forward": times.forward_seconds,
-                "solve": times.solve_seconds,
-            },
-            "layers": records,
-        }
+    def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
+        return {"torq": run.get("torq") or {}}
+
+    def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
+        return {"settings": self.settings(qconfig, ctx).to_dict()}
 
 
-@register_method
-class Torq(_TorqBase):
-    """TORQ: inter-block (Schur–Horn) then intra-block (codebook occupancy) rotation."""
-
-    name = "torq"
-    description = "TORQ: inter-block + intra-block rotation, calibrated, fused (RTN weights)"
-
-
-@register_method
-class TorqInter(_TorqBase):
-    """Ablation: the inter-block rotation alone (Table 3, 'R_inter')."""
-
-    name = "torq-inter"
-    description = "TORQ ablation: inter-block rotation only"
-    use_intra = False
-
-
-@register_method
-class TorqIntra(_TorqBase):
-    """Ablation: the intra-block rotation alone (Table 3, 'R_intra')."""
-
-    name = "torq-intra"
-    description = "TORQ ablation: intra-block rotation only"
-    use_inter = False
-
-
-@register_method
-class TorqHadamard(_TorqBase):
-    """Ablation (ours): TORQ's channel balancing with the fixed 32-block Hadamard in place of
-    the calibrated rotations — separates what the balancing and the rotations contribute."""
-
-    name = "torq-had32"
-    description = "TORQ ablation: channel balancing + 32-block Hadamard (no calibrated rotation)"
-    use_inter = False
-    fixed_hadamard = True
+# TORQ: inter-block (Schur–Horn) then intra-block (codebook occupancy) rotation.
+TORQ = register(
+    Method(
+        "torq",
+        "TORQ: inter-block + intra-block rotation, calibrated, fused (RTN weights)",
+        TorqTransform(),
+    )
+)
+# Ablations (Table 3): one level only.
+TORQ_INTER = register(
+    Method("torq-inter", "TORQ ablation: inter-block rotation only", TorqTransform(use_intra=False))
+)
+TORQ_INTRA = register(
+    Method("torq-intra", "TORQ ablation: intra-block rotation only", TorqTransform(use_inter=False))
+)
+# Ablation (ours): TORQ's channel balancing with the fixed 32-block Hadamard in place of the
+# calibrated rotations — separates what the balancing and the rotations contribute.
+TORQ_HAD32 = register(
+    Method(
+        "torq-had32",
+        "TORQ ablation: channel balancing + 32-block Hadamard (no calibrated rotation)",
+        TorqTransform(use_inter=False, fixed_hadamard=True),
+    )
+)

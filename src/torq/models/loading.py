@@ -258,6 +258,48 @@ def _from_quantized_folder(path: Path) -> LoadedModel:
     )
 
 
+def model_folder(name_or_path: str) -> tuple[Path, str]:
+    """The safetensors folder behind a float model name, and its source label, for the
+    layer-streaming path (:class:`torq.models.streaming.LayerStream`): an embedded default
+    or a ``.gguf`` file is converted once into the cache (:func:`convert_gguf`), a local
+    folder is used as it is, a hub id is downloaded (weights, config and tokenizer only)."""
+    key = name_or_path.strip()
+    if key.lower() in EMBEDDED_MODELS:
+        return convert_gguf(resolve_embedded_gguf(key.lower())), f"embedded:{key.lower()}"
+    path = Path(key).expanduser()
+    if key.endswith(".gguf"):
+        return convert_gguf(path), f"gguf:{path.resolve()}"
+    if path.is_dir():
+        from torq.export import is_quantized_checkpoint
+
+        if is_quantized_checkpoint(path):
+            raise TorqError(f"{path} holds a model already quantized; it cannot be streamed")
+        if not (path / "config.json").is_file():
+            raise TorqError(
+                f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
+            )
+        return path, f"local:{path.resolve()}"
+    if path.exists():
+        raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+    if _is_hub_id(key, path):
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(
+                key, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]
+            )
+        except Exception as exc:  # the hub client raises many kinds; all mean "not here"
+            raise TorqError(
+                f"could not fetch hub model '{key}' ({exc.__class__.__name__}); "
+                f"known embedded defaults: {', '.join(known_models())}"
+            ) from None
+        return Path(folder), f"hub:{key}"
+    raise TorqError(
+        f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "
+        f"or a hub id (org/name). Known defaults: {', '.join(known_models())}"
+    )
+
+
 def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a causal LM in float for quantization.
 
@@ -268,26 +310,13 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     (``LoadedModel.quantized`` is then its manifest).
     """
     key = name_or_path.strip()
-    if key.lower() in EMBEDDED_MODELS:
-        folder = convert_gguf(resolve_embedded_gguf(key.lower()))
-        return _from_folder(str(folder), f"embedded:{key.lower()}", dtype)
     path = Path(key).expanduser()
-    if key.endswith(".gguf"):
-        folder = convert_gguf(path)
-        return _from_folder(str(folder), f"gguf:{path.resolve()}", dtype)
     if path.is_dir():
         from torq.export import is_quantized_checkpoint
 
         if is_quantized_checkpoint(path):
             return _from_quantized_folder(path)
-        if not (path / "config.json").is_file():
-            raise TorqError(
-                f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
-            )
-        return _from_folder(str(path), f"local:{path.resolve()}", dtype)
-    if path.exists():
-        raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
-    if key.count("/") == 1 and not key.startswith((".", "/", "~")):
+    if _is_hub_id(key, path):
         try:
             return _from_folder(key, f"hub:{key}", dtype)
         except (OSError, ValueError) as exc:
@@ -295,7 +324,15 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
                 f"could not load hub model '{key}' ({exc.__class__.__name__}); "
                 f"known embedded defaults: {', '.join(known_models())}"
             ) from None
-    raise TorqError(
-        f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "
-        f"or a hub id (org/name). Known defaults: {', '.join(known_models())}"
+    folder, source = model_folder(key)
+    return _from_folder(str(folder), source, dtype)
+
+
+def _is_hub_id(key: str, path: Path) -> bool:
+    return (
+        key.lower() not in EMBEDDED_MODELS
+        and not key.endswith(".gguf")
+        and not path.exists()
+        and key.count("/") == 1
+        and not key.startswith((".", "/", "~"))
     )

@@ -165,9 +165,15 @@ def rotate_heads(model: nn.Module, h: torch.Tensor) -> None:
 
 
 def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
-    """QuaRot's randomized Hadamard ``H diag(s) / √n`` (``s`` random signs), float64."""
+    """QuaRot's randomized Hadamard ``Q = diag(s) H / √n`` (``s`` random signs), float64.
+
+    A row vector is rotated as ``x Q = (x ⊙ s) H / √n``: the signs flip channels *before*
+    the Hadamard mixes them, as QuaRot's ``random_hadamard_matrix`` does. (With the signs
+    after the Hadamard, ``H diag(s)``, they would only flip the signs of the rotated
+    channels, which no sign-symmetric quantizer sees: the plain Hadamard.)
+    """
     from torq.rotations.hadamard import hadamard_matrix
 
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
-    return hadamard_matrix(n) * signs[None, :]
+    return signs[:, None] * hadamard_matrix(n)

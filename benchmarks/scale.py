@@ -1,0 +1,206 @@
+"""Peak memory and time per layer of the streamed driver (``torq run --stream``) against
+the model's size: a Llama-3-8B-shaped and a 0.92B Llama-shaped checkpoint with random
+weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights).
+
+    python benchmarks/scale.py --shape llama3-8b --methods rtn,torq-had32 \\
+        --calib-samples 8 --eval-windows 2 --dir /tmp/torq-scale --out results/scale/8b.json
+
+Each method runs in its own ``torq run --stream`` process (so each peak resident set is
+its own, read by the process itself); the random checkpoints use SmolLM2's tokenizer
+(its ids are valid in any vocabulary at least as large). Random weights: the perplexity
+of those rows means nothing; memory and time are what is measured. Writes JSON and a
+markdown table (``<out>.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3-8B: 32 layers, hidden 4096, FFN 14336, 32 query / 8 KV heads, vocab 128256
+    "llama3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
+    # the issue's 0.92B shape: hidden 2048, 16 layers, FFN 5632, 16/4 heads, SmolLM2's vocab
+    "llama-0.9b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def smollm2_folder() -> Path:
+    from torq.models.loading import convert_gguf, resolve_embedded_gguf
+
+    return convert_gguf(resolve_embedded_gguf("smollm2-135m"))
+
+
+def write_random_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
+    """A Llama-shaped checkpoint of random bf16 weights, written one decoder layer per shard
+    (never more than one layer in memory), with SmolLM2's tokenizer."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    marker = out / "torq_random_checkpoint.json"
+    if marker.is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = AutoConfig.for_model("llama", **SHAPES[shape], torch_dtype="bfloat16")
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    shards: dict[str, list[str]] = {}
+    layers = config.num_hidden_layers
+    for name, _ in skeleton.named_parameters():
+        parts = name.split(".")
+        key = f"layer-{int(parts[2]):03d}" if name.startswith("model.layers.") else "outer"
+        shards.setdefault(key, []).append(name)
+    weight_map: dict[str, str] = {}
+    params = dict(skeleton.named_parameters())
+    for i, (key, names) in enumerate(sorted(shards.items())):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            shape_ = params[name].shape
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape_, dtype=torch.bfloat16)
+            else:
+                t = (torch.randn(shape_, generator=gen) * 0.02).to(torch.bfloat16)
+            tensors[name] = t
+            weight_map[name] = file
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        del tensors
+        print(f"  wrote {key} ({i + 1}/{len(shards)})", file=sys.stderr, flush=True)
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
+    config.save_pretrained(str(tmp))
+    tok = smollm2_folder()
+    for f in tok.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",):
+            shutil.copy(f, tmp / f.name)
+    n_params = sum(p.numel() for p in params.values())
+    (tmp / "torq_random_checkpoint.json").write_text(
+        json.dumps({"shape": shape, "seed": seed, "parameters": n_params, "layers": layers})
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "torq.cli", "run", "--model", str(folder), "--methods", method,
+        "--stream", "--max-windows", str(args.eval_windows), "--calib-samples",
+        str(args.calib_samples), "--threads", str(args.threads), "--no-progress",
+        "--out", str(out),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    record = json.loads(out.read_text())
+    row = record["rows"][0]
+    per_layer = row["details"]["streamed"]["per_layer"]
+    n = len(per_layer)
+    return {
+        "method": method,
+        "ppl": row["ppl"],
+        "peak_rss_bytes": record["peak_memory"]["host_rss_bytes"],
+        "wall_seconds": wall,
+        "quantize_seconds": row["quantize_seconds"],
+        "eval_seconds": row["eval_seconds"],
+        "seconds_per_layer": {
+            k: sum(p[k] for p in per_layer) / n
+            for k in ("load_seconds", "forward_seconds", "solve_seconds", "eval_seconds")
+        },
+        "layers": n,
+        "command": " ".join(cmd),
+        "record": str(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=[*SHAPES, "smollm2-135m"], required=True)
+    ap.add_argument("--methods", default="rtn,torq-had32")
+    ap.add_argument("--calib-samples", type=int, default=8)
+    ap.add_argument("--eval-windows", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dir", default="/tmp/torq-scale", help="where the checkpoints are written")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if args.shape == "smollm2-135m":
+        folder, info = smollm2_folder(), {"real_weights": True}
+    else:
+        folder = write_random_checkpoint(args.shape, Path(args.dir) / args.shape)
+        info = json.loads((folder / "torq_random_checkpoint.json").read_text())
+    write_seconds = time.perf_counter() - t0
+    disk = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
+    rows = []
+    for method in args.methods.split(","):
+        rec = out.with_name(f"{out.stem}-{method.replace('+', '-')}.run.json")
+        rows.append(run_method(folder, method, args, rec))
+        result = {
+            "shape": args.shape,
+            "checkpoint": {**info, "folder": str(folder), "bytes_on_disk": disk},
+            "write_seconds": write_seconds,
+            "calib_samples": args.calib_samples,
+            "eval_windows": args.eval_windows,
+            "threads": args.threads,
+            "rows": rows,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "cpu_count": os.cpu_count(),
+        }
+        out.write_text(json.dumps(result, indent=2))
+    lines = [
+        f"{args.shape}: {disk / 1e9:.2f} GB on disk, {args.calib_samples} calibration windows, "
+        f"{args.eval_windows} evaluation windows of 2048 tokens, {args.threads} threads",
+        "",
+        "| method | peak RSS GiB | s/layer load | s/layer capture | s/layer solve "
+        "| s/layer eval | wall s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        s = r["seconds_per_layer"]
+        lines.append(
+            f"| {r['method']} | {r['peak_rss_bytes'] / 2**30:.2f} | {s['load_seconds']:.1f} | "
+            f"{s['forward_seconds']:.1f} | {s['solve_seconds']:.1f} | {s['eval_seconds']:.1f} "
+            f"| {r['wall_seconds']:.0f} |"
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""How a method quantizes one decoder layer: its transform builder, then RTN or GPTQ weights.
+
+A method whose transform is fixed and whose weights are RTN needs no data: each linear
+gets ``T = builder.fixed(width)``, fused (``W' = W Tᵀ``) and quantized. Any other method
+calibrates (Algorithm 3): the driver hands it each input group's statistics, the builder
+gives the group's ``T`` (from them, for TORQ), and the group's linears are fused and
+quantized sharing one activation quantizer, with RTN or, for GPTQ, on the Hessian
+``T H Tᵀ`` of the inputs the fused weights see.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torq.calibration.capture import BlockStatistics, LinearGroup
+from torq.methods.registry import LayerPlan, Method, MethodContext
+from torq.rotations.transform import fuse_inverse_into_weight
+from torq.surgery.apply import quantize_layer
+from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
+from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantLinear
+
+
+def quantize_group(
+    layer: nn.Module,
+    group: LinearGroup,
+    transform: nn.Module | None,
+    qconfig: QuantConfig,
+    stats: BlockStatistics | None = None,
+    gptq: GPTQConfig | None = None,
+) -> dict[str, Any]:
+    """Replace a group's linears by :class:`QuantLinear` sharing one activation quantizer:
+    ``W' = W Tᵀ`` fused (when ``T`` is given), then RTN or, with ``gptq``, GPTQ on the
+    Hessian ``T H Tᵀ`` of the group's captured inputs (Algorithm 3, option B)."""
+    modules = dict(layer.named_modules())
+    shared = ActivationQuantizer(qconfig.activation, transform)
+    record: dict[str, Any] = {}
+    h = None
+    if gptq is not None and qconfig.weight is not None:
+        if stats is None:
+            raise ValueError("GPTQ needs the group's calibration statistics")
+        h = transform_hessian(stats.hessian(), transform)
+    for name in group.members:
+        linear = modules[name]
+        parent_name, _, attr = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else layer
+        weight = (
+            linear.weight
+            if transform is None
+            else fuse_inverse_into_weight(linear.weight, transform)
+        )
+        quantized = False
+        if h is not None:
+            assert qconfig.weight is not None
+            weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq)
+            record[name] = rec
+            quantized = True
+        setattr(
+            parent,
+            attr,
+            QuantLinear(
+                weight, linear.bias, qconfig, input_quantizer=shared, weight_quantized=quantized
+            ),
+        )
+    return record
+
+
+GroupTransform = Callable[
+    [LinearGroup, BlockStatistics, torch.Tensor], tuple[nn.Module | None, dict[str, Any]]
+]
+
+
+class GroupSolver:
+    """The per-layer step of a calibrating method: for each input group of a layer, a
+    transform (:meth:`transform`), fused and quantized by :func:`quantize_group`; whatever
+    the groups do not cover (fused MoE experts) falls back to RTN."""
+
+    def __init__(self, qconfig: QuantConfig, gptq: GPTQConfig | None = None) -> None:
+        self.qconfig = qconfig
+        self.gptq = gptq
+
+    def transform(
+        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        """The group's online transform; ``weight`` is its members' weights stacked by rows."""
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        index: int,
+        layer: nn.Module,
+        groups: list[LinearGroup],
+        stats: dict[str, BlockStatistics],
+    ) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        modules = dict(layer.named_modules())
+        for g in groups:
+            t0 = time.perf_counter()
+            # the transforms are solved on the CPU, where the statistics are kept
+            weight = torch.cat([modules[m].weight.detach().cpu() for m in g.members])
+            transform, rec = self.transform(g, stats[g.name], weight)
+            gptq_rec = quantize_group(layer, g, transform, self.qconfig, stats[g.name], self.gptq)
+            if gptq_rec:
+                rec["gptq"] = gptq_rec
+            rec["seconds"] = time.perf_counter() - t0
+            record[g.name] = rec
+        record["rtn_fallback"] = quantize_layer(layer, self.qconfig)
+        return record
+
+
+class _BuilderSolver(GroupSolver):
+    def __init__(
+        self, method: Method, qconfig: QuantConfig, ctx: MethodContext, gptq: GPTQConfig | None
+    ) -> None:
+        super().__init__(qconfig, gptq)
+        self.method, self.ctx = method, ctx
+
+    def transform(
+        self, group: LinearGroup, stats: BlockStatistics, weight: torch.Tensor
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        return self.method.transform.for_group(group, stats, weight, self.qconfig, self.ctx)
+
+
+def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
+    """``method`` as a :class:`LayerPlan` (module doc)."""
+    if not method.quantizes:
+        return LayerPlan(None)
+    builder = method.transform
+    record = builder.record(qconfig, ctx)
+    if not method.calibrates():
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            transform = builder.fixed(linear.in_features, qconfig, ctx)
+            if transform is not None:
+                linear.weight.data = fuse_inverse_into_weight(linear.weight, transform)
+            return transform
+
+        def quantize(li: int, layer: nn.Module, _groups: list, _stats: dict) -> dict[str, Any]:
+            return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory)}
+
+        return LayerPlan(quantize, record=record)
+    gptq = ctx.gptq_config() if method.gptq_enabled else None
+    if gptq is not None:
+        record = {**record, "gptq": gptq.__dict__}
+    capture = ctx.capture_settings()
+    return LayerPlan(
+        _BuilderSolver(method, qconfig, ctx, gptq),
+        calibration=capture.calibration,
+        block_size=capture.block_size,
+        reservoir=capture.reservoir_tokens,
+        sequential=capture.sequential,
+        hessian=gptq is not None,
+        record=record,
+    )

@@ -1,0 +1,334 @@
+"""A float checkpoint read one decoder layer at a time, in bounded memory.
+
+:class:`LayerStream` builds the model's skeleton with every parameter on the ``meta``
+device (no memory; buffers such as rotary tables are real), then reads from the
+checkpoint's safetensors files only what the current step needs, converted to float32:
+the input embedding to embed the windows, one decoder layer at a time, and the final norm
+and lm_head (with Gemma's logit soft-capping, whatever the architecture's head does) to
+score them. Each part goes back to ``meta`` when its step is done, so the peak is one
+layer (or the larger of embedding and lm_head), never the model. The files are read
+lazily (``safetensors.safe_open``: one tensor at a time, memory-mapped), in the dtype they
+are stored in (bf16, fp16, fp32).
+
+Hidden states move between the steps as tensors, one per batch of windows; the layers see
+the same keyword arguments (rotary tables, masks) as in the model's own forward, captured
+from it (:func:`embed_windows`). The same code walks a model that is wholly in memory
+(:class:`ModelLayers`), so the streamed and the whole-model paths compute alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torq.errors import TorqError
+from torq.models.architecture import decoder_layers
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer during the embedding pass: records the layer's keyword
+    arguments and passes the hidden states through (the first also keeps them; the last
+    stops the forward, so no later module runs)."""
+
+    def __init__(self, index: int, last: bool, sink: dict[str, Any]) -> None:
+        super().__init__()
+        self.index, self.last, self.sink = index, last, sink
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            raise TorqError("decoder layers called with positional arguments are not supported")
+        if self.index == 0:
+            self.sink["hidden"] = hidden_states.detach()
+        if self.sink.get("record_kwargs", True):
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
+            kw["use_cache"] = False
+            self.sink["kwargs"][self.index] = kw
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+class _Inject(nn.Module):
+    """Stands in for decoder layer 0 during the scoring pass: returns the given final hidden
+    states, so the model's own final norm and head turn them into logits."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.hidden
+
+
+class _Identity(nn.Module):
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
+@contextlib.contextmanager
+def _swapped_layers(model: nn.Module, stand_ins: list[nn.Module]) -> Iterator[None]:
+    layers = decoder_layers(model)
+    originals = list(layers)
+    try:
+        for i, m in enumerate(stand_ins):
+            layers[i] = m
+        yield
+    finally:
+        for i, m in enumerate(originals):
+            layers[i] = m
+
+
+class LayerSource:
+    """Where the driver gets the model's parts: the model (its outer modules usable after
+    :meth:`load_embedding` / :meth:`load_head`) and each decoder layer in float."""
+
+    model: nn.Module
+    device: torch.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    def load_embedding(self) -> None:
+        """Make the input embedding usable."""
+
+    def release_embedding(self) -> None:
+        """Free what :meth:`load_embedding` loaded."""
+
+    def load_head(self) -> None:
+        """Make the final norm and lm_head usable."""
+
+    def release_head(self) -> None:
+        """Free what :meth:`load_head` loaded."""
+
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` in float, on the device; the driver may change it."""
+        raise NotImplementedError
+
+    def release_layer(self, index: int) -> None:
+        """Free layer ``index`` (the streamed source forgets what the driver did to it)."""
+
+
+class ModelLayers(LayerSource):
+    """A model wholly in memory, walked in place: the driver quantizes its own layers, and
+    the model is the quantized model afterwards (the whole-model path; nothing is copied)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    def load_layer(self, index: int) -> nn.Module:
+        return decoder_layers(self.model)[index]
+
+
+def _checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file of a Hugging Face checkpoint folder."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise TorqError(
+            f"{folder} has no model.safetensors(.index.json): streaming reads safetensors "
+            "checkpoints only"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+
+
+class LayerStream(LayerSource):
+    """A safetensors checkpoint folder read one part at a time (module docstring)."""
+
+    def __init__(self, folder: str | Path, device: torch.device | str = "cpu") -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder = Path(folder)
+        self.device = torch.device(device)
+        self.files = _checkpoint_files(self.folder)
+        config = AutoConfig.from_pretrained(str(self.folder))
+        # parameters on meta (no memory), buffers real (rotary tables, embedding scales)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model = model.eval()
+        if self.device.type != "cpu":  # the buffers (parameters come when loaded)
+            for sub in self.model.modules():
+                for k, b in list(sub._buffers.items()):
+                    if b is not None:
+                        sub._buffers[k] = b.to(self.device)
+        layers = decoder_layers(self.model)
+        names = {id(m): n for n, m in self.model.named_modules()}
+        self._layers_prefix = names[id(layers)]
+        self._skeletons = [copy.deepcopy(layer) for layer in layers]
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.stored_dtypes = self._stored_dtypes()
+
+    def _stored_dtypes(self) -> dict[str, int]:
+        from safetensors import safe_open
+
+        counts: dict[str, int] = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    dtype = str(f.get_slice(name).get_dtype())
+                    counts[dtype] = counts.get(dtype, 0) + 1
+        return counts
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        fused: dict[str, list[list[str]]] = {}
+        for name in names:
+            if name not in self.files:
+                parts = self._expert_parts(name)
+                if parts is None:
+                    raise TorqError(f"{self.folder}: the checkpoint has no tensor '{name}'")
+                fused[name] = parts
+                for part in (p for expert in parts for p in expert):
+                    by_file.setdefault(self.files[part], []).append(part)
+                continue
+            by_file.setdefault(self.files[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, group in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in group:
+                    out[name] = f.get_tensor(name).to(device=self.device, dtype=torch.float32)
+        for name, parts in fused.items():
+            out[name] = torch.stack([torch.cat([out.pop(p) for p in e]) for e in parts])
+        return out
+
+    def _expert_parts(self, name: str) -> list[list[str]] | None:
+        """A fused MoE experts tensor (``experts.gate_up_proj`` ``[E, 2I, H]``,
+        ``experts.down_proj`` ``[E, H, I]``) kept per expert in the checkpoint, as
+        transformers saves it: the per-expert names to concatenate and stack."""
+        prefix, _, attr = name.rpartition(".")
+        if not prefix.endswith("experts") or attr not in ("gate_up_proj", "down_proj"):
+            return None
+        members = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)
+        parts = []
+        while all(f"{prefix}.{len(parts)}.{m}.weight" in self.files for m in members):
+            parts.append([f"{prefix}.{len(parts)}.{m}.weight" for m in members])
+        return parts or None
+
+    def _materialize(self, module: nn.Module, prefix: str) -> None:
+        """Read ``module``'s parameters (checkpoint names ``prefix + name``) in float32."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        values = self._read([prefix + n for n in params])
+        for name in params:
+            owner, _, attr = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            sub._parameters[attr] = nn.Parameter(values[prefix + name], requires_grad=False)
+
+    @staticmethod
+    def _to_meta(module: nn.Module) -> None:
+        for sub in module.modules():
+            for attr, p in list(sub._parameters.items()):
+                if p is not None and p.device.type != "meta":
+                    sub._parameters[attr] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=False
+                    )
+
+    def _prefix_of(self, module: nn.Module) -> str:
+        name = next(n for n, m in self.model.named_modules() if m is module)
+        return f"{name}." if name else ""
+
+    def load_embedding(self) -> None:
+        emb = self.model.get_input_embeddings()
+        self._materialize(emb, self._prefix_of(emb))
+
+    def release_embedding(self) -> None:
+        self._to_meta(self.model.get_input_embeddings())
+
+    def _head_modules(self) -> list[nn.Module]:
+        """Every module outside the decoder layers and the input embedding: final norm,
+        lm_head (the rotary and other parameter-free modules need nothing)."""
+        emb = self.model.get_input_embeddings()
+        layers = decoder_layers(self.model)
+        skip = {id(m) for m in emb.modules()} | {id(m) for m in layers.modules()}
+        return [
+            m
+            for m in self.model.modules()
+            if id(m) not in skip and any(True for _ in m.parameters(recurse=False))
+        ]
+
+    def load_head(self) -> None:
+        for module in self._head_modules():
+            prefix = self._prefix_of(module)
+            if self.tied and module is self.model.get_output_embeddings():
+                # the head is the input embedding: read it under that name
+                emb = self.model.get_input_embeddings()
+                prefix = self._prefix_of(emb)
+            own = dict(module.named_parameters(recurse=False))
+            values = self._read([prefix + n for n in own])
+            for n in own:
+                module._parameters[n] = nn.Parameter(values[prefix + n], requires_grad=False)
+
+    def release_head(self) -> None:
+        for module in self._head_modules():
+            for attr, p in list(module._parameters.items()):
+                if p is not None and p.device.type != "meta":
+                    module._parameters[attr] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=False
+                    )
+
+    def load_layer(self, index: int) -> nn.Module:
+        layers = decoder_layers(self.model)
+        layer = copy.deepcopy(self._skeletons[index])
+        self._materialize(layer, f"{self._layers_prefix}.{index}.")
+        layers[index] = layer
+        return layer
+
+    def release_layer(self, index: int) -> None:
+        decoder_layers(self.model)[index] = copy.deepcopy(self._skeletons[index])
+
+
+@torch.no_grad()
+def embed_windows(
+    source: LayerSource, windows: torch.Tensor, batch_size: int = 1
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The hidden states entering decoder layer 0 for each batch of windows, and every
+    layer's keyword arguments, from the model's own forward with the layers stood in for
+    (all windows have one length and no padding, so the arguments are the same for every
+    batch; they are read per layer because layers may differ, as Gemma 3's do)."""
+    source.load_embedding()
+    n = source.num_layers
+    sink: dict[str, Any] = {"kwargs": [None] * n, "record_kwargs": True}
+    hidden: list[torch.Tensor] = []
+    try:
+        with _swapped_layers(source.model, [_Recorder(i, i == n - 1, sink) for i in range(n)]):
+            for i in range(0, windows.shape[0], batch_size):
+                with contextlib.suppress(_Stop):
+                    source.model(
+                        input_ids=windows[i : i + batch_size].to(source.device), use_cache=False
+                    )
+                hidden.append(sink.pop("hidden"))
+                sink["record_kwargs"] = False
+    finally:
+        source.release_embedding()
+    return hidden, sink["kwargs"]
+
+
+@torch.no_grad()
+def head_logits(source: LayerSource, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits for final hidden states ``hidden``: its own final norm and head
+    (soft-capping included), run by injecting ``hidden`` after the decoder layers (the head
+    must be loaded, :meth:`LayerSource.load_head`)."""
+    n = source.num_layers
+    dummy = torch.zeros_like(hidden)
+    with _swapped_layers(source.model, [_Inject(hidden)] + [_Identity() for _ in range(n - 1)]):
+        return source.model(inputs_embeds=dummy, use_cache=False).logits
