@@ -12,10 +12,10 @@ import sys
 
 import msepatch
 from diag_common import calib_windows, eval_windows, setup
-from torq.methods.gptq import GroupSolver
 
 from torq.driver import calibrate_layerwise
 from torq.eval import perplexity
+from torq.methods.layers import GroupSolver
 from torq.rotations.balance import balance_scales, channel_energy
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation

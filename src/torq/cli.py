@@ -427,12 +427,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}\t{entry.description}\t({entry.install_hint})")
             return 0
         if args.command == "methods":
-            from torq.methods import METHODS
+            from torq.methods import METHODS, get_method
 
             for name, method in sorted(METHODS.items()):
                 notes = [] if method.streams else ["whole model only: not with --stream"]
                 if method.supports_gptq:
-                    notes.append(f"+gptq: {name}+gptq")
+                    notes.append(f"with GPTQ weights: {get_method(name + '+gptq').name}")
                 print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))
             return 0
     except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:

@@ -34,7 +34,13 @@ from torq.calibration.capture import LayerSolver, capture_layer, layer_outputs
 from torq.calibration.data import CalibrationConfig
 from torq.eval.perplexity import PerplexityResult, perplexity_from_nll, window_nll
 from torq.methods.registry import LayerPlan
-from torq.models.streaming import LayerSource, ModelLayers, embed_windows, head_logits
+from torq.models.streaming import (
+    LayerSource,
+    ModelLayers,
+    embed_windows,
+    give_back_memory,
+    head_logits,
+)
 
 
 @dataclass
@@ -57,7 +63,10 @@ def run_layerwise(
     progress: bool = True,
     desc: str = "layers",
 ) -> StreamedRun:
-    """Quantize with ``plan`` and evaluate, one layer of ``source`` at a time (module doc)."""
+    """Quantize with ``plan`` and evaluate, one layer of ``source`` at a time (module doc):
+    the paper's Algorithm 3 per layer (capture, transform, fuse, quantize), then the
+    WikiText-2 perplexity of ``eval_windows`` (method-notes §3) from the quantized layers.
+    Either set of windows may be absent (no calibration; no evaluation)."""
     if plan.calibration is not None and calibration_windows is None:
         raise ValueError("the method calibrates: calibration windows are needed")
     t_quant = t_eval = t_fwd = t_solve = 0.0
@@ -123,6 +132,7 @@ def run_layerwise(
             ev = time.perf_counter() - t0
         source.release_layer(li)
         del layer
+        give_back_memory()
         t_fwd += fwd
         t_solve += solve
         t_eval += ev
@@ -153,6 +163,7 @@ def run_layerwise(
                 total += sum(window_nll(head_logits(source, h), batch, first))
         finally:
             source.release_head()
+            give_back_memory()
         t_eval += time.perf_counter() - t0
         result = perplexity_from_nll(
             total, int(eval_windows.shape[0]), int(eval_windows.shape[1]), t_eval
