@@ -260,8 +260,9 @@ class LayerStream(LayerSource):
             sub._parameters[attr] = nn.Parameter(values[prefix + name], requires_grad=False)
 
     @staticmethod
-    def _to_meta(module: nn.Module) -> None:
-        for sub in module.modules():
+    def _to_meta(module: nn.Module, recurse: bool = True) -> None:
+        """Parameters back to ``meta`` (freed); ``recurse=False``: the module's own only."""
+        for sub in module.modules() if recurse else [module]:
             for attr, p in list(sub._parameters.items()):
                 if p is not None and p.device.type != "meta":
                     sub._parameters[attr] = nn.Parameter(
@@ -305,11 +306,7 @@ class LayerStream(LayerSource):
 
     def release_head(self) -> None:
         for module in self._head_modules():
-            for attr, p in list(module._parameters.items()):
-                if p is not None and p.device.type != "meta":
-                    module._parameters[attr] = nn.Parameter(
-                        torch.empty_like(p, device="meta"), requires_grad=False
-                    )
+            self._to_meta(module, recurse=False)
 
     def load_layer(self, index: int) -> nn.Module:
         layers = decoder_layers(self.model)
