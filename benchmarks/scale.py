@@ -5,6 +5,10 @@ weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights).
     python benchmarks/scale.py --shape llama3-8b --methods rtn,torq-had32 \\
         --calib-samples 8 --eval-windows 2 --dir /tmp/torq-scale --out results/scale/8b.json
 
+``--reload packed,unpacked`` also saves each quantized model as it streams and evaluates the
+saved checkpoint again, whole, with its weights unpacked to float32 or kept packed: the
+memory a zero-shot run from the checkpoint needs.
+
 Each method runs in its own ``torq run --stream`` process (so each peak resident set is
 its own, read by the process itself); the random checkpoints use SmolLM2's tokenizer
 (its ids are valid in any vocabulary at least as large). Random weights: the perplexity
@@ -115,18 +119,45 @@ def write_random_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def reload_saved(saved: Path, method: str, how: str, args: argparse.Namespace, out: Path) -> dict:
+    """The saved checkpoint evaluated whole (not streamed) in a fresh process, its weights
+    unpacked to float32 or kept packed (``--packed``): what a zero-shot run from it holds."""
+    cmd = [
+        sys.executable, "-m", "torq.cli", "run", "--model", str(saved), "--methods", method,
+        "--max-windows", str(args.eval_windows), "--threads", str(args.threads),
+        "--no-progress", "--out", str(out), *(["--packed"] if how == "packed" else []),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    record = json.loads(out.read_text())
+    return {
+        "how": how,
+        "ppl": record["rows"][0]["ppl"],
+        "peak_rss_bytes": record["peak_memory"]["host_rss_bytes"],
+        "wall_seconds": time.perf_counter() - t0,
+        "command": " ".join(cmd),
+    }
+
+
 def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    save = ["--save-dir", str(Path(args.dir) / "saved")] if args.reload else []
     cmd = [
         sys.executable, "-m", "torq.cli", "run", "--model", str(folder), "--methods", method,
         "--stream", "--max-windows", str(args.eval_windows), "--calib-samples",
         str(args.calib_samples), "--threads", str(args.threads), "--no-progress",
-        "--out", str(out),
+        "--out", str(out), *save,
     ]  # fmt: skip
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t0
     record = json.loads(out.read_text())
     row = record["rows"][0]
+    reloads = []
+    if args.reload:
+        saved = Path(row["details"]["saved"]["path"])
+        for how in args.reload.split(","):
+            again = out.with_name(f"{out.stem}-reload-{how}.json")
+            reloads.append(reload_saved(saved, method, how, args, again))
     per_layer = row["details"]["streamed"]["per_layer"]
     n = len(per_layer)
     return {
@@ -143,6 +174,8 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
         "layers": n,
         "command": " ".join(cmd),
         "record": str(out),
+        "saved": row["details"].get("saved"),
+        "reloads": reloads,
     }
 
 
@@ -154,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/torq-scale", help="where the checkpoints are written")
+    ap.add_argument(
+        "--reload",
+        default="",
+        help="also save each quantized model as it streams (--save-dir DIR/saved) and "
+        "evaluate it again whole: 'unpacked', 'packed' or both, comma-separated",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -198,6 +237,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['forward_seconds']:.1f} | {s['solve_seconds']:.1f} | {s['eval_seconds']:.1f} "
             f"| {r['wall_seconds']:.0f} |"
         )
+    reloads = [(r["method"], x) for r in rows for x in r["reloads"]]
+    if reloads:
+        lines += [
+            "",
+            "| saved method, evaluated whole | weights in memory | peak RSS GiB | PPL | wall s |",
+            "| --- | --- | ---: | ---: | ---: |",
+        ]
+        for method, x in reloads:
+            lines.append(
+                f"| {method} | {x['how']} | {x['peak_rss_bytes'] / 2**30:.2f} | {x['ppl']:.6g} "
+                f"| {x['wall_seconds']:.0f} |"
+            )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

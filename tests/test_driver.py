@@ -108,12 +108,91 @@ def test_bf16_checkpoint_streams_as_float32_of_its_values(tmp_path, data_dir, ti
     assert streamed["rows"][0]["details"]["streamed"]["stored_dtypes"].get("BF16", 0) > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "llama-tied"])
+def test_quarot_streams_its_residual_rotation_part_by_part(
+    arch, tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """QuaRot's residual and head rotations, fused into the embedding, each layer and the
+    head as each is read (ResidualRotation): the whole model rotated at once, bit for bit,
+    tied embeddings included."""
+    if arch == "llama-tied":
+        model = tiny_model("llama")
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        model.save_pretrained(tmp_path / arch)
+        tiny_tokenizer.save_pretrained(tmp_path / arch)
+        folder = tmp_path / arch
+    else:
+        folder = _save(arch, tmp_path / arch, tiny_tokenizer)
+    methods = ["quarot", "quarot+gptq"]
+    whole = run(_config(folder, data_dir, methods, seed=3), progress=False)
+    streamed = run(_config(folder, data_dir, methods, seed=3, stream=True), progress=False)
+    assert [r["ppl"] for r in whole["rows"]] == [r["ppl"] for r in streamed["rows"]]
+    other = run(_config(folder, data_dir, ["quarot"], seed=4, stream=True), progress=False)
+    assert other["rows"][0]["ppl"] != streamed["rows"][0]["ppl"]  # the signs follow --seed
+
+
+def _tied_llama(folder: Path, tokenizer) -> Path:
+    model = tiny_model("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3_moe", "gemma3_text"])
+def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
+    arch, tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """``--stream --save-dir``: each quantized layer is written as it is done (a shard per
+    part, an index), and the folder loads as the model the whole-model path saves: the same
+    logits bit for bit, the same fingerprint, and evaluated again it gives the row's
+    perplexity."""
+    from torq.export import load_quantized, read_manifest
+
+    if arch == "llama-tied":
+        folder = _tied_llama(tmp_path / arch, tiny_tokenizer)
+    else:
+        folder = _save(arch, tmp_path / arch, tiny_tokenizer)
+    methods = ["rtn", "torq+gptq"] + (["quarot"] if arch.startswith("llama") else [])
+    whole = run(_config(folder, data_dir, methods, save_dir=str(tmp_path / "w")), progress=False)
+    cfg = _config(folder, data_dir, methods, save_dir=str(tmp_path / "s"), stream=True)
+    streamed = run(cfg, progress=False)
+    ids = torch.randint(0, 300, (2, 24))
+    for a, b in zip(whole["rows"], streamed["rows"], strict=True):
+        assert a["ppl"] == b["ppl"], a["method"]
+        saved = Path(b["details"]["saved"]["path"])
+        assert (saved / "model.safetensors.index.json").is_file()
+        assert not (saved / "model.safetensors").exists()
+        assert len(list(saved.glob("model-layer-*.safetensors"))) == 2  # a shard per layer
+        ref, _, ref_manifest = load_quantized(a["details"]["saved"]["path"])
+        got, tok, manifest = load_quantized(saved)  # checks the streamed fingerprint
+        assert tok is not None
+        assert manifest["fingerprint"] == ref_manifest["fingerprint"]
+        assert manifest["modules"].keys() == ref_manifest["modules"].keys()
+        assert len(manifest["transforms"]) == len(ref_manifest["transforms"])
+        with torch.no_grad():
+            assert torch.equal(got(input_ids=ids).logits, ref(input_ids=ids).logits), b["method"]
+        again = run(_config(saved, data_dir, [b["method"]]), progress=False)
+        assert again["rows"][0]["ppl"] == b["ppl"]
+        assert read_manifest(saved)["info"]["details"][
+            "layers" if "torq" in b["method"] else "replaced"
+        ]
+
+
 def test_streaming_refuses_what_it_cannot_do_before_any_work(tmp_path, data_dir, tiny_tokenizer):
+    gemma = _save("gemma3_text", tmp_path / "g", tiny_tokenizer)
+    with pytest.raises(TorqError, match="residual-stream rotation"):
+        run(_config(gemma, data_dir, ["rtn", "quarot"], stream=True), progress=False)
     folder = _save("llama", tmp_path / "m", tiny_tokenizer)
-    with pytest.raises(TorqError, match="cannot run streamed"):
-        run(_config(folder, data_dir, ["rtn", "quarot"], stream=True), progress=False)
-    with pytest.raises(TorqError, match="--tasks"):
+    with pytest.raises(TorqError, match="needs --save-dir"):
         run(_config(folder, data_dir, ["rtn"], stream=True, tasks=["piqa"]), progress=False)
+    with pytest.raises(TorqError, match="'fp' is the float model"):
+        cfg = _config(folder, data_dir, ["fp"], stream=True, tasks=["piqa"], save_dir="s")
+        run(cfg, progress=False)
+    with pytest.raises(TorqError, match="--packed loads a saved"):
+        run(_config(folder, data_dir, ["rtn"], packed=True), progress=False)
     with pytest.raises(TorqError, match="--resume-dir"):
         cfg = _config(folder, data_dir, ["rtn"], stream=True, resume_dir=str(tmp_path / "r"))
         run(cfg, progress=False)
@@ -190,3 +269,34 @@ def test_peak_memory_follows_one_layer_not_the_model(tmp_path) -> None:
     # the layer in float32, its quantized copy and working memory (measured: 2.8 layers)
     assert 0 < growth[24] < 5 * layer_bytes, (growth, layer_bytes, model_bytes)
     assert abs(growth[24] - growth[12]) < layer_bytes, (growth, layer_bytes)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_hidden_states_on_disk_are_exact_and_bf16_close(
+    sequential, tmp_path, data_dir, tiny_tokenizer, monkeypatch
+) -> None:
+    """``--hidden-states disk`` keeps float32 files, read one batch at a time: the numbers
+    of the in-memory states, bit for bit, and no file left after the run; ``bfloat16``
+    rounds the states between layers, so its numbers move, a little."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    folder = _save("llama", tmp_path / "m", tiny_tokenizer)
+    methods = ["fp", "torq+gptq"]
+    rows = {}
+    for mode in ("memory", "disk", "bfloat16"):
+        cfg = _config(folder, data_dir, methods, stream=True, hidden_states=mode)
+        cfg.torq.sequential = sequential
+        rows[mode] = run(cfg, progress=False)["rows"]
+    assert [r["ppl"] for r in rows["disk"]] == [r["ppl"] for r in rows["memory"]]
+    assert list((tmp_path / "tmp").glob("torq-hidden-*")) == []
+    held = rows["disk"][1]["details"]["hidden_states"]
+    assert held["calibration_bytes"] == held["evaluation_bytes"] == 0
+    half = rows["bfloat16"][1]["details"]["hidden_states"]
+    full = rows["memory"][1]["details"]["hidden_states"]
+    assert 2 * half["calibration_bytes"] == full["calibration_bytes"] > 0
+    for a, b in zip(rows["bfloat16"], rows["memory"], strict=True):
+        assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)
+    with pytest.raises(TorqError, match="--hidden-states applies"):
+        run(_config(folder, data_dir, ["rtn"], hidden_states="disk"), progress=False)

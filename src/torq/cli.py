@@ -195,15 +195,39 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="write each quantized model to DIR/<model>-<method>/ (config, tokenizer, packed "
-        "4-bit weights and the online transforms in model.safetensors); evaluate it later "
+        "4-bit weights and the online transforms in model.safetensors, or a shard per layer with "
+        "--stream); evaluate it later "
         "with --model DIR/<model>-<method>, or load it with torq.export.load_quantized",
     )
     run.add_argument(
         "--stream",
         action="store_true",
         help="read the float checkpoint one decoder layer at a time: quantize and evaluate "
-        "layer by layer in the memory of one layer, not the model (perplexity only; not "
-        "QuaRot)",
+        "layer by layer in the memory of one layer, not the model; with --save-dir each "
+        "quantized layer is written as it is done (zero-shot tasks then run on the saved "
+        "checkpoint)",
+    )
+    run.add_argument(
+        "--hidden-states",
+        choices=("memory", "bfloat16", "disk"),
+        default="memory",
+        help="with --stream: keep the windows' hidden states between layers in memory in "
+        "float32 (default, exact), in bfloat16 (half the memory; rounds them) or on disk "
+        "(float32 files read one batch at a time: exact, for many calibration windows)",
+    )
+    run.add_argument(
+        "--gguf-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="what a GGUF model is de-quantized to, once, tensor by tensor, in the cache "
+        "(default float32: transformers' values; bfloat16 halves the disk and rounds them)",
+    )
+    run.add_argument(
+        "--packed",
+        action="store_true",
+        help="load a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed "
+        "(4.25 bits a weight in memory instead of 32; the same arithmetic on a CPU within "
+        "1e-5, the Triton kernels on a GPU)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -378,6 +402,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         device=args.device,
         save_dir=args.save_dir,
         stream=args.stream,
+        packed=args.packed,
+        gguf_dtype=args.gguf_dtype,
+        hidden_states=args.hidden_states,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks
@@ -430,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             from torq.methods import METHODS, get_method
 
             for name, method in sorted(METHODS.items()):
-                notes = [] if method.streams else ["whole model only: not with --stream"]
+                notes = []
                 if method.supports_gptq:
                     notes.append(f"with GPTQ weights: {get_method(name + '+gptq').name}")
                 print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))

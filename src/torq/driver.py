@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,7 +32,9 @@ from tqdm.auto import tqdm
 
 from torq.calibration.capture import LayerSolver, capture_layer, layer_outputs
 from torq.calibration.data import CalibrationConfig
+from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
 from torq.eval.perplexity import PerplexityResult, perplexity_from_nll, window_nll
+from torq.eval.resume import fingerprint_of_logits
 from torq.methods.registry import LayerPlan
 from torq.models.streaming import (
     LayerSource,
@@ -41,6 +43,9 @@ from torq.models.streaming import (
     give_back_memory,
     head_logits,
 )
+
+if TYPE_CHECKING:
+    from torq.export.checkpoint import CheckpointWriter
 
 
 @dataclass
@@ -51,6 +56,8 @@ class StreamedRun:
     quantize_seconds: float
     perplexity: PerplexityResult | None
     per_layer: list[dict[str, float]] = field(default_factory=list)
+    # the logits fingerprint of the quantized model (with a ``sink``), streamed
+    fingerprint: list[float] | None = None
 
 
 @torch.no_grad()
@@ -62,126 +69,207 @@ def run_layerwise(
     batch_size: int = 1,
     progress: bool = True,
     desc: str = "layers",
+    sink: CheckpointWriter | None = None,
+    hidden_states: str = "memory",
 ) -> StreamedRun:
     """Quantize with ``plan`` and evaluate, one layer of ``source`` at a time (module doc):
     the paper's Algorithm 3 per layer (capture, transform, fuse, quantize), then the
     WikiText-2 perplexity of ``eval_windows`` (method-notes §3) from the quantized layers.
-    Either set of windows may be absent (no calibration; no evaluation)."""
-    if plan.calibration is not None and calibration_windows is None:
-        raise ValueError("the method calibrates: calibration windows are needed")
-    t_quant = t_eval = t_fwd = t_solve = 0.0
-    calib: list[torch.Tensor] | None = None
-    calib_kwargs: list[dict[str, Any]] = []
-    if plan.calibration is not None:
-        assert calibration_windows is not None
-        t0 = time.perf_counter()
-        calib, calib_kwargs = embed_windows(source, calibration_windows)
-        t_fwd += time.perf_counter() - t0
-    hidden: list[torch.Tensor] | None = None
-    eval_kwargs: list[dict[str, Any]] = []
-    if eval_windows is not None:
-        t0 = time.perf_counter()
-        hidden, eval_kwargs = embed_windows(source, eval_windows, batch_size)
-        t_eval += time.perf_counter() - t0
-    records: list[dict[str, Any]] = []
-    per_layer: list[dict[str, float]] = []
-    # kept in memory (on the model's device) in the layers' float32, for exact arithmetic;
-    # recorded so that a run's memory can be read off its record
-    held = {
-        "where": f"{source.device.type} memory, float32",
-        "calibration_bytes": sum(h.numel() * h.element_size() for h in calib or []),
-        "evaluation_bytes": sum(h.numel() * h.element_size() for h in hidden or []),
-    }
-    bar = tqdm(total=source.num_layers, desc=desc, unit="layer", disable=not progress, leave=False)
-    for li in range(source.num_layers):
-        t0 = time.perf_counter()
-        layer = source.load_layer(li)
-        load = time.perf_counter() - t0
-        fwd = solve = 0.0
-        groups, stats = [], {}
-        outputs: list[torch.Tensor] = []
-        if calib is not None:
-            assert plan.calibration is not None
+    Either set of windows may be absent (no calibration; no evaluation). With ``sink``
+    the quantized model is written as it goes (the embedding, each layer when done, the
+    head) and its logits fingerprint is computed, streamed, for the sink's manifest.
+    ``hidden_states``: how the windows' states are kept between layers (``"memory"``,
+    ``"bfloat16"``, ``"disk"``: :mod:`torq.calibration.hidden`)."""
+    if hidden_states not in HIDDEN_MODES:
+        raise ValueError(f"hidden states are kept in {', '.join(HIDDEN_MODES)}")
+    stores: list[HiddenStates] = []
+    try:
+        if plan.calibration is not None and calibration_windows is None:
+            raise ValueError("the method calibrates: calibration windows are needed")
+        t_quant = t_eval = t_fwd = t_solve = 0.0
+        if plan.parts is not None:
             t0 = time.perf_counter()
-            groups, stats, outputs = capture_layer(
-                li,
-                layer,
-                calib,
-                calib_kwargs[li],
-                plan.block_size,
-                plan.reservoir,
-                plan.calibration.seed,
-                plan.hessian,
-                keep_outputs=not plan.sequential,
-            )
-            fwd += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
-        solve = time.perf_counter() - t0
-        del stats
-        if calib is not None:
-            if plan.sequential:
+            source.transform_parts(plan.parts)
+            t_quant += time.perf_counter() - t0
+
+        def new_store() -> HiddenStates | None:
+            if hidden_states == "memory":
+                return None  # plain lists: the arithmetic and memory of the whole-model path
+            store = HiddenStates(hidden_states) if not stores else stores[0].empty_like()
+            stores.append(store)
+            return store
+
+        calib: Any = None
+        calib_kwargs: list[dict[str, Any]] = []
+        if plan.calibration is not None:
+            assert calibration_windows is not None
+            t0 = time.perf_counter()
+            calib, calib_kwargs = embed_windows(source, calibration_windows, into=new_store())
+            t_fwd += time.perf_counter() - t0
+        hidden: Any = None
+        eval_kwargs: list[dict[str, Any]] = []
+        if eval_windows is not None:
+            t0 = time.perf_counter()
+            hidden, eval_kwargs = embed_windows(source, eval_windows, batch_size, into=new_store())
+            t_eval += time.perf_counter() - t0
+        fp_hidden: list[torch.Tensor] | None = None
+        fp_kwargs: list[dict[str, Any]] = []
+        t_save = 0.0
+        if sink is not None:
+            t0 = time.perf_counter()
+            source.load_embedding()
+            try:
+                sink.add_outer("embedding", [source.model.get_input_embeddings()])
+            finally:
+                source.release_embedding()
+                give_back_memory()
+            # the fingerprint's input goes through the quantized layers beside the windows
+            fp_hidden, fp_kwargs = embed_windows(source, sink.fingerprint_ids)
+            t_save += time.perf_counter() - t0
+        records: list[dict[str, Any]] = []
+        per_layer: list[dict[str, float]] = []
+        # kept in memory (on the model's device) in the layers' float32, for exact arithmetic;
+        # recorded so that a run's memory can be read off its record
+        held = {
+            "where": {
+                "memory": f"{source.device.type} memory, float32",
+                "bfloat16": f"{source.device.type} memory, bfloat16 (float32 as layers read them)",
+                "disk": "files of a temporary folder, float32, read one batch at a time",
+            }[hidden_states],
+            "calibration_bytes": _bytes(calib),
+            "evaluation_bytes": _bytes(hidden),
+        }
+        bar = tqdm(
+            total=source.num_layers, desc=desc, unit="layer", disable=not progress, leave=False
+        )
+        for li in range(source.num_layers):
+            t0 = time.perf_counter()
+            layer = source.load_layer(li)
+            load = time.perf_counter() - t0
+            fwd = solve = 0.0
+            groups, stats = [], {}
+            outputs: list[torch.Tensor] = []
+            if calib is not None:
+                assert plan.calibration is not None
                 t0 = time.perf_counter()
-                outputs = layer_outputs(layer, calib, calib_kwargs[li])
+                groups, stats, outputs = capture_layer(
+                    li,
+                    layer,
+                    calib,
+                    calib_kwargs[li],
+                    plan.block_size,
+                    plan.reservoir,
+                    plan.calibration.seed,
+                    plan.hessian,
+                    keep_outputs=not plan.sequential,
+                )
                 fwd += time.perf_counter() - t0
-            calib = outputs
-        ev = 0.0
-        if hidden is not None:
             t0 = time.perf_counter()
-            hidden = layer_outputs(layer, hidden, eval_kwargs[li])
-            ev = time.perf_counter() - t0
-        source.release_layer(li)
-        del layer
-        give_back_memory()
-        t_fwd += fwd
-        t_solve += solve
-        t_eval += ev
-        t_quant += load
-        per_layer.append(
-            {
-                "load_seconds": load,
-                "forward_seconds": fwd,
-                "solve_seconds": solve,
-                "eval_seconds": ev,
-            }
-        )
-        if plan.calibration is not None or plan.quantize is not None:
-            records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
-        bar.update(1)
-    bar.close()
-    t_quant += t_fwd + t_solve
-    result = None
-    if hidden is not None:
-        assert eval_windows is not None
-        t0 = time.perf_counter()
-        source.load_head()
-        try:
-            total = 0.0
-            for bi, h in enumerate(hidden):
-                first = bi * batch_size
-                batch = eval_windows[first : first + h.shape[0]].to(source.device)
-                total += sum(window_nll(head_logits(source, h), batch, first))
-        finally:
-            source.release_head()
+            record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
+            solve = time.perf_counter() - t0
+            del stats
+            if calib is not None:
+                if plan.sequential:
+                    t0 = time.perf_counter()
+                    outputs = layer_outputs(layer, calib, calib_kwargs[li])
+                    fwd += time.perf_counter() - t0
+                _release(calib, outputs)
+                calib = outputs
+            ev = 0.0
+            if hidden is not None:
+                t0 = time.perf_counter()
+                outputs = layer_outputs(layer, hidden, eval_kwargs[li])
+                _release(hidden, outputs)
+                hidden = outputs
+                ev = time.perf_counter() - t0
+            if sink is not None and fp_hidden is not None:
+                t0 = time.perf_counter()
+                sink.add_layer(f"{source.layer_prefix}.{li}.", li, layer)
+                fp_hidden = layer_outputs(layer, fp_hidden, fp_kwargs[li])
+                t_save += time.perf_counter() - t0
+            source.release_layer(li)
+            del layer
             give_back_memory()
-        t_eval += time.perf_counter() - t0
-        result = perplexity_from_nll(
-            total, int(eval_windows.shape[0]), int(eval_windows.shape[1]), t_eval
-        )
-    details: dict[str, Any] = {**plan.record, "hidden_states": held}
-    if plan.calibration is not None:
-        details["calibration"] = plan.calibration.to_dict() | {"sequential": plan.sequential}
-        details["calibration_seconds"] = {"capture_forward": t_fwd, "solve": t_solve}
-    if plan.calibration is not None:
-        details["layers"] = records
-    elif records:
-        # layers quantized without data: what was replaced, in total
-        totals: dict[str, int] = {}
-        for rec in records:
-            for k, n in rec.get("replaced", {}).items():
-                totals[k] = totals.get(k, 0) + n
-        details["replaced"] = totals
-    return StreamedRun(details, t_quant, result, per_layer)
+            t_fwd += fwd
+            t_solve += solve
+            t_eval += ev
+            t_quant += load
+            per_layer.append(
+                {
+                    "load_seconds": load,
+                    "forward_seconds": fwd,
+                    "solve_seconds": solve,
+                    "eval_seconds": ev,
+                }
+            )
+            if plan.calibration is not None or plan.quantize is not None:
+                records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
+            bar.update(1)
+        bar.close()
+        t_quant += t_fwd + t_solve
+        _release(calib, None)
+        calib = outputs = None  # the calibration states are done: not held through the head step
+        give_back_memory()
+        result = None
+        fingerprint = None
+        if hidden is not None or fp_hidden is not None:
+            source.load_head()
+            try:
+                if fp_hidden is not None and sink is not None:
+                    t0 = time.perf_counter()
+                    tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
+                    sink.add_outer("head", source.head_modules(), tied_head=tied)
+                    fingerprint = fingerprint_of_logits(head_logits(source, fp_hidden[0])[0, -1])
+                    t_save += time.perf_counter() - t0
+                if hidden is not None:
+                    assert eval_windows is not None
+                    t0 = time.perf_counter()
+                    total = 0.0
+                    for bi, h in enumerate(hidden):
+                        first = bi * batch_size
+                        batch = eval_windows[first : first + h.shape[0]].to(source.device)
+                        total += sum(window_nll(head_logits(source, h), batch, first))
+                    t_eval += time.perf_counter() - t0
+                    result = perplexity_from_nll(
+                        total, int(eval_windows.shape[0]), int(eval_windows.shape[1]), t_eval
+                    )
+            finally:
+                source.release_head()
+                give_back_memory()
+        details: dict[str, Any] = {**plan.record, "hidden_states": held}
+        if sink is not None:
+            details["save_seconds"] = t_save
+        if plan.calibration is not None:
+            details["calibration"] = plan.calibration.to_dict() | {"sequential": plan.sequential}
+            details["calibration_seconds"] = {"capture_forward": t_fwd, "solve": t_solve}
+        if plan.calibration is not None:
+            details["layers"] = records
+        elif records:
+            # layers quantized without data: what was replaced, in total
+            totals: dict[str, int] = {}
+            for rec in records:
+                for k, n in rec.get("replaced", {}).items():
+                    totals[k] = totals.get(k, 0) + n
+            details["replaced"] = totals
+        return StreamedRun(details, t_quant, result, per_layer, fingerprint)
+    finally:
+        for store in stores:  # the disk store's folder goes with its first store
+            store.close()
+
+
+def _bytes(states: Any) -> int:
+    """Bytes of hidden states in memory (a list of tensors, or a store)."""
+    if states is None:
+        return 0
+    if isinstance(states, HiddenStates):
+        return states.nbytes
+    return sum(h.numel() * h.element_size() for h in states)
+
+
+def _release(old: Any, new: Any) -> None:
+    """Free a layer's input states (a store's files) once its outputs replace them."""
+    if isinstance(old, HiddenStates) and old is not new:
+        old.release()
 
 
 @dataclass

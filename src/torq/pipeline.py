@@ -7,6 +7,7 @@ method, so the rows of the table are directly comparable.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import hashlib
@@ -79,6 +80,16 @@ class RunConfig:
     # read the float checkpoint one decoder layer at a time and quantize and evaluate layer
     # by layer (:mod:`torq.driver`): memory bounded by one layer, not the model
     stream: bool = False
+    # evaluate a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed
+    # (:class:`torq.kernels.linear.PackedMXFP4Linear`: 4.25 bits a weight in memory, not 32);
+    # with --stream and --tasks, how each saved checkpoint is loaded for the tasks
+    packed: bool = False
+    # what a GGUF model is de-quantized to, once, in the cache: "float32" (transformers'
+    # values; every number in docs/RESULTS.md) or "bfloat16" (half the disk, rounded)
+    gguf_dtype: str = "float32"
+    # with --stream: how the windows' hidden states are kept between layers, "memory"
+    # (float32, exact), "bfloat16" (half, rounded) or "disk" (float32 files, exact)
+    hidden_states: str = "memory"
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -141,6 +152,13 @@ def run(
                 )
     if config.stream:
         check_streamable(config, methods if saved is None else [])
+    if config.hidden_states != "memory" and not config.stream:
+        raise TorqError("--hidden-states applies to a streamed run (--stream)")
+    if config.packed and saved is None and not (config.stream and config.tasks):
+        raise TorqError(
+            "--packed loads a saved quantized checkpoint (--model <save-dir>/<model>-<method>), "
+            "or with --stream the checkpoints its --save-dir writes for --tasks"
+        )
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
     if config.portable_dir is not None and config.resume_dir is None:
@@ -157,7 +175,7 @@ def run(
         return _run_streamed(config, methods, qconfig, device, progress, on_row, t_start)
     own = loaded is None  # the run loads the model itself, so it can read it again
     if loaded is None:
-        loaded = load(config.model)
+        loaded = load(config.model, packed=config.packed, gguf_dtype=config.gguf_dtype)
     if saved is not None and loaded.quantized is not None:
         saved = loaded.quantized  # with how it loaded (time, fingerprint check)
     loaded.model.to(device)
@@ -241,29 +259,16 @@ def run(
             export_portable(resume, portable)
         zeroshot = None
         if config.tasks:
-            from torq.eval.zeroshot import evaluate_zeroshot
-
-            zs = evaluate_zeroshot(
+            zeroshot = _zeroshot(
+                config,
                 model,
                 loaded.tokenizer,
-                config.tasks,
-                data_dir=config.data_dir,
-                limit=config.task_limit,
-                batch_size=config.task_batch_size,
-                shared_context=config.shared_context,
-                progress=progress,
+                progress,
+                details,
                 request_cache=resume,
                 seeds=seeds,
                 portable=portable,
             )
-            zeroshot = {
-                **zs["scores"],
-                "seconds": zs["seconds"],
-                "limit": zs["limit"],
-                "shared_context": zs["shared_context"],
-                "request_cache": zs["request_cache"],
-            }
-            details["lm_eval"] = zs["lm_eval"]
         rows.append(
             MethodRow(
                 method=method.name,
@@ -312,7 +317,7 @@ def _fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.
     a copy only of a model object the caller handed in."""
     device = next(loaded.model.parameters()).device
     if own:
-        return load(config.model).model.to(device)
+        return load(config.model, gguf_dtype=config.gguf_dtype).model.to(device)
     return copy.deepcopy(loaded.model)
 
 
@@ -321,20 +326,25 @@ def check_streamable(config: RunConfig, methods: list[Method]) -> None:
     if not methods:
         raise TorqError("--stream reads a float checkpoint; this model is already quantized")
     for option, value in (
-        ("--tasks", config.tasks),
         ("--resume-dir", config.resume_dir),
-        ("--save-dir", config.save_dir),
         ("--portable-dir", config.portable_dir),
         ("--skip-ppl", config.skip_ppl),
     ):
         if value:
             raise TorqError(f"--stream does not support {option} yet; drop one of them")
-    for method in methods:
-        if not method.streams:
+    if config.tasks:
+        # zero-shot tasks need the whole model: the saved quantized checkpoint, loaded back
+        if config.save_dir is None:
             raise TorqError(
-                f"method '{method.name}' needs the whole model at once (a whole-model step "
-                "before its layers) and cannot run streamed; drop --stream for it"
+                "--stream with zero-shot tasks needs --save-dir: the tasks run on each saved "
+                "quantized checkpoint (add --packed to keep its weights packed in memory)"
             )
+        for method in methods:
+            if not method.quantizes:
+                raise TorqError(
+                    f"--stream with zero-shot tasks: '{method.name}' is the float model, which "
+                    "would be loaded whole; run its tasks without --stream"
+                )
 
 
 def _run_streamed(
@@ -352,11 +362,21 @@ def _run_streamed(
 
     from torq.calibration.data import calibration_windows
     from torq.driver import run_layerwise
+    from torq.export.checkpoint import CheckpointWriter
     from torq.models.loading import model_folder
     from torq.models.streaming import LayerStream
 
-    folder, source_name = model_folder(config.model)
+    folder, source_name = model_folder(config.model, config.gguf_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    # a method whose offline rotation cannot be fused into this architecture fails now,
+    # not after the methods before it have run
+    skeleton = LayerStream(folder, device).model
+    for method in methods:
+        ctx = MethodContext(options={"seed": config.seed}, model_config=skeleton.config)
+        parts = method.transform.residual(ctx) if method.quantizes else None
+        if parts is not None:
+            parts.check(skeleton)
+    del skeleton
     text = load_wikitext2_test(config.data_dir)
     windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
     rows: list[MethodRow] = []
@@ -365,16 +385,39 @@ def _run_streamed(
         source = LayerStream(folder, device)
         loaded = LoadedModel(source.model, tokenizer, source_name, str(folder))
         t0 = time.perf_counter()
-        ctx = method_context(config, tokenizer, progress)
+        ctx = replace(method_context(config, tokenizer, progress), model_config=source.model.config)
         with method_rng(config.seed, setting_key(asdict(config), method.name)):
             plan = method.layer_plan(qconfig, ctx)
             calib = None
             if plan.calibration is not None:
                 calib = calibration_windows(tokenizer, plan.calibration, config.data_dir)
             t_data = time.perf_counter() - t0
-            result = run_layerwise(
-                source, plan, calib, windows, config.batch_size, progress, desc=method.name
-            )
+            writer = None
+            if config.save_dir is not None and method.quantizes:
+                writer = CheckpointWriter(
+                    saved_model_dir(config, method.name),
+                    source.model,
+                    tokenizer,
+                    method=method.name,
+                    overwrite=True,
+                )
+            with writer if writer is not None else contextlib.nullcontext():
+                result = run_layerwise(
+                    source,
+                    plan,
+                    calib,
+                    windows,
+                    config.batch_size,
+                    progress,
+                    desc=method.name,
+                    sink=writer,
+                    hidden_states=config.hidden_states,
+                )
+                if writer is not None:
+                    assert result.fingerprint is not None
+                    t_q = result.quantize_seconds + t_data
+                    writer.info = _saved_info(config, source_name, t_q, result.details)
+                    writer.finish(result.fingerprint)
         res = result.perplexity
         assert res is not None
         details = {
@@ -388,6 +431,17 @@ def _run_streamed(
         }
         if "calibration_seconds" in details:
             details["calibration_seconds"]["data"] = t_data
+        zeroshot = None
+        if config.tasks:
+            assert writer is not None
+            zeroshot = _saved_zeroshot(config, writer.out, details, progress)
+        if writer is not None:
+            details["saved"] = {
+                "path": str(writer.out),
+                "bytes": sum(f.stat().st_size for f in writer.out.iterdir() if f.is_file()),
+                "seconds": details.pop("save_seconds"),
+                "written": "part by part, as the layers were quantized",
+            }
         quantizes = method.quantizes
         rows.append(
             MethodRow(
@@ -399,6 +453,7 @@ def _run_streamed(
                 eval_seconds=res.seconds,
                 eval_tokens_per_s=res.tokens_per_s,
                 details=details,
+                zeroshot=zeroshot,
             )
         )
         del source
@@ -407,6 +462,51 @@ def _run_streamed(
             on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
     assert loaded is not None
     return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+
+
+def _saved_zeroshot(
+    config: RunConfig, folder: Path, details: dict[str, Any], progress: bool
+) -> dict[str, Any]:
+    """The zero-shot tasks of a streamed method, on the checkpoint it saved, loaded whole
+    (packed with ``config.packed``) and freed after."""
+    from torq.export import load_quantized
+
+    model, tokenizer, manifest = load_quantized(folder, device=config.device, packed=config.packed)
+    try:
+        row = _zeroshot(config, model, tokenizer, progress, details)
+    finally:
+        del model
+        gc.collect()
+    details["zeroshot_model"] = {"loaded_from": str(folder), **manifest.get("load", {})}
+    return row
+
+
+def _zeroshot(
+    config: RunConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    progress: bool,
+    details: dict[str, Any],
+    **cache: Any,
+) -> dict[str, Any]:
+    """The run's zero-shot tasks on ``model`` (lm-eval's full output into ``details``);
+    returns the row's zero-shot part. ``cache``: the resume and portable options."""
+    from torq.eval.zeroshot import evaluate_zeroshot
+
+    zs = evaluate_zeroshot(
+        model,
+        tokenizer,
+        config.tasks,
+        data_dir=config.data_dir,
+        limit=config.task_limit,
+        batch_size=config.task_batch_size,
+        shared_context=config.shared_context,
+        progress=progress,
+        **cache,
+    )
+    details["lm_eval"] = zs["lm_eval"]
+    keys = ("seconds", "limit", "shared_context", "request_cache")
+    return {**zs["scores"], **{k: zs[k] for k in keys}}
 
 
 def peak_memory(device: torch.device | None = None) -> dict[str, int]:
@@ -522,19 +622,26 @@ def _save(
         out,
         loaded.tokenizer,
         method=method,
-        info={
-            "model": config.model,
-            "source": loaded.source,
-            "quantize_seconds": quantize_seconds,
-            "details": {k: v for k, v in details.items() if k != "kept_model"},
-            "config": asdict(config),
-            "command": command_line(),
-            "saved_at": now_iso(),
-        },
+        info=_saved_info(config, loaded.source, quantize_seconds, details),
         overwrite=True,
     )
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     return {"path": str(out), "bytes": size, "seconds": time.perf_counter() - t0}
+
+
+def _saved_info(
+    config: RunConfig, source: str, quantize_seconds: float, details: dict[str, Any]
+) -> dict[str, Any]:
+    """What a saved checkpoint's manifest keeps of the run that made it."""
+    return {
+        "model": config.model,
+        "source": source,
+        "quantize_seconds": quantize_seconds,
+        "details": {k: v for k, v in details.items() if k not in ("kept_model", "save_seconds")},
+        "config": asdict(config),
+        "command": command_line(),
+        "saved_at": now_iso(),
+    }
 
 
 def setting_key(config: dict[str, Any], method: str) -> str:

@@ -103,6 +103,36 @@ def test_eval_command_on_a_tiny_checkpoint(tiny_checkpoint, tiny_data_dir, tmp_p
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """``--stream --save-dir --tasks``: each method is quantized layer by layer and saved as
+    it goes, then its tasks run on the saved checkpoint: the whole-model path's scores
+    (the same logits); with ``--packed`` the weights stay packed (4-bit) in memory."""
+    _zeroshot_dir(tiny_data_dir)
+    common = [
+        "eval", "--model", str(tiny_checkpoint), "--methods", "rtn,quarot",
+        "--tasks", "arc_easy,piqa", "--limit", "4", "--seqlen", "64", "--max-windows", "2",
+        "--data-dir", str(tiny_data_dir), "--no-progress",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in {
+        "whole": [],
+        "streamed": ["--stream", "--save-dir", str(tmp_path / "s")],
+        "packed": ["--stream", "--save-dir", str(tmp_path / "p"), "--packed"],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*common, *extra, "--out", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())["rows"]
+    for whole, streamed, packed in zip(*runs.values(), strict=True):
+        assert whole["ppl"] == streamed["ppl"] == packed["ppl"]
+        assert whole["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"], whole["method"]
+        assert set(packed["zeroshot"]["tasks"]) == {"arc_easy", "piqa"}
+        assert streamed["details"]["zeroshot_model"]["packed_layers"] == 0
+        assert packed["details"]["zeroshot_model"]["packed_layers"] == 14  # 7 linears × 2
+        assert Path(packed["details"]["saved"]["path"]).is_dir()
+
+
 @pytest.mark.slow
 def test_fp_model_is_above_chance_on_arc_easy(shared_data) -> None:
     """The real SmolLM2-135M through the offline task: ARC-Easy acc_norm on its first 40

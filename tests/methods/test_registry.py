@@ -37,9 +37,12 @@ def test_gptq_is_composition_not_a_new_method() -> None:
         Method("x", "bad", weights="awq")
 
 
-def test_streaming_is_a_property_of_the_transform() -> None:
-    assert not get_method("quarot").streams and not get_method("quarot+gptq").streams
-    assert all(m.streams for n, m in METHODS.items() if n != "quarot")
+def test_only_quarot_fuses_an_offline_rotation_part_by_part() -> None:
+    config = tiny_model("llama").config
+    ctx = MethodContext(model_config=config)
+    with_parts = {n for n, m in METHODS.items() if m.transform.residual(ctx) is not None}
+    assert with_parts == {"quarot"}
+    assert get_method("quarot+gptq").layer_plan(QuantConfig(None, None), ctx).parts is not None
 
 
 def test_settings_keys_name_the_directories_they_named_before() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -48,17 +49,45 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch) -> None:
     class Boom(RuntimeError):
         pass
 
-    def fake_from_pretrained(*args, **kwargs):
+    def fake_conversion(gguf_path, out, *args, **kwargs):
+        (out / "model-00000.safetensors").write_bytes(b"half")
         raise Boom("interrupted")
 
-    import transformers
+    import torq.models.gguf as gguf_mod
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(gguf_mod, "convert_gguf_tensorwise", fake_conversion)
     out = tmp_path / "cache" / "m"
     with pytest.raises(Boom):
         loading_mod.convert_gguf(gguf, out)
     assert not out.exists()
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_gguf_converts_tensor_by_tensor_to_transformers_values(tmp_path) -> None:
+    """The embedded SmolLM2 GGUF (Q4_1), converted one tensor at a time into shards: the
+    state dict transformers' whole-model GGUF loading gives, bit for bit, in float32; in
+    bfloat16 those values rounded. The folder loads with from_pretrained and streams."""
+    from transformers import AutoModelForCausalLM
+
+    from torq.models.streaming import LayerStream
+
+    gguf = loading_mod.resolve_embedded_gguf("smollm2-135m")
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).state_dict()
+    out = loading_mod.convert_gguf(gguf, tmp_path / "f32")
+    bf16 = loading_mod.convert_gguf(gguf, tmp_path / "bf16", dtype=torch.bfloat16)
+    source = json.loads((out / "torq_source.json").read_text())
+    assert source["dtype"] == "float32" and source["shards"] >= 1
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    got = model.state_dict()
+    assert got.keys() == ref.keys()
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    half = AutoModelForCausalLM.from_pretrained(str(bf16), dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(half[k], ref[k].to(torch.bfloat16)) for k in ref)
+    assert LayerStream(bf16).stored_dtypes.keys() == {"BF16"}
+    with pytest.raises(TorqError, match="float32 or bfloat16"):
+        loading_mod.convert_gguf(gguf, tmp_path / "f16", dtype=torch.float16)
 
 
 def test_known_models() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torq.calibration.hidden import HiddenStates
 from torq.models.streaming import ModelLayers, embed_windows
 
 
@@ -183,14 +184,14 @@ LayerSolver = Callable[
 def capture_layer(
     index: int,
     layer: nn.Module,
-    hidden: list[torch.Tensor],
+    hidden: list[torch.Tensor] | HiddenStates,
     kwargs: dict[str, Any],
     block_size: int = 32,
     reservoir: int = 2048,
     seed: int = 0,
     hessian: bool = False,
     keep_outputs: bool = True,
-) -> tuple[list[LinearGroup], dict[str, BlockStatistics], list[torch.Tensor]]:
+) -> tuple[list[LinearGroup], dict[str, BlockStatistics], Any]:
     """One layer of the capture: its input groups, their statistics over ``hidden`` (every
     calibration batch) and, with ``keep_outputs``, the layer's outputs (the next layer's
     inputs). Group ``gi`` of layer ``index`` samples its reservoir with the seed
@@ -210,7 +211,7 @@ def capture_layer(
             _s.update(args[0])
 
         handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
-    outputs = []
+    outputs: Any = hidden.empty_like() if isinstance(hidden, HiddenStates) else []
     try:
         for hs in hidden:
             out = _layer_output(layer(hs, **kwargs))
@@ -224,7 +225,13 @@ def capture_layer(
 
 @torch.no_grad()
 def layer_outputs(
-    layer: nn.Module, hidden: list[torch.Tensor], kwargs: dict[str, Any]
+    layer: nn.Module, hidden: list[torch.Tensor] | HiddenStates, kwargs: dict[str, Any]
 ) -> list[torch.Tensor]:
-    """``layer`` applied to every batch of hidden states."""
+    """``layer`` applied to every batch of hidden states (into a store of the same kind,
+    :class:`~torq.calibration.hidden.HiddenStates`, when they come in one)."""
+    if isinstance(hidden, HiddenStates):
+        out = hidden.empty_like()
+        for hs in hidden:
+            out.append(_layer_output(layer(hs, **kwargs)))
+        return out  # type: ignore[return-value]
     return [_layer_output(layer(hs, **kwargs)) for hs in hidden]

@@ -39,6 +39,11 @@ def logits_fingerprint(model: torch.nn.Module, input_ids: torch.Tensor) -> list[
     """64 evenly spaced entries of the last-position logits of ``input_ids`` ([1, T])."""
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), use_cache=False).logits[0, -1]
+    return fingerprint_of_logits(logits)
+
+
+def fingerprint_of_logits(logits: torch.Tensor) -> list[float]:
+    """The fingerprint of one position's logits ``[V]``: 64 evenly spaced entries."""
     logits = logits.float().cpu()
     picks = torch.linspace(0, logits.numel() - 1, 64).long()
     return [float(v) for v in logits[picks]]

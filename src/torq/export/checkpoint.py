@@ -212,6 +212,77 @@ def _atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+class _Entries:
+    """The manifest entries of quantized modules, their activation quantizers and online
+    transforms, each quantizer and transform stored once however many modules read it. The
+    objects are held while the entries are built (so that a freed layer's transform is not
+    taken for a later one that reuses its ``id``)."""
+
+    def __init__(self) -> None:
+        self.quantizers: dict[int, int] = {}
+        self.quantizer_entries: list[dict[str, Any]] = []
+        self.transforms: dict[int, int] = {}
+        self.transform_entries: list[dict[str, Any]] = []
+        self._held: list[nn.Module] = []
+
+    def quantizer_index(self, q: ActivationQuantizer, tensors: dict[str, torch.Tensor]) -> int:
+        if id(q) not in self.quantizers:
+            t_index = None
+            if q.transform is not None:
+                if id(q.transform) not in self.transforms:
+                    self.transforms[id(q.transform)] = len(self.transform_entries)
+                    self.transform_entries.append(
+                        _transform_entry(q.transform, len(self.transform_entries), tensors)
+                    )
+                    self._held.append(q.transform)
+                t_index = self.transforms[id(q.transform)]
+            self.quantizers[id(q)] = len(self.quantizer_entries)
+            self.quantizer_entries.append({"activation": _spec_dict(q.fmt), "transform": t_index})
+            self._held.append(q)
+        return self.quantizers[id(q)]
+
+    def add(
+        self, root: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        """The entries of ``root``'s quantized modules (names ``prefix + name``), their
+        tensors stored into ``tensors``."""
+        from torq.kernels.linear import PackedMXFP4Linear
+
+        for module in root.modules():  # activation caches hold weak references: drop them
+            clear = getattr(module, "clear_cache", None)
+            if callable(clear):
+                clear()
+        modules: dict[str, dict[str, Any]] = {}
+        for local, m in root.named_modules():
+            name = prefix + local
+            if isinstance(m, PackedMXFP4Linear):
+                raise TorqError(
+                    f"{name} is a packed kernel layer; save the model as quantized by torq "
+                    "(load_quantized(..., packed=False)), not after packing it"
+                )
+            if isinstance(m, QuantLinear):
+                entry = {
+                    "kind": "linear",
+                    **_store(tensors, f"{name}.weight", m.weight, m.config.weight),
+                }
+                entry["activation"] = _spec_dict(m.config.activation)
+                entry["bias"] = m.bias is not None
+                if m.bias is not None:
+                    tensors[f"{name}.bias"] = m.bias.detach().cpu().contiguous()
+                entry["quantizer"] = self.quantizer_index(m.input_quantizer, tensors)
+                modules[name] = entry
+            elif isinstance(m, QuantExperts):
+                modules[name] = {
+                    "kind": "experts",
+                    "activation": _spec_dict(m.config.activation),
+                    "gate_up_proj": _store(
+                        tensors, f"{name}.gate_up_proj", m.gate_up_proj, m.config.weight
+                    ),
+                    "down_proj": _store(tensors, f"{name}.down_proj", m.down_proj, m.config.weight),
+                }
+        return modules
+
+
 @torch.no_grad()
 def save_quantized(
     model: nn.Module,
@@ -233,66 +304,14 @@ def save_quantized(
     """
     from safetensors.torch import save_file
 
-    from torq.kernels.linear import PackedMXFP4Linear
-
     t0 = time.perf_counter()
     out = Path(out_dir)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TorqError("save_quantized needs a Hugging Face model (it has no .config)")
-    for module in model.modules():  # activation caches hold weak references: drop them
-        clear = getattr(module, "clear_cache", None)
-        if callable(clear):
-            clear()
-
+    entries = _Entries()
     tensors: dict[str, torch.Tensor] = {}
-    quantizers: dict[int, int] = {}
-    quantizer_entries: list[dict[str, Any]] = []
-    transforms: dict[int, int] = {}
-    transform_entries: list[dict[str, Any]] = []
-    modules: dict[str, dict[str, Any]] = {}
-
-    def quantizer_index(q: ActivationQuantizer) -> int:
-        if id(q) not in quantizers:
-            t_index = None
-            if q.transform is not None:
-                if id(q.transform) not in transforms:
-                    transforms[id(q.transform)] = len(transform_entries)
-                    transform_entries.append(
-                        _transform_entry(q.transform, len(transform_entries), tensors)
-                    )
-                t_index = transforms[id(q.transform)]
-            quantizers[id(q)] = len(quantizer_entries)
-            quantizer_entries.append({"activation": _spec_dict(q.fmt), "transform": t_index})
-        return quantizers[id(q)]
-
-    for name, m in model.named_modules():
-        if isinstance(m, PackedMXFP4Linear):
-            raise TorqError(
-                f"{name} is a packed kernel layer; save the model as quantized by torq "
-                "(load_quantized(..., packed=False)), not after packing it"
-            )
-        if isinstance(m, QuantLinear):
-            entry = {
-                "kind": "linear",
-                **_store(tensors, f"{name}.weight", m.weight, m.config.weight),
-            }
-            entry["activation"] = _spec_dict(m.config.activation)
-            entry["bias"] = m.bias is not None
-            if m.bias is not None:
-                tensors[f"{name}.bias"] = m.bias.detach().cpu().contiguous()
-            entry["quantizer"] = quantizer_index(m.input_quantizer)
-            modules[name] = entry
-        elif isinstance(m, QuantExperts):
-            entry = {
-                "kind": "experts",
-                "activation": _spec_dict(m.config.activation),
-                "gate_up_proj": _store(
-                    tensors, f"{name}.gate_up_proj", m.gate_up_proj, m.config.weight
-                ),
-                "down_proj": _store(tensors, f"{name}.down_proj", m.down_proj, m.config.weight),
-            }
-            modules[name] = entry
+    modules = entries.add(model, "", tensors)
     if not modules:
         raise TorqError("the model has no quantized layers: quantize it first (torq.methods)")
 
@@ -304,30 +323,51 @@ def save_quantized(
 
     ids = _fingerprint_input(model, tokenizer)
     fingerprint = logits_fingerprint(model, ids)
+    manifest = _manifest(
+        method, type(model).__name__, tokenizer, entries, modules, aliases, ids, fingerprint, info
+    )
+    manifest["stats"]["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    with _atomic_folder(out, overwrite) as tmp:
+        _write_configs(tmp, model, tokenizer)
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "torq": CHECKPOINT_FORMAT})
+        manifest["stats"]["save_seconds"] = time.perf_counter() - t0
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        usual_permissions(tmp)
+    log.info("saved %d quantized modules to %s", len(modules), out)
+    return out
+
+
+def _manifest(
+    method: str | None,
+    model_class: str,
+    tokenizer: Any | None,
+    entries: _Entries,
+    modules: dict[str, dict[str, Any]],
+    aliases: dict[str, str],
+    ids: torch.Tensor,
+    fingerprint: list[float],
+    info: dict[str, Any] | None,
+) -> dict[str, Any]:
+    import transformers
+
     packed = sum(
         1
         for e in modules.values()
         for s in ([e] if e["kind"] == "linear" else [e["gate_up_proj"], e["down_proj"]])
         if s["storage"] == "packed"
     )
-    import transformers
-
-    manifest = {
+    return {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "method": method,
-        "model_class": type(model).__name__,
+        "model_class": model_class,
         "tokenizer_class": None if tokenizer is None else type(tokenizer).__name__,
         "modules": modules,
-        "quantizers": quantizer_entries,
-        "transforms": transform_entries,
+        "quantizers": entries.quantizer_entries,
+        "transforms": entries.transform_entries,
         "aliases": aliases,
         "fingerprint": {"input_ids": ids[0].tolist(), "logits": fingerprint},
-        "stats": {
-            "quantized_modules": len(modules),
-            "packed_weights": packed,
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        },
+        "stats": {"quantized_modules": len(modules), "packed_weights": packed},
         "versions": {
             "torq": torq.__version__,
             "torch": torch.__version__,
@@ -335,20 +375,156 @@ def save_quantized(
         },
         "info": json.loads(json.dumps(info or {}, default=str)),
     }
-    with _atomic_folder(out, overwrite) as tmp:
-        config.save_pretrained(str(tmp))
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            with contextlib.suppress(Exception):  # an unusable generation config is optional
-                gen.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "torq": CHECKPOINT_FORMAT})
-        manifest["stats"]["save_seconds"] = time.perf_counter() - t0
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        usual_permissions(tmp)
-    log.info("saved %d quantized modules (%d packed) to %s", len(modules), packed, out)
-    return out
+
+
+def _write_configs(folder: Path, model: nn.Module, tokenizer: Any | None) -> None:
+    model.config.save_pretrained(str(folder))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        with contextlib.suppress(Exception):  # an unusable generation config is optional
+            gen.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _narrowest_exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in bf16 when bf16 holds every value exactly (a float32 copy of a bf16
+    checkpoint's embedding or norm), else as it is: lossless, and half the bytes."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float32 and t.numel():
+        narrow = t.to(torch.bfloat16)
+        if torch.equal(narrow.to(torch.float32), t):
+            return narrow
+    return t
+
+
+class CheckpointWriter:
+    """:func:`save_quantized`, one part at a time, for the layer-streaming driver
+    (:func:`torq.driver.run_layerwise`): the embedding, each quantized decoder layer as it
+    is done, and the head each go to a shard of their own (``model-<part>.safetensors``,
+    named in ``model.safetensors.index.json``), so the whole model is never in memory. The
+    quantized weights are packed exactly as :func:`save_quantized` packs them; tensors
+    outside the quantized modules are stored in bf16 when that is exact (a bf16
+    checkpoint's values), else as computed. The logits fingerprint is computed by the
+    driver, streamed. Use as a context manager: the folder appears, complete, only when
+    :meth:`finish` was called and the block ends without an error."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        model: nn.Module,
+        tokenizer: Any | None = None,
+        *,
+        method: str | None = None,
+        info: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.out = Path(out_dir)
+        self.model = model  # the skeleton: config, class, where the parts sit
+        self.tokenizer = tokenizer
+        self.method, self.info, self.overwrite = method, info, overwrite
+        self.entries = _Entries()
+        self.modules: dict[str, dict[str, Any]] = {}
+        self.weight_map: dict[str, str] = {}
+        self.aliases: dict[str, str] = {}
+        self.bytes = 0
+        self.t0 = time.perf_counter()
+        self._folder: contextlib.AbstractContextManager[Path] | None = None
+        self._tmp: Path | None = None
+        self._manifest: dict[str, Any] | None = None
+
+    def __enter__(self) -> CheckpointWriter:
+        self._folder = _atomic_folder(self.out, self.overwrite)
+        self._tmp = self._folder.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
+        assert self._folder is not None
+        if exc_type is None and self._manifest is None:
+            err = TorqError(f"{self.out}: the checkpoint was not finished; nothing written")
+            self._folder.__exit__(TorqError, err, None)  # removes the temporary folder
+            raise err
+        return self._folder.__exit__(exc_type, exc, tb)
+
+    @property
+    def fingerprint_ids(self) -> torch.Tensor:
+        """The input whose logits :meth:`finish` stores (as :func:`save_quantized` does)."""
+        return _fingerprint_input(self.model, self.tokenizer)
+
+    def _shard(self, part: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        assert self._tmp is not None, "use CheckpointWriter as a context manager"
+        if not tensors:
+            return
+        clash = set(tensors) & set(self.weight_map)
+        if clash:
+            raise TorqError(f"tensor names written twice: {sorted(clash)[:3]}")
+        file = f"model-{part}.safetensors"
+        save_file(tensors, str(self._tmp / file), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            self.weight_map[name] = file
+            self.bytes += t.numel() * t.element_size()
+
+    @torch.no_grad()
+    def add_layer(self, prefix: str, index: int, layer: nn.Module) -> None:
+        """Decoder layer ``index`` (its modules named ``prefix + name``), quantized."""
+        tensors: dict[str, torch.Tensor] = {}
+        modules = self.entries.add(layer, prefix, tensors)
+        rest, aliases = _module_state(layer, [n.removeprefix(prefix) for n in modules])
+        tensors.update({prefix + k: _narrowest_exact(v) for k, v in rest.items()})
+        self.aliases.update({prefix + k: prefix + v for k, v in aliases.items()})
+        self.modules.update(modules)
+        self._shard(f"layer-{index:05d}", tensors)
+
+    @torch.no_grad()
+    def add_outer(self, part: str, modules: list[nn.Module], tied_head: bool = False) -> None:
+        """Parameters of modules outside the decoder layers (the embedding; the final norm
+        and lm_head), under their names in the model. ``tied_head``: lm_head is the
+        embedding's tensor, stored once (under the embedding's name)."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        head = self.model.get_output_embeddings()
+        emb = self.model.get_input_embeddings()
+        tensors: dict[str, torch.Tensor] = {}
+        for module in modules:
+            base = names[id(module)]
+            for n, p in module.named_parameters(recurse=False):
+                key = f"{base}.{n}" if base else n
+                if tied_head and module is head:
+                    self.aliases[key] = f"{names[id(emb)]}.{n}"
+                    continue
+                tensors[key] = _narrowest_exact(p)
+        self._shard(part, tensors)
+
+    def finish(self, fingerprint: list[float]) -> dict[str, Any]:
+        """Write the index, the configuration, the tokenizer and (last) the manifest."""
+        assert self._tmp is not None, "use CheckpointWriter as a context manager"
+        if not self.modules:
+            raise TorqError("the model has no quantized layers: quantize it first (torq.methods)")
+        manifest = _manifest(
+            self.method,
+            type(self.model).__name__,
+            self.tokenizer,
+            self.entries,
+            self.modules,
+            self.aliases,
+            self.fingerprint_ids,
+            fingerprint,
+            self.info,
+        )
+        manifest["stats"]["bytes"] = self.bytes
+        manifest["stats"]["shards"] = len(set(self.weight_map.values()))
+        index = {"metadata": {"total_size": self.bytes}, "weight_map": self.weight_map}
+        (self._tmp / INDEX).write_text(json.dumps(index, indent=1))
+        _write_configs(self._tmp, self.model, self.tokenizer)
+        manifest["stats"]["save_seconds"] = time.perf_counter() - self.t0
+        (self._tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        usual_permissions(self._tmp)
+        self._manifest = manifest
+        return manifest
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
@@ -376,17 +552,14 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def _empty_model(path: Path) -> nn.Module:
+    """The model of ``path``'s config.json with its parameters on ``meta`` (no memory: the
+    quantized modules replace theirs, the stored tensors are assigned to the rest), buffers
+    real."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        try:
-            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
-        except ImportError:
-            no_init_weights = contextlib.nullcontext  # type: ignore[assignment]
     config = AutoConfig.from_pretrained(str(path))
-    with no_init_weights():
+    with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -432,12 +605,22 @@ def load_quantized(
     root = Path(path)
     manifest = read_manifest(root)
     weights = root / WEIGHTS
-    if not weights.is_file():
+    files = [weights]
+    if (root / INDEX).is_file():  # written part by part (CheckpointWriter)
+        weights = root / INDEX
+        try:
+            weight_map = json.loads(weights.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise TorqError(f"{weights} is not a safetensors index ({exc})") from None
+        files = [root / f for f in sorted(set(weight_map.values()))]
+    elif not weights.is_file():
         raise TorqError(f"{root} has a manifest but no {WEIGHTS}")
-    try:
-        tensors = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise TorqError(f"{weights} could not be read ({exc})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError) as exc:
+            raise TorqError(f"{file} could not be read ({exc})") from None
     model = _empty_model(root)
 
     built_transforms = []
@@ -501,7 +684,13 @@ def load_quantized(
     rest = {k: v for k, v in tensors.items() if not k.startswith((*prefixes, "torq.transforms."))}
     for alias, source in manifest["aliases"].items():
         rest[alias] = _take(rest, source)
-    missing, unexpected = model.load_state_dict(rest, strict=False)
+    # in float32, as the layers compute (a part-by-part checkpoint keeps bf16 where exact)
+    # (one conversion per tensor, so that a tied head stays the embedding's tensor)
+    converted: dict[int, torch.Tensor] = {}
+    for k, v in list(rest.items()):
+        if v.is_floating_point():
+            rest[k] = converted.setdefault(id(v), v.to(torch.float32))
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith(prefixes)]
     if unexpected or missing:
         raise TorqError(

@@ -131,6 +131,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         return LayerPlan(None)
     builder = method.transform
     record = builder.record(qconfig, ctx)
+    parts = builder.residual(ctx)
     if not method.calibrates():
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
@@ -142,7 +143,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         def quantize(li: int, layer: nn.Module, _groups: list, _stats: dict) -> dict[str, Any]:
             return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory)}
 
-        return LayerPlan(quantize, record=record)
+        return LayerPlan(quantize, record=record, parts=parts)
     gptq = ctx.gptq_config() if method.gptq_enabled else None
     if gptq is not None:
         record = {**record, "gptq": gptq.__dict__}
@@ -155,4 +156,5 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         sequential=capture.sequential,
         hessian=gptq is not None,
         record=record,
+        parts=parts,
     )

@@ -15,47 +15,57 @@ from typing import Any
 
 from torch import nn
 
+from torq.errors import TorqError
 from torq.methods.hadamard import block_hadamard
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
 from torq.rotations.hadamard import hadamard_matrix
-from torq.surgery.fusion import (
-    check_supported,
-    fold_rmsnorms,
-    random_hadamard,
-    rotate_heads,
-    rotate_residual,
-    untie_embeddings,
-)
+from torq.surgery.fusion import ResidualRotation, check_supported, random_hadamard
 from torq.surgery.qlinear import QuantConfig
 
 
+def quarot_rotation(config: Any, seed: int = 0) -> ResidualRotation:
+    """QuaRot's offline rotations for a model of ``config``: the residual stream by
+    ``Q = diag(s) H/√d`` (signs from ``seed``), each head's value/output space by ``H``."""
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ResidualRotation(random_hadamard(config.hidden_size, seed), hadamard_matrix(hd))
+
+
 def apply_quarot_rotations(model: nn.Module, seed: int = 0) -> dict[str, Any]:
-    """The offline part of QuaRot, in place; the model computes the same function."""
+    """The offline part of QuaRot on a model in memory, in place; the model computes the
+    same function."""
     check_supported(model)
-    cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    tied = untie_embeddings(model)
-    fold_rmsnorms(model)
-    rotate_residual(model, random_hadamard(cfg.hidden_size, seed))
-    rotate_heads(model, hadamard_matrix(hd))
-    return {"untied_embeddings": tied, "residual_width": cfg.hidden_size, "head_dim": hd}
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    quarot_rotation(model.config, seed).whole(model)
+    return {"untied_embeddings": tied}
+
+
+def _config(ctx: MethodContext) -> Any:
+    if ctx.model_config is None:
+        raise TorqError("QuaRot needs the model's configuration (MethodContext.model_config)")
+    return ctx.model_config
 
 
 class QuaRotTransform(TransformBuilder):
-    """QuaRot's rotations: the residual and head rotations over the whole model first
-    (:meth:`prelude`, so QuaRot does not stream), then the online full-width Hadamard on
-    down_proj's input (the only input of the intermediate width)."""
+    """QuaRot's rotations: the residual and head rotations fused into each part of the model
+    as the driver loads it (:meth:`residual`, so QuaRot streams), then the online
+    full-width Hadamard on down_proj's input (the only input of the intermediate width)."""
 
-    def __init__(self) -> None:
-        self.intermediate: int | None = None
-
-    def prelude(self, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext) -> dict:
-        self.intermediate = model.config.intermediate_size
-        return apply_quarot_rotations(model, int(ctx.options.get("seed", 0)))
+    def residual(self, ctx: MethodContext) -> ResidualRotation:
+        return quarot_rotation(_config(ctx), int(ctx.options.get("seed", 0)))
 
     def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> nn.Module | None:
         # one module for every layer (cached), as the export stores each transform once
-        return block_hadamard(width, width) if width == self.intermediate else None
+        intermediate = _config(ctx).intermediate_size
+        return block_hadamard(width, width) if width == intermediate else None
+
+    def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
+        config = _config(ctx)
+        hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return {
+            "residual_width": config.hidden_size,
+            "head_dim": hd,
+            "seed": int(ctx.options.get("seed", 0)),
+        }
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
         # the random signs follow the run's seed; "signs" marks QuaRot's Q = diag(s)·H, so

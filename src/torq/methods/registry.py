@@ -40,6 +40,8 @@ class MethodContext:
 
     tokenizer: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    # the model's Hugging Face configuration (shapes a builder may read; the driver sets it)
+    model_config: Any = None
 
     def capture_settings(self) -> Any:
         """The run's :class:`~torq.methods.torq_rotation.TorqSettings`, which also hold the
@@ -76,6 +78,9 @@ class LayerPlan:
     sequential: bool = False
     hessian: bool = False
     record: dict[str, Any] = field(default_factory=dict)
+    # an offline rotation fused into the model's parts as the driver loads each one
+    # (QuaRot's residual rotation, :class:`torq.surgery.fusion.ResidualRotation`)
+    parts: Any = None
 
 
 class TransformBuilder:
@@ -103,9 +108,10 @@ class TransformBuilder:
         rows) and a record of how it was built."""
         return self.fixed(group.width, qconfig, ctx), {}
 
-    def prelude(self, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext) -> dict | None:
-        """A whole-model step before the layers (QuaRot's residual rotation); a builder
-        that has one cannot stream. Returns its record; ``None``: no such step."""
+    def residual(self, ctx: MethodContext) -> Any:
+        """An offline rotation of the whole model fused part by part (embedding, each layer
+        before its capture, head), as :class:`torq.surgery.fusion.ResidualRotation` does for
+        QuaRot; ``None``: none."""
         return None
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
@@ -140,12 +146,6 @@ class Method:
         """Whether ``<name>+gptq`` exists: this transform, then GPTQ weights."""
         return self.quantizes and self.transform.composes_with_gptq and not self.gptq_enabled
 
-    @property
-    def streams(self) -> bool:
-        """Whether the method runs one layer at a time from a checkpoint (no whole-model
-        step)."""
-        return not _overrides(self.transform, "prelude")
-
     def with_gptq(self, name: str | None = None) -> Method:
         """The same transform with GPTQ weights (``<name>+gptq``)."""
         if not self.supports_gptq:
@@ -169,6 +169,8 @@ class Method:
             k: run.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")
         }
         key["seqlen"] = run.get("seqlen")
+        if run.get("gguf_dtype", "float32") != "float32":  # another float model
+            key["gguf_dtype"] = run["gguf_dtype"]
         key.update(self.transform.key_settings(run))
         if self.gptq_enabled:
             torq = run.get("torq") or {}
@@ -192,8 +194,8 @@ class Method:
         from torq.models.streaming import ModelLayers
 
         record: dict[str, Any] = {}
-        if self.quantizes:
-            record.update(self.transform.prelude(model, qconfig, ctx) or {})
+        if ctx.model_config is None:
+            ctx = replace(ctx, model_config=model.config)
         plan = self.layer_plan(qconfig, ctx)
         if plan.quantize is None:
             return record
@@ -212,10 +214,6 @@ class Method:
         if "calibration_seconds" in record:
             record["calibration_seconds"] = {"data": t_data, **record["calibration_seconds"]}
         return record
-
-
-def _overrides(obj: object, method: str) -> bool:
-    return getattr(type(obj), method) is not getattr(TransformBuilder, method)
 
 
 METHODS: dict[str, Method] = {}

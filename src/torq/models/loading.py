@@ -189,40 +189,43 @@ def _file_fingerprint(path: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
-    """De-quantize a GGUF checkpoint once into a float32 safetensors folder (cached).
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> Path:
+    """De-quantize a GGUF checkpoint once into a sharded safetensors folder (cached), one
+    tensor at a time (:func:`torq.models.gguf.convert_gguf_tensorwise`: never the whole
+    model in memory), in float32 (transformers' own values, bit for bit) or bfloat16.
 
     The folder is written under a temporary name inside the cache and renamed into place
     only when complete, so an interrupted conversion never leaves a broken cache entry.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from torq.models.gguf import GGUF_DTYPES, convert_gguf_tensorwise
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise TorqError(f"GGUF file not found: {gguf_path}")
+    dtype_name = next((n for n, d in GGUF_DTYPES.items() if d == dtype), None)
+    if dtype_name is None:
+        raise TorqError(f"a GGUF converts to {' or '.join(GGUF_DTYPES)}, not {dtype}")
     if out_dir is None:
-        out_dir = cache_dir() / "models" / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}"
+        # float32 keeps the cache name of earlier torq versions (the same values)
+        suffix = "" if dtype == torch.float32 else f"-{dtype_name}"
+        out_dir = (
+            cache_dir() / "models" / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}{suffix}"
+        )
     marker = out_dir / "torq_source.json"
     if marker.is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        log.info("converting %s to float32 safetensors in %s", gguf_path, out_dir)
-        kwargs = {"gguf_file": gguf_path.name}
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), dtype=torch.float32, **kwargs
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
-        # The weights are now plain float32: drop the GGUF quantizer so the saved
-        # folder loads as an ordinary checkpoint.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        log.info("converting %s to %s safetensors in %s", gguf_path, dtype_name, out_dir)
+        written = convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
         (tmp / "torq_source.json").write_text(
-            json.dumps({"gguf": str(gguf_path.resolve()), "dtype": "float32"}, indent=2)
+            json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype_name, **written}, indent=2)
         )
         usual_permissions(tmp)
         if out_dir.exists():
@@ -243,10 +246,10 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
 
 
-def _from_quantized_folder(path: Path) -> LoadedModel:
+def _from_quantized_folder(path: Path, packed: bool = False) -> LoadedModel:
     from torq.export import load_quantized
 
-    model, tokenizer, manifest = load_quantized(path)
+    model, tokenizer, manifest = load_quantized(path, packed=packed)
     if tokenizer is None:
         raise TorqError(f"{path} holds no tokenizer; save it with one to evaluate it here")
     return LoadedModel(
@@ -258,17 +261,18 @@ def _from_quantized_folder(path: Path) -> LoadedModel:
     )
 
 
-def model_folder(name_or_path: str) -> tuple[Path, str]:
+def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, str]:
     """The safetensors folder behind a float model name, and its source label, for the
     layer-streaming path (:class:`torq.models.streaming.LayerStream`): an embedded default
     or a ``.gguf`` file is converted once into the cache (:func:`convert_gguf`), a local
     folder is used as it is, a hub id is downloaded (weights, config and tokenizer only)."""
     key = name_or_path.strip()
     if key.lower() in EMBEDDED_MODELS:
-        return convert_gguf(resolve_embedded_gguf(key.lower())), f"embedded:{key.lower()}"
+        folder = convert_gguf(resolve_embedded_gguf(key.lower()), dtype=_gguf_dtype(gguf_dtype))
+        return folder, f"embedded:{key.lower()}"
     path = Path(key).expanduser()
     if key.endswith(".gguf"):
-        return convert_gguf(path), f"gguf:{path.resolve()}"
+        return convert_gguf(path, dtype=_gguf_dtype(gguf_dtype)), f"gguf:{path.resolve()}"
     if path.is_dir():
         from torq.export import is_quantized_checkpoint
 
@@ -300,14 +304,29 @@ def model_folder(name_or_path: str) -> tuple[Path, str]:
     )
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def _gguf_dtype(name: str) -> torch.dtype:
+    from torq.models.gguf import GGUF_DTYPES
+
+    if name not in GGUF_DTYPES:
+        raise TorqError(f"a GGUF converts to {' or '.join(GGUF_DTYPES)}, not '{name}'")
+    return GGUF_DTYPES[name]
+
+
+def load(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    packed: bool = False,
+    gguf_dtype: str = "float32",
+) -> LoadedModel:
     """Load a causal LM in float for quantization.
 
     ``name_or_path`` is an embedded default (see :data:`EMBEDDED_MODELS`), a ``.gguf``
-    file, a local Hugging Face folder or a hub id. GGUF weights are de-quantized to
-    float32 once and cached (``$TORQ_CACHE``). A folder written by
+    file, a local Hugging Face folder or a hub id. GGUF weights are de-quantized once,
+    tensor by tensor, to float32 (or ``gguf_dtype="bfloat16"``) and cached
+    (``$TORQ_CACHE``). A folder written by
     :func:`torq.export.save_quantized` loads as the quantized model it holds
-    (``LoadedModel.quantized`` is then its manifest).
+    (``LoadedModel.quantized`` is then its manifest), its MXFP4 W4A4 weights kept packed
+    with ``packed``.
     """
     key = name_or_path.strip()
     path = Path(key).expanduser()
@@ -315,7 +334,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         from torq.export import is_quantized_checkpoint
 
         if is_quantized_checkpoint(path):
-            return _from_quantized_folder(path)
+            return _from_quantized_folder(path, packed)
     if _is_hub_id(key, path):
         try:
             return _from_folder(key, f"hub:{key}", dtype)
@@ -324,7 +343,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
                 f"could not load hub model '{key}' ({exc.__class__.__name__}); "
                 f"known embedded defaults: {', '.join(known_models())}"
             ) from None
-    folder, source = model_folder(key)
+    folder, source = model_folder(key, gguf_dtype)
     return _from_folder(str(folder), source, dtype)
 
 

@@ -144,6 +144,31 @@ class LayerSource:
     def release_layer(self, index: int) -> None:
         """Free layer ``index`` (the streamed source forgets what the driver did to it)."""
 
+    @property
+    def layer_prefix(self) -> str:
+        """The decoder layers' name in the model (``model.layers``)."""
+        layers = decoder_layers(self.model)
+        return next(n for n, m in self.model.named_modules() if m is layers)
+
+    def head_modules(self) -> list[nn.Module]:
+        """Every module outside the decoder layers and the input embedding that holds
+        parameters: final norm, lm_head (the rotary and other parameter-free modules need
+        nothing)."""
+        emb = self.model.get_input_embeddings()
+        layers = decoder_layers(self.model)
+        skip = {id(m) for m in emb.modules()} | {id(m) for m in layers.modules()}
+        return [
+            m
+            for m in self.model.modules()
+            if id(m) not in skip and any(True for _ in m.parameters(recurse=False))
+        ]
+
+    def transform_parts(self, parts: Any) -> None:
+        """Fuse an offline rotation into every part (QuaRot's
+        :class:`~torq.surgery.fusion.ResidualRotation`): a model in memory now, at once; a
+        streamed one as each part is loaded."""
+        parts.whole(self.model)
+
 
 class ModelLayers(LayerSource):
     """A model wholly in memory, walked in place: the driver quantizes its own layers, and
@@ -201,6 +226,11 @@ class LayerStream(LayerSource):
         self._skeletons = [copy.deepcopy(layer) for layer in layers]
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.stored_dtypes = self._stored_dtypes()
+        self.parts: Any = None
+
+    def transform_parts(self, parts: Any) -> None:
+        parts.check(self.model)  # before any work (the parameters are still on meta)
+        self.parts = parts
 
     def _stored_dtypes(self) -> dict[str, int]:
         from safetensors import safe_open
@@ -276,24 +306,14 @@ class LayerStream(LayerSource):
     def load_embedding(self) -> None:
         emb = self.model.get_input_embeddings()
         self._materialize(emb, self._prefix_of(emb))
+        if self.parts is not None:
+            self.parts.embedding(self.model)
 
     def release_embedding(self) -> None:
         self._to_meta(self.model.get_input_embeddings())
 
-    def _head_modules(self) -> list[nn.Module]:
-        """Every module outside the decoder layers and the input embedding: final norm,
-        lm_head (the rotary and other parameter-free modules need nothing)."""
-        emb = self.model.get_input_embeddings()
-        layers = decoder_layers(self.model)
-        skip = {id(m) for m in emb.modules()} | {id(m) for m in layers.modules()}
-        return [
-            m
-            for m in self.model.modules()
-            if id(m) not in skip and any(True for _ in m.parameters(recurse=False))
-        ]
-
     def load_head(self) -> None:
-        for module in self._head_modules():
+        for module in self.head_modules():
             prefix = self._prefix_of(module)
             if self.tied and module is self.model.get_output_embeddings():
                 # the head is the input embedding: read it under that name
@@ -303,15 +323,19 @@ class LayerStream(LayerSource):
             values = self._read([prefix + n for n in own])
             for n in own:
                 module._parameters[n] = nn.Parameter(values[prefix + n], requires_grad=False)
+        if self.parts is not None:
+            self.parts.head(self.model)
 
     def release_head(self) -> None:
-        for module in self._head_modules():
+        for module in self.head_modules():
             self._to_meta(module, recurse=False)
 
     def load_layer(self, index: int) -> nn.Module:
         layers = decoder_layers(self.model)
         layer = copy.deepcopy(self._skeletons[index])
         self._materialize(layer, f"{self._layers_prefix}.{index}.")
+        if self.parts is not None:
+            self.parts.layer(index, layer)
         layers[index] = layer
         return layer
 
@@ -321,16 +345,18 @@ class LayerStream(LayerSource):
 
 @torch.no_grad()
 def embed_windows(
-    source: LayerSource, windows: torch.Tensor, batch_size: int = 1
-) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    source: LayerSource, windows: torch.Tensor, batch_size: int = 1, into: Any = None
+) -> tuple[Any, list[dict[str, Any]]]:
     """The hidden states entering decoder layer 0 for each batch of windows, and every
     layer's keyword arguments, from the model's own forward with the layers stood in for
     (all windows have one length and no padding, so the arguments are the same for every
-    batch; they are read per layer because layers may differ, as Gemma 3's do)."""
+    batch; they are read per layer because layers may differ, as Gemma 3's do). The states
+    go into ``into`` (a :class:`~torq.calibration.hidden.HiddenStates`) when given, batch
+    by batch, else into a list."""
     source.load_embedding()
     n = source.num_layers
     sink: dict[str, Any] = {"kwargs": [None] * n, "record_kwargs": True}
-    hidden: list[torch.Tensor] = []
+    hidden: Any = [] if into is None else into
     try:
         with _swapped_layers(source.model, [_Recorder(i, i == n - 1, sink) for i in range(n)]):
             for i in range(0, windows.shape[0], batch_size):
