@@ -1,13 +1,17 @@
 """Peak memory and time per layer of the streamed driver (``torq run --stream``) against
 the model's size: a Llama-3-8B-shaped and a 0.92B Llama-shaped checkpoint with random
-weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights).
+weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights); with
+``--layers N`` a shape's widths with N layers (``llama3-70b --layers 2``: a 70B model's
+layer, embedding and head on this machine's disk).
 
     python benchmarks/scale.py --shape llama3-8b --methods rtn,torq-had32 \\
         --calib-samples 8 --eval-windows 2 --dir /tmp/torq-scale --out results/scale/8b.json
 
 ``--reload packed,unpacked`` also saves each quantized model as it streams and evaluates the
 saved checkpoint again, whole, with its weights unpacked to float32 or kept packed: the
-memory a zero-shot run from the checkpoint needs.
+memory a zero-shot run from the checkpoint needs; ``offload`` and ``packed-offload`` do the
+same with its decoder layers kept on disk (``--offload-dir``, accelerate's offload), read
+back one at a time: the memory for a checkpoint larger than this machine's.
 
 Each method runs in its own ``torq run --stream`` process (so each peak resident set is
 its own, read by the process itself); the random checkpoints use SmolLM2's tokenizer
@@ -43,6 +47,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
+    # Llama-3-70B: 80 layers, hidden 8192, FFN 28672, 64 query / 8 KV heads, vocab 128256
+    # (140 GB of bf16: for its layer size, with --layers)
+    "llama3-70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
     # the issue's 0.92B shape: hidden 2048, 16 layers, FFN 5632, 16/4 heads, SmolLM2's vocab
     "llama-0.9b": {
         "hidden_size": 2048,
@@ -63,9 +80,12 @@ def smollm2_folder() -> Path:
     return convert_gguf(resolve_embedded_gguf("smollm2-135m"))
 
 
-def write_random_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
+def write_random_checkpoint(
+    shape: str, out: Path, seed: int = 0, layers: int | None = None
+) -> Path:
     """A Llama-shaped checkpoint of random bf16 weights, written one decoder layer per shard
-    (never more than one layer in memory), with SmolLM2's tokenizer."""
+    (never more than one layer in memory), with SmolLM2's tokenizer; ``layers`` keeps the
+    shape's widths with fewer (or more) decoder layers."""
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,7 +96,8 @@ def write_random_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = AutoConfig.for_model("llama", **SHAPES[shape], torch_dtype="bfloat16")
+    dims = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    config = AutoConfig.for_model("llama", **dims, torch_dtype="bfloat16")
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
@@ -119,13 +140,21 @@ def write_random_checkpoint(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+RELOADS = ("unpacked", "packed", "offload", "packed-offload")
+
+
 def reload_saved(saved: Path, method: str, how: str, args: argparse.Namespace, out: Path) -> dict:
     """The saved checkpoint evaluated whole (not streamed) in a fresh process, its weights
-    unpacked to float32 or kept packed (``--packed``): what a zero-shot run from it holds."""
+    unpacked to float32 or kept packed (``--packed``), its layers in memory or on disk
+    (``--offload-dir``): what a zero-shot run from it holds."""
+    if how not in RELOADS:
+        raise SystemExit(f"--reload: unknown '{how}' (one of {', '.join(RELOADS)})")
+    packed = ["--packed"] if how.startswith("packed") else []
+    offload = ["--offload-dir", str(Path(args.dir) / "offload")] if "offload" in how else []
     cmd = [
         sys.executable, "-m", "torq.cli", "run", "--model", str(saved), "--methods", method,
         "--max-windows", str(args.eval_windows), "--threads", str(args.threads),
-        "--no-progress", "--out", str(out), *(["--packed"] if how == "packed" else []),
+        "--no-progress", "--out", str(out), *packed, *offload,
     ]  # fmt: skip
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -137,6 +166,20 @@ def reload_saved(saved: Path, method: str, how: str, args: argparse.Namespace, o
         "wall_seconds": time.perf_counter() - t0,
         "command": " ".join(cmd),
     }
+
+
+def step_peaks(details: dict[str, Any]) -> dict[str, int]:
+    """The largest resident set of each step of a streamed run: over the layers for the
+    layer steps (load, capture, quantize, evaluate), and the embedding and head steps."""
+    peaks: dict[str, int] = {}
+    for p in details["streamed"]["per_layer"]:
+        for step, v in (p.get("peak_rss_bytes") or {}).items():
+            if v:
+                peaks[step] = max(peaks.get(step, 0), v)
+    for step, v in (details.get("peak_rss_bytes") or {}).items():
+        if v:
+            peaks[step] = v
+    return peaks
 
 
 def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -172,6 +215,7 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
             for k in ("load_seconds", "forward_seconds", "solve_seconds", "eval_seconds")
         },
         "layers": n,
+        "step_peak_rss_bytes": step_peaks(row["details"]),
         "command": " ".join(cmd),
         "record": str(out),
         "saved": row["details"].get("saved"),
@@ -182,6 +226,12 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=[*SHAPES, "smollm2-135m"], required=True)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        help="the shape's widths with this many decoder layers (a layer step's memory and "
+        "time do not depend on the depth)",
+    )
     ap.add_argument("--methods", default="rtn,torq-had32")
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--eval-windows", type=int, default=2)
@@ -191,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         "--reload",
         default="",
         help="also save each quantized model as it streams (--save-dir DIR/saved) and "
-        "evaluate it again whole: 'unpacked', 'packed' or both, comma-separated",
+        "evaluate it again whole, comma-separated: 'unpacked', 'packed' (weights in memory), "
+        "'offload', 'packed-offload' (layers on disk, read back one at a time)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -201,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.shape == "smollm2-135m":
         folder, info = smollm2_folder(), {"real_weights": True}
     else:
-        folder = write_random_checkpoint(args.shape, Path(args.dir) / args.shape)
+        name = args.shape + (f"-{args.layers}l" if args.layers else "")
+        folder = write_random_checkpoint(args.shape, Path(args.dir) / name, layers=args.layers)
         info = json.loads((folder / "torq_random_checkpoint.json").read_text())
     write_seconds = time.perf_counter() - t0
     disk = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
@@ -211,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_method(folder, method, args, rec))
         result = {
             "shape": args.shape,
+            "layers_override": args.layers,
             "checkpoint": {**info, "folder": str(folder), "bytes_on_disk": disk},
             "write_seconds": write_seconds,
             "calib_samples": args.calib_samples,
@@ -237,11 +290,20 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['forward_seconds']:.1f} | {s['solve_seconds']:.1f} | {s['eval_seconds']:.1f} "
             f"| {r['wall_seconds']:.0f} |"
         )
+    if any(r["step_peak_rss_bytes"] for r in rows):
+        lines += [
+            "",
+            "Peak resident set of each step (GiB; layer steps: the largest over layers):",
+            "",
+        ]
+        for r in rows:
+            steps = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in r["step_peak_rss_bytes"].items())
+            lines.append(f"- {r['method']}: {steps}")
     reloads = [(r["method"], x) for r in rows for x in r["reloads"]]
     if reloads:
         lines += [
             "",
-            "| saved method, evaluated whole | weights in memory | peak RSS GiB | PPL | wall s |",
+            "| saved method, evaluated whole | weights | peak RSS GiB | PPL | wall s |",
             "| --- | --- | ---: | ---: | ---: |",
         ]
         for method, x in reloads:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,12 @@ def test_streamed_methods_match_the_whole_model_path(
     assert set(rows["torq"]["details"]["streamed"]["stored_dtypes"]) == {"F32"}
     assert streamed["peak_memory"]["host_rss_bytes"] > 0
     assert len({r["ppl"] for r in streamed["rows"]}) == len(STREAMED_METHODS)
+    # each step's own peak resident set, never above the run's
+    torq_row = rows["torq"]["details"]
+    steps = [p["peak_rss_bytes"] for p in torq_row["streamed"]["per_layer"]]
+    assert all(set(p) == {"load", "capture", "quantize", "evaluate"} for p in steps)
+    peaks = [v for p in steps for v in p.values()] + list(torq_row["peak_rss_bytes"].values())
+    assert all(0 < v <= streamed["peak_memory"]["host_rss_bytes"] for v in peaks)
 
 
 def test_bf16_checkpoint_streams_as_float32_of_its_values(tmp_path, data_dir, tiny_tokenizer):
@@ -238,6 +245,29 @@ def _peak_growth(folder: Path, method: str) -> int:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["base"] > 0 and out["peak"] >= out["base"]
     return out["peak"] - out["base"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="reads /proc (Linux)")
+def test_resident_peak_sees_a_step_and_restarts() -> None:
+    """A step that holds 256 MiB for a moment has a peak at least that far above where it
+    began; after a restart, a step that holds nothing has not."""
+    from torq.models.streaming import ResidentPeak
+
+    rss = ResidentPeak(interval=0.005)
+    try:
+        rss.restart()
+        before = rss.peak()
+        held = torch.ones(64, 2**20)  # 256 MiB, touched
+        time.sleep(0.05)
+        del held
+        step = rss.peak()
+        rss.restart()
+        quiet = rss.peak()
+    finally:
+        rss.close()
+    assert before is not None and step is not None and quiet is not None
+    assert step - before >= 240 * 2**20
+    assert quiet < step - 200 * 2**20
 
 
 def test_peak_memory_follows_one_layer_not_the_model(tmp_path) -> None:

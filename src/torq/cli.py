@@ -229,6 +229,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "(4.25 bits a weight in memory instead of 32; the same arithmetic on a CPU within "
         "1e-5, the Triton kernels on a GPU)",
     )
+    run.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="keep a saved quantized checkpoint's decoder layers on disk in a scratch folder "
+        "under DIR while it is evaluated, read back one layer at a time (accelerate's "
+        "device_map offload): for a model larger than memory, slowly; with --stream, for "
+        "the --tasks on the checkpoints --save-dir writes",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     t = run.add_argument_group("TORQ (methods torq, torq-inter, torq-intra, torq-had32)")
@@ -403,6 +411,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         save_dir=args.save_dir,
         stream=args.stream,
         packed=args.packed,
+        offload_dir=args.offload_dir,
         gguf_dtype=args.gguf_dtype,
         hidden_states=args.hidden_states,
     )

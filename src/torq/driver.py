@@ -39,6 +39,7 @@ from torq.methods.registry import LayerPlan
 from torq.models.streaming import (
     LayerSource,
     ModelLayers,
+    ResidentPeak,
     embed_windows,
     give_back_memory,
     head_logits,
@@ -55,7 +56,7 @@ class StreamedRun:
     details: dict[str, Any]
     quantize_seconds: float
     perplexity: PerplexityResult | None
-    per_layer: list[dict[str, float]] = field(default_factory=list)
+    per_layer: list[dict[str, Any]] = field(default_factory=list)
     # the logits fingerprint of the quantized model (with a ``sink``), streamed
     fingerprint: list[float] | None = None
 
@@ -83,6 +84,8 @@ def run_layerwise(
     if hidden_states not in HIDDEN_MODES:
         raise ValueError(f"hidden states are kept in {', '.join(HIDDEN_MODES)}")
     stores: list[HiddenStates] = []
+    # each step's own peak resident set, so a run's record says which step makes its peak
+    rss = ResidentPeak()
     try:
         if plan.calibration is not None and calibration_windows is None:
             raise ValueError("the method calibrates: calibration windows are needed")
@@ -127,7 +130,8 @@ def run_layerwise(
             fp_hidden, fp_kwargs = embed_windows(source, sink.fingerprint_ids)
             t_save += time.perf_counter() - t0
         records: list[dict[str, Any]] = []
-        per_layer: list[dict[str, float]] = []
+        per_layer: list[dict[str, Any]] = []
+        embed_peak = rss.peak()
         # kept in memory (on the model's device) in the layers' float32, for exact arithmetic;
         # recorded so that a run's memory can be read off its record
         held = {
@@ -143,9 +147,11 @@ def run_layerwise(
             total=source.num_layers, desc=desc, unit="layer", disable=not progress, leave=False
         )
         for li in range(source.num_layers):
+            rss.restart()
             t0 = time.perf_counter()
             layer = source.load_layer(li)
             load = time.perf_counter() - t0
+            peaks: dict[str, int | None] = {"load": rss.peak()}
             fwd = solve = 0.0
             groups, stats = [], {}
             outputs: list[torch.Tensor] = []
@@ -164,9 +170,13 @@ def run_layerwise(
                     keep_outputs=not plan.sequential,
                 )
                 fwd += time.perf_counter() - t0
+                peaks["capture"] = rss.peak()
+                rss.restart()
             t0 = time.perf_counter()
             record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
             solve = time.perf_counter() - t0
+            peaks["quantize"] = rss.peak()
+            rss.restart()
             del stats
             if calib is not None:
                 if plan.sequential:
@@ -190,6 +200,8 @@ def run_layerwise(
             source.release_layer(li)
             del layer
             give_back_memory()
+            # moving the states on (and saving the layer)
+            peaks["evaluate"] = rss.peak()
             t_fwd += fwd
             t_solve += solve
             t_eval += ev
@@ -200,6 +212,7 @@ def run_layerwise(
                     "forward_seconds": fwd,
                     "solve_seconds": solve,
                     "eval_seconds": ev,
+                    "peak_rss_bytes": peaks,
                 }
             )
             if plan.calibration is not None or plan.quantize is not None:
@@ -212,6 +225,7 @@ def run_layerwise(
         give_back_memory()
         result = None
         fingerprint = None
+        rss.restart()
         if hidden is not None or fp_hidden is not None:
             source.load_head()
             try:
@@ -237,6 +251,9 @@ def run_layerwise(
                 source.release_head()
                 give_back_memory()
         details: dict[str, Any] = {**plan.record, "hidden_states": held}
+        # the steps outside the layers: embedding the windows (and saving the embedding),
+        # the head (its logits, the perplexity, saving it)
+        details["peak_rss_bytes"] = {"embed": embed_peak, "head": rss.peak()}
         if sink is not None:
             details["save_seconds"] = t_save
         if plan.calibration is not None:
@@ -253,6 +270,7 @@ def run_layerwise(
             details["replaced"] = totals
         return StreamedRun(details, t_quant, result, per_layer, fingerprint)
     finally:
+        rss.close()
         for store in stores:  # the disk store's folder goes with its first store
             store.close()
 

@@ -11,8 +11,10 @@ import contextlib
 import copy
 import gc
 import hashlib
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -87,6 +89,10 @@ class RunConfig:
     # what a GGUF model is de-quantized to, once, in the cache: "float32" (transformers'
     # values; every number in docs/RESULTS.md) or "bfloat16" (half the disk, rounded)
     gguf_dtype: str = "float32"
+    # keep a saved quantized checkpoint's decoder layers on disk under this folder while it
+    # is evaluated (accelerate's device_map offload, :func:`torq.export.load_quantized`):
+    # for a model larger than memory; a scratch folder inside it is removed after the run
+    offload_dir: str | None = None
     # with --stream: how the windows' hidden states are kept between layers, "memory"
     # (float32, exact), "bfloat16" (half, rounded) or "disk" (float32 files, exact)
     hidden_states: str = "memory"
@@ -119,6 +125,37 @@ def run(
     ``on_row`` receives the record as it stands after each method (``"complete": False``
     until the last), so a long comparison can be saved as it goes.
     """
+    with offload_scratch(config.offload_dir) as scratch:
+        return _run(config, loaded, progress, on_row, scratch)
+
+
+@contextlib.contextmanager
+def offload_scratch(folder: str | None) -> Iterator[Path | None]:
+    """A new folder inside ``folder`` for the offloaded layers of the run (None without
+    ``folder``), removed with everything in it when the run ends, however it ends."""
+    if folder is None:
+        yield None
+        return
+    check_destination(folder, folder=True, what="--offload-dir")
+    created = not Path(folder).exists()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="torq-offload-", dir=folder))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):  # only if nothing else was put there
+                Path(folder).rmdir()
+
+
+def _run(
+    config: RunConfig,
+    loaded: LoadedModel | None,
+    progress: bool,
+    on_row: Callable[[dict[str, Any]], None] | None,
+    scratch: Path | None,
+) -> dict[str, Any]:
     if not config.methods:
         raise TorqError("no methods given")
     saved = loaded.quantized if loaded is not None else saved_manifest(config.model)
@@ -159,6 +196,12 @@ def run(
             "--packed loads a saved quantized checkpoint (--model <save-dir>/<model>-<method>), "
             "or with --stream the checkpoints its --save-dir writes for --tasks"
         )
+    if config.offload_dir is not None and saved is None and not (config.stream and config.tasks):
+        raise TorqError(
+            "--offload-dir keeps a saved quantized checkpoint's layers on disk "
+            "(--model <save-dir>/<model>-<method>, or with --stream the checkpoints its "
+            "--save-dir writes for --tasks)"
+        )
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
     if config.portable_dir is not None and config.resume_dir is None:
@@ -172,13 +215,16 @@ def run(
     if config.stream:
         if saved is not None or loaded is not None:
             raise TorqError("--stream reads a float checkpoint; a loaded or saved model is not one")
-        return _run_streamed(config, methods, qconfig, device, progress, on_row, t_start)
+        return _run_streamed(config, methods, qconfig, device, progress, on_row, t_start, scratch)
     own = loaded is None  # the run loads the model itself, so it can read it again
     if loaded is None:
-        loaded = load(config.model, packed=config.packed, gguf_dtype=config.gguf_dtype)
+        loaded = load(
+            config.model, packed=config.packed, gguf_dtype=config.gguf_dtype, offload_dir=scratch
+        )
     if saved is not None and loaded.quantized is not None:
         saved = loaded.quantized  # with how it loaded (time, fingerprint check)
-    loaded.model.to(device)
+    if getattr(loaded.model, "hf_device_map", None) is None:  # not dispatched by accelerate
+        loaded.model.to(device)
     windows = None
     if not config.skip_ppl:
         text = load_wikitext2_test(config.data_dir)
@@ -355,6 +401,7 @@ def _run_streamed(
     progress: bool,
     on_row: Callable[[dict[str, Any]], None] | None,
     t_start: float,
+    scratch: Path | None = None,
 ) -> dict[str, Any]:
     """:func:`run` one decoder layer at a time (:mod:`torq.driver`): each method streams the
     checkpoint again from its folder, so no copy of the model is made or held."""
@@ -434,7 +481,7 @@ def _run_streamed(
         zeroshot = None
         if config.tasks:
             assert writer is not None
-            zeroshot = _saved_zeroshot(config, writer.out, details, progress)
+            zeroshot = _saved_zeroshot(config, writer.out, details, progress, scratch)
         if writer is not None:
             details["saved"] = {
                 "path": str(writer.out),
@@ -465,18 +512,28 @@ def _run_streamed(
 
 
 def _saved_zeroshot(
-    config: RunConfig, folder: Path, details: dict[str, Any], progress: bool
+    config: RunConfig,
+    folder: Path,
+    details: dict[str, Any],
+    progress: bool,
+    scratch: Path | None = None,
 ) -> dict[str, Any]:
     """The zero-shot tasks of a streamed method, on the checkpoint it saved, loaded whole
-    (packed with ``config.packed``) and freed after."""
+    (packed with ``config.packed``; its layers offloaded to a folder in ``scratch`` when
+    given) and freed after."""
     from torq.export import load_quantized
 
-    model, tokenizer, manifest = load_quantized(folder, device=config.device, packed=config.packed)
+    offload = None if scratch is None else Path(tempfile.mkdtemp(prefix="layers-", dir=scratch))
     try:
+        model, tokenizer, manifest = load_quantized(
+            folder, device=config.device, packed=config.packed, offload_dir=offload
+        )
         row = _zeroshot(config, model, tokenizer, progress, details)
-    finally:
         del model
+    finally:
         gc.collect()
+        if offload is not None:
+            shutil.rmtree(offload, ignore_errors=True)
     details["zeroshot_model"] = {"loaded_from": str(folder), **manifest.get("load", {})}
     return row
 

@@ -108,7 +108,8 @@ def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
 ) -> None:
     """``--stream --save-dir --tasks``: each method is quantized layer by layer and saved as
     it goes, then its tasks run on the saved checkpoint: the whole-model path's scores
-    (the same logits); with ``--packed`` the weights stay packed (4-bit) in memory."""
+    (the same logits); with ``--packed`` the weights stay packed (4-bit) in memory; with
+    ``--offload-dir`` its layers stay on disk (the same scores; the scratch folder goes)."""
     _zeroshot_dir(tiny_data_dir)
     common = [
         "eval", "--model", str(tiny_checkpoint), "--methods", "rtn,quarot",
@@ -116,21 +117,26 @@ def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
         "--data-dir", str(tiny_data_dir), "--no-progress",
     ]  # fmt: skip
     runs = {}
+    off = tmp_path / "scratch" / "offload"
     for name, extra in {
         "whole": [],
         "streamed": ["--stream", "--save-dir", str(tmp_path / "s")],
         "packed": ["--stream", "--save-dir", str(tmp_path / "p"), "--packed"],
+        "offloaded": ["--stream", "--save-dir", str(tmp_path / "o"), "--offload-dir", str(off)],
     }.items():
         out = tmp_path / f"{name}.json"
         assert main([*common, *extra, "--out", str(out)]) == 0
         runs[name] = json.loads(out.read_text())["rows"]
-    for whole, streamed, packed in zip(*runs.values(), strict=True):
-        assert whole["ppl"] == streamed["ppl"] == packed["ppl"]
+    for whole, streamed, packed, offloaded in zip(*runs.values(), strict=True):
+        assert whole["ppl"] == streamed["ppl"] == packed["ppl"] == offloaded["ppl"]
         assert whole["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"], whole["method"]
+        assert offloaded["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"]
+        assert Path(offloaded["details"]["zeroshot_model"]["offload_dir"]).parent.parent == off
         assert set(packed["zeroshot"]["tasks"]) == {"arc_easy", "piqa"}
         assert streamed["details"]["zeroshot_model"]["packed_layers"] == 0
         assert packed["details"]["zeroshot_model"]["packed_layers"] == 14  # 7 linears × 2
         assert Path(packed["details"]["saved"]["path"]).is_dir()
+    assert not off.exists()  # the run's scratch folder, and the folder it made for it
 
 
 @pytest.mark.slow

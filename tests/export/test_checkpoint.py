@@ -19,6 +19,7 @@ from torq.formats import get_format
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.rotations.intra_block import IntraBlockConfig
+from torq.rotations.transform import BlockRotation
 from torq.surgery import QuantConfig, QuantLinear
 from torq.surgery.qlinear import QuantExperts
 
@@ -134,6 +135,50 @@ def test_packed_layers_compute_the_same_on_cpu(tmp_path, tiny_tokenizer, corpus)
     assert torch.allclose(_logits(packed), ref, rtol=0, atol=1e-5)
     with pytest.raises(TorqError, match="packed kernel layer"):
         save_quantized(packed, tmp_path / "again")
+
+
+@pytest.mark.parametrize(
+    ("arch", "method", "packed"),
+    [
+        ("llama", "torq", False),
+        ("llama", "torq", True),
+        ("llama", "quarot", True),
+        ("gemma3_text", "had32", False),
+        ("qwen3_moe", "had32", False),
+    ],
+)
+def test_disk_offload_computes_the_same_one_layer_at_a_time(
+    arch, method, packed, tmp_path, tiny_tokenizer, corpus
+) -> None:
+    """``offload_dir``: every decoder layer is written to disk as it is built and read back
+    only while it computes (accelerate's ``device_map`` offload), with the logits of the
+    model loaded whole, bit for bit; the online transforms, shared by several layers, stay
+    in memory, once; a folder that is not empty is refused."""
+    from torq.models.architecture import decoder_layers
+
+    model = _quantized(arch, method, tokenizer=tiny_tokenizer, corpus=corpus)
+    out = save_quantized(model, tmp_path / "ck", tiny_tokenizer, method=method)
+    whole, _, _ = load_quantized(out, packed=packed)
+    folder = tmp_path / "offload"
+    again, _, manifest = load_quantized(out, packed=packed, offload_dir=folder)
+    assert manifest["load"]["offload_dir"] == str(folder)
+    assert torch.equal(_logits(again), _logits(whole))
+    layers = decoder_layers(again)
+    for layer in layers:  # between forwards, no layer holds a tensor that was offloaded
+        held = [n for n, t in layer.state_dict().items() if t.device.type != "meta"]
+        assert held == [], held
+    assert again.get_input_embeddings().weight.device.type == "cpu"
+    index = json.loads((folder / "index.json").read_text())
+    n = len(layers)
+    assert {k.split(".")[2] for k in index} == {str(i) for i in range(n)}
+    assert {f.stem for f in folder.glob("*.dat")} == set(index)
+    assert not any(".transform." in k for k in index)
+    kept = {id(t): t for t in again.modules() if isinstance(t, BlockRotation)}
+    assert len(kept) == len(manifest["transforms"])
+    assert all(b.device.type == "cpu" for t in kept.values() for b in t.buffers())
+    assert bool(kept) == (method != "rtn")
+    with pytest.raises(TorqError, match="not empty"):
+        load_quantized(out, offload_dir=folder)
 
 
 @pytest.mark.parametrize(
@@ -291,6 +336,19 @@ def test_cli_saves_and_evaluates_a_saved_model(
         == 0
     )
     assert json.loads(third.read_text())["rows"][0]["ppl"] == row["ppl"]
+    # its layers kept on disk while it is evaluated: the same perplexity, bit for bit, and
+    # the scratch folder removed after; a float model has nothing to offload
+    off = tmp_path / "off"
+    fourth = tmp_path / "d.json"
+    argv = ["run", "--model", str(saved), *common, "--offload-dir", str(off), "--out", str(fourth)]
+    assert main(argv) == 0
+    offloaded = json.loads(fourth.read_text())["rows"][0]
+    assert offloaded["ppl"] == row["ppl"]
+    assert Path(offloaded["details"]["loaded_from"]["offload_dir"]).parent == off
+    assert not off.exists()
+    code = main(["run", "--model", str(tiny_checkpoint), *common, "--offload-dir", str(off)])
+    assert code == 2 and "--offload-dir keeps a saved" in capsys.readouterr().err
+    assert not off.exists()
 
 
 def test_model_copy_is_unaffected_by_saving(tmp_path) -> None:

@@ -198,6 +198,33 @@ def test_sweep_agrees_with_brute_force_on_every_interval():
     assert torch.equal(brute, nums[wide])
 
 
+def test_sweep_in_chunks_is_the_sweep_in_one(monkeypatch):
+    """The running counts are accumulated a chunk of events at a time (bounded memory on a
+    million-block sample): exact integers, so any chunk size gives the same numerators,
+    and the search the same angles and rotated sample, bit for bit; searching in place
+    rotates the given tensor instead of a copy, with the same result."""
+    import torq.rotations.intra_block as ib
+
+    zn = _normalized(_samples("student_t2", 400, k=8, seed=11))
+    pairs = select_column_pairs(zn, k_top=4, n_pairs=2, lam=1.0)
+    ((ev_angle, ev_code), _) = _pair_events(zn, pairs)
+    p, q = pairs[0]
+    base = codebook_histogram(zn) - codebook_histogram(zn[:, p]) - codebook_histogram(zn[:, q])
+    whole = _occupancy_sweep(zn[:, p], zn[:, q], ev_angle, ev_code, base, zn.numel())
+    one = exact_angle_search(zn, pairs)
+    monkeypatch.setattr(ib, "_SWEEP_CHUNK", 7)
+    assert ev_angle.numel() > 20 * 7
+    chunked = _occupancy_sweep(zn[:, p], zn[:, q], ev_angle, ev_code, base, zn.numel())
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a, b)
+    again = exact_angle_search(zn, pairs)
+    assert torch.equal(again.angles, one.angles) and torch.equal(again.z_norm, one.z_norm)
+    assert bool((one.angles != 0).any())
+    mine = zn.clone()
+    inplace = exact_angle_search(mine, pairs, inplace=True)
+    assert inplace.z_norm is mine and torch.equal(mine, one.z_norm)
+
+
 def test_sweep_loss_equals_brute_force_at_returned_angle():
     zn = _normalized(_samples("lognormal", 2000, k=16, seed=7))
     pairs = select_column_pairs(zn, k_top=8, n_pairs=4, lam=1.0)

@@ -94,7 +94,7 @@ def _pack_exact(w: torch.Tensor, spec: FormatSpec | None) -> tuple[dict[str, tor
 
 
 def _unpack(
-    tensors: dict[str, torch.Tensor],
+    tensors: _StoredTensors,
     key: str,
     entry: dict[str, Any],
 ) -> torch.Tensor:
@@ -127,7 +127,7 @@ def _unpack(
     return dequantize(p, dtype)
 
 
-def _take(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def _take(tensors: _StoredTensors | dict[str, torch.Tensor], key: str) -> torch.Tensor:
     if key not in tensors:
         raise TorqError(f"the checkpoint lacks the tensor {key}")
     return tensors[key]
@@ -394,11 +394,18 @@ def _narrowest_exact(t: torch.Tensor) -> torch.Tensor:
     """``t`` in bf16 when bf16 holds every value exactly (a float32 copy of a bf16
     checkpoint's embedding or norm), else as it is: lossless, and half the bytes."""
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.float32 and t.numel():
-        narrow = t.to(torch.bfloat16)
-        if torch.equal(narrow.to(torch.float32), t):
-            return narrow
-    return t
+    if t.dtype != torch.float32 or not t.numel():
+        return t
+    # bf16 is float32's upper half: exact iff the lower 16 bits are zero (NaN excepted, as
+    # NaN != NaN). Checked a slab at a time: a round trip of a whole 8B model's embedding
+    # would hold two more copies of it (3 GB) while its checkpoint is written.
+    bits = t.reshape(-1).view(torch.int32)
+    slab = 1 << 24
+    for i in range(0, bits.numel(), slab):
+        part = bits[i : i + slab]
+        if bool((part & 0xFFFF).any()) or bool(torch.isnan(part.view(torch.float32)).any()):
+            return t
+    return t.to(torch.bfloat16)
 
 
 class CheckpointWriter:
@@ -578,57 +585,62 @@ def _packable(entry: dict[str, Any]) -> bool:
     return entry["storage"] == "packed" and entry["weight"] == mx and entry["activation"] == mx
 
 
-@torch.no_grad()
-def load_quantized(
-    path: str | Path,
-    *,
-    device: str | torch.device = "cpu",
-    packed: bool = False,
-    verify: bool = True,
-) -> tuple[nn.Module, Any | None, dict[str, Any]]:
-    """Rebuild the model that :func:`save_quantized` wrote in ``path``.
+class _StoredTensors:
+    """A checkpoint's tensors, each read from its safetensors file when it is asked for, so
+    that loading never holds the stored copy of the whole model beside the built one."""
 
-    Returns ``(model, tokenizer or None, manifest)``. By default each quantized linear is a
-    :class:`QuantLinear` (weights unpacked to float, activations fake-quantized), the same
-    computation as the model that was saved; ``packed=True`` makes each MXFP4 W4A4 linear a
-    :class:`~torq.kernels.linear.PackedMXFP4Linear` instead (packed weights, Triton kernels
-    on a GPU, the same reference arithmetic on a CPU). ``verify`` checks the logits
-    fingerprint stored at save time (a mismatch raises, except for packed layers on a GPU,
-    whose accumulation order differs: there it warns).
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import SafetensorError, safe_open
 
-    from torq.kernels.linear import MXFP4Weight, PackedMXFP4Linear
+        self._handles: dict[Path, Any] = {}
+        self.file_of: dict[str, Path] = {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise TorqError(f"{file} could not be read ({exc})") from None
+            self._handles[file] = handle
+            self.file_of.update(dict.fromkeys(handle.keys(), file))
 
-    t0 = time.perf_counter()
-    root = Path(path)
-    manifest = read_manifest(root)
-    weights = root / WEIGHTS
-    files = [weights]
+    def __contains__(self, key: object) -> bool:
+        return key in self.file_of
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        try:
+            return self._handles[self.file_of[key]].get_tensor(key)
+        except SafetensorError as exc:
+            raise TorqError(f"{self.file_of[key]} could not be read ({exc})") from None
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self[key] if key in self.file_of else None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file_of)
+
+
+def _checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: one, or the shards of its index."""
     if (root / INDEX).is_file():  # written part by part (CheckpointWriter)
-        weights = root / INDEX
         try:
-            weight_map = json.loads(weights.read_text())["weight_map"]
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise TorqError(f"{weights} is not a safetensors index ({exc})") from None
-        files = [root / f for f in sorted(set(weight_map.values()))]
-    elif not weights.is_file():
+            raise TorqError(f"{root / INDEX} is not a safetensors index ({exc})") from None
+        return [root / f for f in sorted(set(weight_map.values()))]
+    if not (root / WEIGHTS).is_file():
         raise TorqError(f"{root} has a manifest but no {WEIGHTS}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError) as exc:
-            raise TorqError(f"{file} could not be read ({exc})") from None
-    model = _empty_model(root)
+    return [root / WEIGHTS]
 
-    built_transforms = []
+
+def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list[BlockRotation]:
+    """The online transforms ``T`` (Algorithm 3, steps 2–3), once each."""
+    built = []
     for i, t in enumerate(manifest["transforms"]):
         parts = {n: _take(tensors, f"torq.transforms.{i}.{n}") for n in t["tensors"]}
         factors = [parts[n] for n in ("intra_factor0", "intra_factor1") if n in parts]
         dtype = next(iter(parts.values())).dtype
-        built_transforms.append(
+        built.append(
             BlockRotation(
                 t["block_size"],
                 r_inter=parts.get("r_inter"),
@@ -638,66 +650,248 @@ def load_quantized(
                 intra_factors=factors or None,
             )
         )
-    built_quantizers = [
+    return built
+
+
+def _quantized_module(
+    name: str,
+    entry: dict[str, Any],
+    tensors: _StoredTensors,
+    quantizers: list[ActivationQuantizer],
+    old: nn.Module,
+    packed: bool,
+) -> nn.Module:
+    """The module of one manifest entry: a linear ``Q_w(W Tᵀ)`` read through its activation
+    quantizer ``Q_a(T x)`` (unpacked to float, or packed MXFP4), or fused MoE experts."""
+    from torq.kernels.linear import MXFP4Weight, PackedMXFP4Linear
+
+    act = _spec(entry["activation"])
+    if entry["kind"] == "linear":
+        bias = tensors.get(f"{name}.bias") if entry["bias"] else None
+        if entry["bias"] and bias is None:
+            raise TorqError(f"the checkpoint lacks the tensor {name}.bias")
+        quantizer = quantizers[entry["quantizer"]]
+        if packed and _packable(entry):
+            weight = MXFP4Weight(
+                _take(tensors, f"{name}.weight_codes"),
+                _take(tensors, f"{name}.weight_scales"),
+                int(entry["shape"][1]),
+            )
+            return PackedMXFP4Linear(weight, bias, input_transform=quantizer.transform)
+        cfg = QuantConfig(weight=_spec(entry["weight"]), activation=act)
+        w = _unpack(tensors, f"{name}.weight", entry)
+        return QuantLinear(w, bias, cfg, input_quantizer=quantizer, weight_quantized=True)
+    if entry["kind"] == "experts":
+        gu = _unpack(tensors, f"{name}.gate_up_proj", entry["gate_up_proj"])
+        dn = _unpack(tensors, f"{name}.down_proj", entry["down_proj"])
+        cfg = QuantConfig(weight=_spec(entry["gate_up_proj"]["weight"]), activation=act)
+        return QuantExperts.from_quantized(old.act_fn, gu, dn, cfg)
+    raise TorqError(f"unknown module kind {entry['kind']!r} for {name} in the manifest")
+
+
+class _DiskOffload:
+    """accelerate's disk offload of the decoder layers, written layer by layer as they are
+    built: each layer's tensors go to ``folder`` as accelerate's memory-mapped ``.dat``
+    files and are replaced by ``meta`` ones, so no more than one layer is ever held.
+
+    The online transforms stay in memory: several layers (often all of them) read one, and
+    they are small (a few 32×32 blocks and a channel scale per group). Their buffers are
+    made non-persistent here, which is what accelerate leaves on the execution device;
+    otherwise every linear reading a transform would load it from disk again."""
+
+    def __init__(self, folder: Path, transforms: list[BlockRotation]) -> None:
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise TorqError(f"the offload folder {folder} is not empty")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.index: dict[str, dict[str, Any]] = {}
+        for t in transforms:
+            t._non_persistent_buffers_set.update(n for n, _ in t.named_buffers(recurse=False))
+
+    def add_layer(self, prefix: str, layer: nn.Module) -> None:
+        from accelerate.utils import named_module_tensors, offload_weight
+        from accelerate.utils.modeling import set_module_tensor_to_device
+
+        from torq.models.streaming import return_free_heap
+
+        # every name a tensor is reached by (accelerate hooks each module by its own path)
+        seen: dict[int, str] = {}
+        for name, module in layer.named_modules(remove_duplicate=False):
+            for n, t in named_module_tensors(
+                module, include_buffers=True, recurse=False, remove_non_persistent=True
+            ):
+                full = f"{name}.{n}" if name else n
+                if id(t) in seen and seen[id(t)] != full:
+                    raise TorqError(f"cannot offload {prefix}: {full} is also {seen[id(t)]}")
+                seen[id(t)] = full
+                offload_weight(t, f"{prefix}.{full}", str(self.folder), self.index)
+                set_module_tensor_to_device(module, n, "meta")
+        return_free_heap()
+
+    def dispatch(self, model: nn.Module, layers_name: str, n_layers: int, device: str) -> None:
+        """``accelerate.dispatch_model`` with each decoder layer on ``"disk"`` and the rest
+        (embeddings, final norm, head) on ``device``, where every layer also computes."""
+        from accelerate import dispatch_model
+        from accelerate.utils.offload import save_offload_index
+
+        save_offload_index(self.index, str(self.folder))
+        device_map = _layers_on_disk(model, layers_name, n_layers, device)
+        # (accelerate warns that the offloaded parameters are on meta: that is the point)
+        quiet = logging.getLogger("accelerate.big_modeling")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            dispatch_model(
+                model,
+                device_map,
+                main_device=device,
+                offload_dir=str(self.folder),
+                offload_buffers=True,
+            )
+        finally:
+            quiet.setLevel(level)
+        # each layer's weights, read from disk and dropped again, leave the heap fragmented:
+        # without giving it back the resident set grows by about a layer per layer (measured
+        # on the 0.92B shape: 1.2 GiB after one forward, docs/RESULTS.md §9.1)
+        for layer in model.get_submodule(layers_name):
+            layer.register_forward_hook(_return_heap)
+
+
+def _return_heap(*_: Any) -> None:
+    from torq.models.streaming import return_free_heap
+
+    return_free_heap()
+
+
+def _layers_on_disk(model: nn.Module, layers_name: str, n_layers: int, device: str) -> dict:
+    """A device map with every decoder layer on ``"disk"`` and every other module on
+    ``device``: the siblings of each module on the way from the root to the layer list."""
+    device_map: dict[str, str] = {}
+    path = layers_name.split(".")
+    for depth in range(len(path)):
+        parent = model.get_submodule(".".join(path[:depth])) if depth else model
+        prefix = ".".join(path[:depth])
+        for child, _ in parent.named_children():
+            if child != path[depth]:
+                device_map[f"{prefix}.{child}" if prefix else child] = device
+        if (
+            next(parent.parameters(recurse=False), None) is not None
+            or next(parent.buffers(recurse=False), None) is not None
+        ):
+            raise TorqError(f"cannot offload a model whose {prefix or 'root'} holds tensors itself")
+    for i in range(n_layers):
+        device_map[f"{layers_name}.{i}"] = "disk"
+    return device_map
+
+
+@torch.no_grad()
+def load_quantized(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    packed: bool = False,
+    verify: bool = True,
+    offload_dir: str | Path | None = None,
+) -> tuple[nn.Module, Any | None, dict[str, Any]]:
+    """Rebuild the model that :func:`save_quantized` wrote in ``path``.
+
+    Returns ``(model, tokenizer or None, manifest)``. By default each quantized linear is a
+    :class:`QuantLinear` (weights unpacked to float, activations fake-quantized), the same
+    computation as the model that was saved; ``packed=True`` makes each MXFP4 W4A4 linear a
+    :class:`~torq.kernels.linear.PackedMXFP4Linear` instead (packed weights, Triton kernels
+    on a GPU, the same reference arithmetic on a CPU). ``offload_dir`` (an empty or new
+    folder) keeps the decoder layers on disk there, through accelerate's ``device_map``
+    offload: the model is built one layer at a time and each layer is read back only while
+    it computes, so a model larger than memory can be evaluated (slowly). ``verify`` checks
+    the logits fingerprint stored at save time (a mismatch raises, except for packed layers
+    on a GPU, whose accumulation order differs: there it warns).
+    """
+    from torq.kernels.linear import PackedMXFP4Linear
+    from torq.models.architecture import decoder_layers
+
+    t0 = time.perf_counter()
+    root = Path(path)
+    manifest = read_manifest(root)
+    tensors = _StoredTensors(_checkpoint_files(root))
+    model = _empty_model(root)
+    transforms = _built_transforms(manifest, tensors)
+    quantizers = [
         ActivationQuantizer(
-            _spec(q["activation"]),
-            None if q["transform"] is None else built_transforms[q["transform"]],
+            _spec(q["activation"]), None if q["transform"] is None else transforms[q["transform"]]
         )
         for q in manifest["quantizers"]
     ]
+    offload = None
+    if offload_dir is not None:
+        offload = _DiskOffload(Path(offload_dir), transforms)
 
-    n_packed_layers = 0
-    for name, entry in manifest["modules"].items():
-        act = _spec(entry["activation"])
-        if entry["kind"] == "linear":
-            bias = tensors.get(f"{name}.bias") if entry["bias"] else None
-            if entry["bias"] and bias is None:
-                raise TorqError(f"the checkpoint lacks the tensor {name}.bias")
-            quantizer = built_quantizers[entry["quantizer"]]
-            if packed and _packable(entry):
-                in_features = int(entry["shape"][1])
-                layer: nn.Module = PackedMXFP4Linear(
-                    MXFP4Weight(
-                        _take(tensors, f"{name}.weight_codes"),
-                        _take(tensors, f"{name}.weight_scales"),
-                        in_features,
-                    ),
-                    bias,
-                    input_transform=quantizer.transform,
-                )
-                n_packed_layers += 1
-            else:
-                cfg = QuantConfig(weight=_spec(entry["weight"]), activation=act)
-                w = _unpack(tensors, f"{name}.weight", entry)
-                layer = QuantLinear(w, bias, cfg, input_quantizer=quantizer, weight_quantized=True)
-            _set_module(model, name, layer)
-        elif entry["kind"] == "experts":
-            old = model.get_submodule(name)
-            gu = _unpack(tensors, f"{name}.gate_up_proj", entry["gate_up_proj"])
-            dn = _unpack(tensors, f"{name}.down_proj", entry["down_proj"])
-            cfg = QuantConfig(weight=_spec(entry["gate_up_proj"]["weight"]), activation=act)
-            _set_module(model, name, QuantExperts.from_quantized(old.act_fn, gu, dn, cfg))
-        else:
-            raise TorqError(f"unknown module kind {entry['kind']!r} for {name} in the manifest")
-
-    prefixes = tuple(f"{n}." for n in manifest["modules"])
-    rest = {k: v for k, v in tensors.items() if not k.startswith((*prefixes, "torq.transforms."))}
-    for alias, source in manifest["aliases"].items():
-        rest[alias] = _take(rest, source)
+    modules: dict[str, dict[str, Any]] = manifest["modules"]
+    prefixes = tuple(f"{n}." for n in modules)
+    stored_float = [k for k in tensors if not k.startswith((*prefixes, "torq.transforms."))]
+    aliases: dict[str, str] = manifest["aliases"]
     # in float32, as the layers compute (a part-by-part checkpoint keeps bf16 where exact)
-    # (one conversion per tensor, so that a tied head stays the embedding's tensor)
-    converted: dict[int, torch.Tensor] = {}
-    for k, v in list(rest.items()):
-        if v.is_floating_point():
-            rest[k] = converted.setdefault(id(v), v.to(torch.float32))
-    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    missing = [k for k in missing if not k.startswith(prefixes)]
-    if unexpected or missing:
-        raise TorqError(
-            f"{weights} does not match the model of its config.json: "
-            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    model.eval().to(device)
+    # (one tensor per stored key, so that a tied head stays the embedding's tensor)
+    converted: dict[str, torch.Tensor] = {}
+
+    def float_state(keys: list[str], strip: str = "") -> dict[str, torch.Tensor]:
+        state = {}
+        for k in keys:
+            source = aliases.get(k, k)
+            if source not in converted:
+                v = _take(tensors, source)
+                converted[source] = v.to(torch.float32) if v.is_floating_point() else v
+            state[k[len(strip) :]] = converted[source]
+        return state
+
+    def build(names: list[str]) -> int:
+        n = 0
+        for name in names:
+            entry = modules[name]
+            layer = _quantized_module(
+                name, entry, tensors, quantizers, model.get_submodule(name), packed
+            )
+            _set_module(model, name, layer)
+            n += isinstance(layer, PackedMXFP4Linear)
+        return n
+
+    def check(missing: list[str], unexpected: list[str], skip: tuple[str, ...]) -> None:
+        missing = [k for k in missing if not k.startswith(skip)]
+        if unexpected or missing:
+            raise TorqError(
+                f"the checkpoint in {root} does not match the model of its config.json: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+
+    layers = decoder_layers(model)
+    layers_name = next(n for n, m in model.named_modules() if m is layers)
+    n_packed_layers = 0
+    done: set[str] = set()
+    for i, layer in enumerate(layers):
+        p = f"{layers_name}.{i}."
+        names = [n for n in modules if n.startswith(p)]
+        n_packed_layers += build(names)
+        keys = [k for k in stored_float if k.startswith(p)] + [
+            a for a in aliases if a.startswith(p)
+        ]
+        result = layer.load_state_dict(float_state(keys, p), strict=False, assign=True)
+        check(result.missing_keys, result.unexpected_keys, tuple(f"{n[len(p) :]}." for n in names))
+        for k in keys:
+            converted.pop(aliases.get(k, k), None)
+        done.update(names, keys)
+        if offload is not None:
+            offload.add_layer(p[:-1], layer)
+    n_packed_layers += build([n for n in modules if n not in done])
+    keys = [k for k in (*stored_float, *aliases) if k not in done]
+    result = model.load_state_dict(float_state(keys), strict=False, assign=True)
+    check(result.missing_keys, result.unexpected_keys, (*prefixes, f"{layers_name}."))
+    model.eval()
+    if offload is not None:
+        where = torch.device(device)
+        if where.type == "cuda" and where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        offload.dispatch(model, layers_name, len(layers), str(where))
+    else:
+        model.to(device)
 
     tokenizer = None
     if (root / "tokenizer_config.json").is_file():
@@ -710,6 +904,8 @@ def load_quantized(
             cls = transformers.AutoTokenizer
         tokenizer = cls.from_pretrained(str(root))
     manifest["load"] = {"packed_layers": n_packed_layers, "seconds": time.perf_counter() - t0}
+    if offload is not None:
+        manifest["load"]["offload_dir"] = str(offload.folder)
     if verify:
         ids = torch.tensor([manifest["fingerprint"]["input_ids"]])
         diff = fingerprint_distance(

@@ -914,9 +914,14 @@ class PackedMXFP4Linear(nn.Module):
         self.register_buffer("fp8_row_scale", scale, persistent=False)
         self.fp8_exact = exact
 
-    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
-        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
-        self._set_fp8_rows(MXFP4Weight(self.codes, self.scales, self.in_features))
+    def _load_from_state_dict(
+        self, state_dict: dict[str, torch.Tensor], prefix: str, *args: object, **kwargs: object
+    ) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[arg-type]
+        # only when this layer's codes or scales were loaded (a model-wide load that leaves
+        # this layer alone, e.g. one whose layers are offloaded to disk, keeps its rows)
+        if f"{prefix}codes" in state_dict or f"{prefix}scales" in state_dict:
+            self._set_fp8_rows(MXFP4Weight(self.codes, self.scales, self.in_features))
 
     @classmethod
     def from_linear(

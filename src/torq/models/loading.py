@@ -246,10 +246,12 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
 
 
-def _from_quantized_folder(path: Path, packed: bool = False) -> LoadedModel:
+def _from_quantized_folder(
+    path: Path, packed: bool = False, offload_dir: Path | None = None
+) -> LoadedModel:
     from torq.export import load_quantized
 
-    model, tokenizer, manifest = load_quantized(path, packed=packed)
+    model, tokenizer, manifest = load_quantized(path, packed=packed, offload_dir=offload_dir)
     if tokenizer is None:
         raise TorqError(f"{path} holds no tokenizer; save it with one to evaluate it here")
     return LoadedModel(
@@ -317,6 +319,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     packed: bool = False,
     gguf_dtype: str = "float32",
+    offload_dir: Path | None = None,
 ) -> LoadedModel:
     """Load a causal LM in float for quantization.
 
@@ -326,7 +329,8 @@ def load(
     (``$TORQ_CACHE``). A folder written by
     :func:`torq.export.save_quantized` loads as the quantized model it holds
     (``LoadedModel.quantized`` is then its manifest), its MXFP4 W4A4 weights kept packed
-    with ``packed``.
+    with ``packed``, its decoder layers offloaded to the empty folder ``offload_dir`` when
+    given (:func:`torq.export.load_quantized`).
     """
     key = name_or_path.strip()
     path = Path(key).expanduser()
@@ -334,7 +338,7 @@ def load(
         from torq.export import is_quantized_checkpoint
 
         if is_quantized_checkpoint(path):
-            return _from_quantized_folder(path, packed)
+            return _from_quantized_folder(path, packed, offload_dir)
     if _is_hub_id(key, path):
         try:
             return _from_folder(key, f"hub:{key}", dtype)

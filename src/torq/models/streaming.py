@@ -24,6 +24,8 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,14 +53,63 @@ def _libc_trim() -> ctypes.CDLL | None:
 _LIBC = _libc_trim()
 
 
+def return_free_heap() -> None:
+    """Return freed heap memory to the system (glibc's ``malloc_trim``), without a garbage
+    collection: cheap enough to run after every layer of every forward."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def give_back_memory() -> None:
     """Collect garbage and return freed heap memory to the system (glibc's
     ``malloc_trim``). Without it, each layer read and freed leaves ~40 MB of fragmented
     heap behind on an 8B-shaped model, and the resident set grows with the model's depth
     (measured: docs/RESULTS.md §9)."""
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    return_free_heap()
+
+
+class ResidentPeak:
+    """The process's largest resident set over a stretch of work, sampled every
+    ``interval`` seconds by a daemon thread (Linux, ``/proc/self/statm``; elsewhere every
+    peak is ``None``). The kernel's own high-water mark covers the whole process; this one
+    can be restarted, so each step of a streamed run (a layer's capture, its quantization,
+    the head) gets its own peak (docs/RESULTS.md §9: which step makes a run's peak)."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._ok = Path("/proc/self/statm").is_file()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._ok:
+            self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True)
+            self._thread.start()
+
+    def _now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _watch(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._peak = max(self._peak, self._now())
+
+    def restart(self) -> None:
+        """Begin a new stretch: its peak starts at the resident set now."""
+        if self._ok:
+            self._peak = self._now()
+
+    def peak(self) -> int | None:
+        """The largest resident set (bytes) since :meth:`restart`, this moment included."""
+        if not self._ok:
+            return None
+        self._peak = max(self._peak, self._now())
+        return self._peak
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _Recorder(nn.Module):

@@ -204,6 +204,11 @@ def code_index(z_norm: Tensor) -> Tensor:
     Round to nearest with ties to even mantissa and saturation at ±6, so ``p̂_j`` counts
     exactly the codes MXFP4 would emit. Magnitudes only: signs share a bin.
     """
+    return _code_bins(z_norm).long()
+
+
+def _code_bins(z_norm: Tensor) -> Tensor:
+    """:func:`code_index` as ``int8`` (what counting needs: an eighth of the memory)."""
     mag = z_norm.abs()
     bounds = decision_boundaries(torch.float64).tolist()
     # Counting the boundaries below each value is several times faster than bucketize for
@@ -211,7 +216,7 @@ def code_index(z_norm: Tensor) -> Tensor:
     idx = torch.zeros(mag.shape, dtype=torch.int8, device=mag.device)
     for i, bound in enumerate(bounds):
         idx += (mag >= bound) if i % 2 else (mag > bound)
-    return idx.long()
+    return idx
 
 
 def quantize_e2m1(z_norm: Tensor) -> Tensor:
@@ -226,12 +231,13 @@ def codebook_histogram(z_norm: Tensor, per_column: bool = False) -> Tensor:
     Returns ``(J,)`` counts over all elements, or ``(K, J)`` counts per column
     (``N_j^(k)`` of Appendix A.5) when ``per_column``.
     """
-    idx = code_index(z_norm)
+    idx = _code_bins(z_norm)
     if not per_column:
         return torch.bincount(idx.reshape(-1), minlength=N_CODES)
     n_cols = z_norm.shape[-1]
-    offset = torch.arange(n_cols, device=idx.device) * N_CODES
-    flat = (idx + offset).reshape(-1)
+    # int32 bins (column · J + code) instead of int64: half the memory, the same counts
+    offset = torch.arange(n_cols, dtype=torch.int32, device=idx.device) * N_CODES
+    flat = (idx.to(torch.int32) + offset).reshape(-1)
     return torch.bincount(flat, minlength=n_cols * N_CODES).view(n_cols, N_CODES)
 
 
@@ -335,7 +341,9 @@ def select_column_pairs(
     return pairs
 
 
-def exact_angle_search(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> AngleSearchResult:
+def exact_angle_search(
+    z_norm: Tensor, pairs: Sequence[tuple[int, int]], inplace: bool = False
+) -> AngleSearchResult:
     """Exact solver of Appendix A.4 for the R-step's ``P`` disjoint pairs (Algorithm 2, l. 7–10).
 
     For each pair, every crossing of ``|r cos(φ−θ)|`` or ``|r sin(φ−θ)|`` over a decision
@@ -350,9 +358,11 @@ def exact_angle_search(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> Angl
     change each other's events); the sweeps then run in sequence, each on the histogram left
     by the pairs before it, exactly Algorithm 2's inner loop. A rotation is kept only if the
     loss re-counted directly at its angle is strictly lower, so the loss never rises.
+    ``inplace`` rotates ``z_norm`` itself (the result's ``z_norm`` is then that tensor)
+    instead of a copy.
     """
     _check_pairs(pairs, z_norm.shape[-1])
-    zn = z_norm.clone()
+    zn = z_norm if inplace else z_norm.clone()
     n_elems = zn.numel()
     col_counts = codebook_histogram(zn, per_column=True)
     total_counts = col_counts.sum(dim=0)
@@ -482,10 +492,13 @@ def fit_intra_block_rotation(
 
     for _ in range(cfg.max_iter):
         t0 = time.perf_counter()
-        z_norm = z / scales.unsqueeze(-1)
+        # z is not read again before the S-step recomputes it from y: normalized in place,
+        # and the search rotates that tensor, not a copy (a sample's copies are ~0.2 GB
+        # each on an 8B model's widest group)
+        z_norm = z.div_(scales.unsqueeze(-1))
         pairs = select_column_pairs(z_norm, k_top, n_pairs, cfg.lam)
         if cfg.objective == "occupancy":
-            search = exact_angle_search(z_norm, pairs)
+            search = exact_angle_search(z_norm, pairs, inplace=True)
         else:
             search = mse_angle_search(z_norm, scales, pairs, cfg.mse_grid, cfg.mse_refine)
         steps = [
@@ -493,13 +506,16 @@ def fit_intra_block_rotation(
             for (p, q), theta in zip(search.pairs, search.angles.tolist(), strict=True)
             if theta != 0.0
         ]
+        search_losses = search.losses.tolist()
+        # the sample normalized and rotated (two copies of it) is not needed past the R-step
+        del z_norm, search
         r_times.append(time.perf_counter() - t0)
         if not steps:
             stop_reason = "no_improving_rotation"
             break
 
         t0 = time.perf_counter()
-        rstep_losses.append([loss, *search.losses.tolist()])
+        rstep_losses.append([loss, *search_losses])
         kept, candidate = steps, _apply_givens(rotation, steps)
         new_z, new_scales, new_loss = _s_step(y, candidate, cfg)
         if new_loss > loss:
@@ -605,10 +621,14 @@ def _pair_events(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> list[tuple
     u, v = z_norm[:, ps].T.contiguous(), z_norm[:, qs].T.contiguous()
     r = torch.hypot(u, v).unsqueeze(-1)
     phi = torch.atan2(v, u).unsqueeze(-1)
+    del u, v
     bounds = decision_boundaries(z_norm.dtype, z_norm.device)
     crosses = r > bounds
     # atan2(√((r−d)(r+d)), d) is arccos(d/r) without arccos's lost digits near d ≈ r.
-    alpha = torch.atan2(torch.sqrt(((r - bounds) * (r + bounds)).clamp_min(0)), bounds)
+    # In place: the same element-wise operations, one [P, N, 7] temporary fewer at a time
+    # (on an 8B model's down_proj group, N is about a million blocks).
+    alpha = r - bounds
+    alpha.mul_(r + bounds).clamp_min_(0).sqrt_().atan2_(bounds)
     code = torch.arange(1, bounds.numel() + 1, dtype=torch.int8, device=z_norm.device)
     code = code.expand_as(crosses)
     out = []
@@ -635,25 +655,46 @@ def _occupancy_sweep(
     after it, the last one wrapping round to the first event plus ``π/2``).
     """
     ev_angle, order = torch.sort(ev_angle)
-    ev_code = ev_code[order].long()
+    ev_code = ev_code[order]
+    del order
     widths = torch.diff(ev_angle, append=ev_angle[:1] + _HALF_PI)
     n_events = ev_angle.numel()
-    rise = ev_code.sign()
-    bound = ev_code.abs() - 1
-    delta = torch.zeros(n_events, N_CODES, dtype=torch.int64, device=u.device)
-    delta.scatter_(1, bound.unsqueeze(1), -rise.unsqueeze(1))
-    delta.scatter_(1, (bound + 1).unsqueeze(1), rise.unsqueeze(1))
-    counts = delta.cumsum_(dim=0)
     # One histogram counted directly anchors the running sums; it is taken inside the
     # widest gap, the angle safest from landing on the wrong side of an event.
     gap = int(torch.argmax(widths))
     su, sv = _rotate_pair(u, v, float(ev_angle[gap] + widths[gap] / 2))
-    anchor = codebook_histogram(su) + codebook_histogram(sv) + base - counts[gap]
-    counts += anchor
-    # Σ_j (J c_j − T)² = J² Σ_j c_j² − J T², since the counts always sum to T.
-    nums = counts.pow_(2).sum(dim=1).mul_(N_CODES * N_CODES).sub_(N_CODES * n_elems**2)
+    moved = torch.zeros(N_CODES, dtype=torch.int64, device=u.device)
+    for start in range(0, gap + 1, _SWEEP_CHUNK):
+        moved += _event_moves(ev_code[start : min(start + _SWEEP_CHUNK, gap + 1)]).sum(dim=0)
+    # the counts after event i: the anchor plus the moves of events 0..i, exact integers,
+    # accumulated a chunk of events at a time (a [events, J] table of a million-block
+    # sample is half a gigabyte)
+    running = codebook_histogram(su) + codebook_histogram(sv) + base - moved
+    nums = torch.empty(n_events, dtype=torch.int64, device=u.device)
+    for start in range(0, n_events, _SWEEP_CHUNK):
+        counts = _event_moves(ev_code[start : start + _SWEEP_CHUNK]).cumsum_(dim=0)
+        counts += running
+        running = counts[-1].clone()
+        # Σ_j (J c_j − T)² = J² Σ_j c_j² − J T², since the counts always sum to T.
+        chunk = counts.pow_(2).sum(dim=1).mul_(N_CODES * N_CODES).sub_(N_CODES * n_elems**2)
+        nums[start : start + chunk.numel()] = chunk
     mids = _fold(ev_angle + widths / 2)
     return mids, nums, widths
+
+
+# events per chunk of the sweep's running counts: 1M events × J int64 = 64 MiB
+_SWEEP_CHUNK = 1 << 20
+
+
+def _event_moves(ev_code: Tensor) -> Tensor:
+    """``[events, J]``: each event's ±1 moves of one count between adjacent bins."""
+    ev_code = ev_code.long()
+    rise = ev_code.sign()
+    bound = ev_code.abs() - 1
+    delta = torch.zeros(ev_code.numel(), N_CODES, dtype=torch.int64, device=ev_code.device)
+    delta.scatter_(1, bound.unsqueeze(1), -rise.unsqueeze(1))
+    delta.scatter_(1, (bound + 1).unsqueeze(1), rise.unsqueeze(1))
+    return delta
 
 
 def _best_interval(nums: Tensor, widths: Tensor) -> int | None:
