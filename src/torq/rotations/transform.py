@@ -138,6 +138,7 @@ class BlockRotation(nn.Module):
                 torch.div(src, scale, out=xc)
         # y[k, t, a] = Σ_b x[t, b, k] R_k[a, b]
         y = torch.bmm(xc, self.r_inter.to(x.dtype).transpose(1, 2))
+        del xc  # (before the intra-block product: one activation-sized copy fewer at a time)
         if self.r_intra is None:
             return y.permute(1, 2, 0)
         # z[(t, a), j] = Σ_k y[k, (t, a)] R_intra[k, j]
@@ -150,7 +151,10 @@ def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> 
     in float64 and returned in W's dtype. With a channel scale ``s``, ``T⁻¹ = diag(s) Rᵀ``."""
     w64 = weight.detach().to(torch.float64)
     if transform.channel_scale is not None:
-        w64 = w64 * transform.channel_scale.to(device=w64.device, dtype=torch.float64)
+        scale = transform.channel_scale.to(device=w64.device, dtype=torch.float64)
+        # in place on the float64 copy (the same products; one weight-sized copy fewer)
+        own = w64.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+        w64 = w64.mul_(scale) if own else w64 * scale
     if transform.r_inter is None and transform.r_intra is None:
         return w64.to(weight.dtype)
     t64 = BlockRotation(

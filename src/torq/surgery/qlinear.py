@@ -133,7 +133,9 @@ class QuantLinear(nn.Module):
             w = weight.detach()
             if config.weight is not None and not weight_quantized:
                 w = fake_quantize(w, config.weight)
-            self.weight = nn.Parameter(w.clone(), requires_grad=False)
+            if w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+                w = w.clone()  # the caller's tensor: kept apart (a new one is used as it is)
+            self.weight = nn.Parameter(w, requires_grad=False)
             self.bias = (
                 nn.Parameter(bias.detach().clone(), requires_grad=False)
                 if bias is not None
