@@ -752,7 +752,7 @@ class _DiskOffload:
             quiet.setLevel(level)
         # each layer's weights, read from disk and dropped again, leave the heap fragmented:
         # without giving it back the resident set grows by about a layer per layer (measured
-        # on the 0.92B shape: 1.2 GiB after one forward, docs/RESULTS.md §9.1)
+        # on the 0.92B shape: 1.2 GiB after one forward, docs/RESULTS.md §9.2)
         for layer in model.get_submodule(layers_name):
             layer.register_forward_hook(_return_heap)
 
