@@ -219,7 +219,11 @@ def _run(
     own = loaded is None  # the run loads the model itself, so it can read it again
     if loaded is None:
         loaded = load(
-            config.model, packed=config.packed, gguf_dtype=config.gguf_dtype, offload_dir=scratch
+            config.model,
+            packed=config.packed,
+            gguf_dtype=config.gguf_dtype,
+            offload_dir=scratch,
+            device=device,
         )
     if saved is not None and loaded.quantized is not None:
         saved = loaded.quantized  # with how it loaded (time, fingerprint check)

@@ -247,11 +247,19 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def _from_quantized_folder(
-    path: Path, packed: bool = False, offload_dir: Path | None = None
+    path: Path,
+    packed: bool = False,
+    offload_dir: Path | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
     from torq.export import load_quantized
 
-    model, tokenizer, manifest = load_quantized(path, packed=packed, offload_dir=offload_dir)
+    # with its layers offloaded the model is dispatched, where it computes, as it loads
+    # (it cannot be moved after); otherwise it loads on the CPU and the caller moves it
+    where = device if offload_dir is not None else "cpu"
+    model, tokenizer, manifest = load_quantized(
+        path, packed=packed, offload_dir=offload_dir, device=where
+    )
     if tokenizer is None:
         raise TorqError(f"{path} holds no tokenizer; save it with one to evaluate it here")
     return LoadedModel(
@@ -320,6 +328,7 @@ def load(
     packed: bool = False,
     gguf_dtype: str = "float32",
     offload_dir: Path | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """Load a causal LM in float for quantization.
 
@@ -330,7 +339,7 @@ def load(
     :func:`torq.export.save_quantized` loads as the quantized model it holds
     (``LoadedModel.quantized`` is then its manifest), its MXFP4 W4A4 weights kept packed
     with ``packed``, its decoder layers offloaded to the empty folder ``offload_dir`` when
-    given (:func:`torq.export.load_quantized`).
+    given (:func:`torq.export.load_quantized`; the layers then compute on ``device``).
     """
     key = name_or_path.strip()
     path = Path(key).expanduser()
@@ -338,7 +347,7 @@ def load(
         from torq.export import is_quantized_checkpoint
 
         if is_quantized_checkpoint(path):
-            return _from_quantized_folder(path, packed, offload_dir)
+            return _from_quantized_folder(path, packed, offload_dir, device)
     if _is_hub_id(key, path):
         try:
             return _from_folder(key, f"hub:{key}", dtype)
