@@ -56,6 +56,8 @@ from torq.eval.resume import (
 )
 from torq.formats import FormatSpec
 from torq.formats.packed import PackedTensor, dequantize, quantize
+from torq.models.architecture import decoder_layers
+from torq.models.streaming import return_free_heap
 from torq.paths import usual_permissions
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts, QuantLinear
@@ -712,8 +714,6 @@ class _DiskOffload:
         from accelerate.utils import named_module_tensors, offload_weight
         from accelerate.utils.modeling import set_module_tensor_to_device
 
-        from torq.models.streaming import return_free_heap
-
         # every name a tensor is reached by (accelerate hooks each module by its own path)
         seen: dict[int, str] = {}
         for name, module in layer.named_modules(remove_duplicate=False):
@@ -754,13 +754,7 @@ class _DiskOffload:
         # without giving it back the resident set grows by about a layer per layer (measured
         # on the 0.92B shape: 1.2 GiB after one forward, docs/RESULTS.md §9.2)
         for layer in model.get_submodule(layers_name):
-            layer.register_forward_hook(_return_heap)
-
-
-def _return_heap(*_: Any) -> None:
-    from torq.models.streaming import return_free_heap
-
-    return_free_heap()
+            layer.register_forward_hook(lambda *_: return_free_heap())
 
 
 def _layers_on_disk(model: nn.Module, layers_name: str, n_layers: int, device: str) -> dict:
@@ -807,7 +801,6 @@ def load_quantized(
     on a GPU, whose accumulation order differs: there it warns).
     """
     from torq.kernels.linear import PackedMXFP4Linear
-    from torq.models.architecture import decoder_layers
 
     t0 = time.perf_counter()
     root = Path(path)

@@ -663,9 +663,12 @@ def _occupancy_sweep(
     # widest gap, the angle safest from landing on the wrong side of an event.
     gap = int(torch.argmax(widths))
     su, sv = _rotate_pair(u, v, float(ev_angle[gap] + widths[gap] / 2))
+    # the net moves of events 0..gap, added straight into the bins (no [events, J] table)
     moved = torch.zeros(N_CODES, dtype=torch.int64, device=u.device)
     for start in range(0, gap + 1, _SWEEP_CHUNK):
-        moved += _event_moves(ev_code[start : min(start + _SWEEP_CHUNK, gap + 1)]).sum(dim=0)
+        code = ev_code[start : min(start + _SWEEP_CHUNK, gap + 1)].long()
+        rise, bound = code.sign(), code.abs() - 1
+        moved.index_add_(0, bound, -rise).index_add_(0, bound + 1, rise)
     # the counts after event i: the anchor plus the moves of events 0..i, exact integers,
     # accumulated a chunk of events at a time (a [events, J] table of a million-block
     # sample is half a gigabyte)
