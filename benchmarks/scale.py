@@ -7,6 +7,10 @@ layer, embedding and head on this machine's disk).
     python benchmarks/scale.py --shape llama3-8b --methods rtn,torq-had32 \\
         --calib-samples 8 --eval-windows 2 --dir /tmp/torq-scale --out results/scale/8b.json
 
+``--resume-dir DIR`` lets a long run (TORQ through the 8B shape's 32 layers: hours here)
+continue after a stop: the wall time is then the last process's, the per-layer seconds and
+step peaks cover every layer.
+
 ``--reload packed,unpacked`` also saves each quantized model as it streams and evaluates the
 saved checkpoint again, whole, with its weights unpacked to float32 or kept packed: the
 memory a zero-shot run from the checkpoint needs; ``offload`` and ``packed-offload`` do the
@@ -184,6 +188,8 @@ def step_peaks(details: dict[str, Any]) -> dict[str, int]:
 
 def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     save = ["--save-dir", str(Path(args.dir) / "saved")] if args.reload else []
+    # a run stopped (a session's end) continues after its last kept layer
+    save += ["--resume-dir", args.resume_dir] if args.resume_dir else []
     cmd = [
         sys.executable, "-m", "torq.cli", "run", "--model", str(folder), "--methods", method,
         "--stream", "--max-windows", str(args.eval_windows), "--calib-samples",
@@ -203,10 +209,14 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
             reloads.append(reload_saved(saved, method, how, args, again))
     per_layer = row["details"]["streamed"]["per_layer"]
     n = len(per_layer)
+    steps = step_peaks(row["details"])
+    resumed = row["details"].get("resumed_at_layer")
     return {
         "method": method,
         "ppl": row["ppl"],
-        "peak_rss_bytes": record["peak_memory"]["host_rss_bytes"],
+        # a run continued from kept progress: its own peak, and each earlier layer's steps
+        "peak_rss_bytes": max([record["peak_memory"]["host_rss_bytes"], *steps.values()]),
+        "resumed_at_layer": resumed,
         "wall_seconds": wall,
         "quantize_seconds": row["quantize_seconds"],
         "eval_seconds": row["eval_seconds"],
@@ -215,7 +225,7 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
             for k in ("load_seconds", "forward_seconds", "solve_seconds", "eval_seconds")
         },
         "layers": n,
-        "step_peak_rss_bytes": step_peaks(row["details"]),
+        "step_peak_rss_bytes": steps,
         "command": " ".join(cmd),
         "record": str(out),
         "saved": row["details"].get("saved"),
@@ -244,8 +254,16 @@ def main(argv: list[str] | None = None) -> None:
         "evaluate it again whole, comma-separated: 'unpacked', 'packed' (weights in memory), "
         "'offload', 'packed-offload' (layers on disk, read back one at a time)",
     )
+    ap.add_argument(
+        "--resume-dir",
+        default=None,
+        help="keep each streamed run's progress between layers here (torq run --resume-dir): "
+        "the same command again continues after the last layer kept (not with --reload)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.resume_dir and args.reload:
+        ap.error("--resume-dir keeps a streamed run's progress only without --reload")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -200,9 +201,131 @@ def test_streaming_refuses_what_it_cannot_do_before_any_work(tmp_path, data_dir,
         run(cfg, progress=False)
     with pytest.raises(TorqError, match="--packed loads a saved"):
         run(_config(folder, data_dir, ["rtn"], packed=True), progress=False)
-    with pytest.raises(TorqError, match="--resume-dir"):
-        cfg = _config(folder, data_dir, ["rtn"], stream=True, resume_dir=str(tmp_path / "r"))
+    with pytest.raises(TorqError, match="--portable-dir"):
+        cfg = _config(
+            folder, data_dir, ["rtn"], stream=True, resume_dir=str(tmp_path / "r"),
+            portable_dir=str(tmp_path / "p"),
+        )  # fmt: skip
         run(cfg, progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _untimed(record):
+    """A record without its wall times (which differ between any two runs)."""
+    if isinstance(record, dict):
+        return {k: _untimed(v) for k, v in record.items() if "seconds" not in k}
+    if isinstance(record, list):
+        return [_untimed(v) for v in record]
+    return record
+
+
+@pytest.mark.parametrize(
+    ("method", "hidden", "sequential", "stop_at", "save"),
+    [
+        ("torq+gptq", "memory", False, 1, False),
+        ("torq", "disk", True, 1, True),
+        ("had32", "bfloat16", False, 0, True),
+        ("quarot", "memory", False, 1, True),
+    ],
+)
+def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
+    method, hidden, sequential, stop_at, save, tmp_path, data_dir, tiny_tokenizer, monkeypatch
+) -> None:
+    """``--stream --resume-dir``: a run stopped while quantizing layer ``stop_at + 1``
+    continues from it, and its row is the row of a run never stopped, bit for bit (the
+    perplexity, every layer's record); its progress file goes when it is done. With
+    ``--save-dir`` the parts written before the stop stay (``.<name>.partial``) and the
+    finished folder is the never-stopped run's model: the same logits bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    import torq.driver as driver
+    from tests.conftest import tiny_config
+    from torq.export import load_quantized
+    from torq.methods.registry import Method
+
+    cfg3 = tiny_config("llama")
+    cfg3.num_hidden_layers = 3  # a layer before the stop, the one it stops in, one after
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg3, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 0.0)  # keep every layer
+
+    def config(**kw):
+        cfg = _config(folder, data_dir, [method], stream=True, hidden_states=hidden)
+        if save:
+            kw.setdefault("save_dir", str(tmp_path / "saved"))
+        cfg = replace(cfg, **kw)
+        cfg.torq.sequential = sequential
+        return cfg
+
+    whole = run(config(save_dir=str(tmp_path / "whole")) if save else config(), progress=False)
+    whole = whole["rows"][0]
+    resume = tmp_path / "resume"
+    real_plan = Method.layer_plan
+    seen: list[int] = []
+    stopping = [True]
+
+    def stopping_plan(self, qconfig, ctx):
+        plan = real_plan(self, qconfig, ctx)
+        quantize = plan.quantize
+        assert quantize is not None
+
+        def stop(li, layer, groups, stats):
+            seen.append(li)
+            if stopping[0] and li == stop_at + 1:
+                raise _Stop
+            return quantize(li, layer, groups, stats)
+
+        plan.quantize = stop
+        return plan
+
+    monkeypatch.setattr(Method, "layer_plan", stopping_plan)
+    with pytest.raises(_Stop):
+        run(config(resume_dir=str(resume)), progress=False)
+    kept = list(resume.rglob("layers-*.pt"))
+    assert len(kept) == 1
+    if save:  # the parts written so far wait beside the folder, which does not exist yet
+        partial = list((tmp_path / "saved").glob(".*.partial"))
+        assert len(partial) == 1 and list(partial[0].glob("model-layer-*.safetensors"))
+        assert not list((tmp_path / "saved").glob("[!.]*"))
+    assert torch.load(kept[0], weights_only=True)["next_layer"] == stop_at + 1
+    monkeypatch.setattr(Method, "layer_plan", real_plan)
+    # another window count is another run: it does not take up this one's progress
+    other = run(
+        config(resume_dir=str(resume), max_windows=2, save_dir=str(tmp_path / "other")),
+        progress=False,
+    )["rows"][0]
+    assert "resumed_at_layer" not in other["details"]
+    seen.clear()
+    stopping[0] = False
+    monkeypatch.setattr(Method, "layer_plan", stopping_plan)  # records the layers it runs
+    monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 1e9)  # the last layer is kept anyway
+    row = run(config(resume_dir=str(resume), max_windows=3), progress=False)
+    again = row["rows"][0]
+    assert seen == list(range(stop_at + 1, 3))
+    assert again["details"]["resumed_at_layer"] == stop_at + 1
+    assert again["ppl"] == whole["ppl"]
+    for key in ("layers", "replaced"):  # every record but its times
+        assert _untimed(again["details"].get(key)) == _untimed(whole["details"].get(key))
+    assert len(again["details"]["streamed"]["per_layer"]) == 3  # every layer's steps
+    assert list(resume.rglob("layers-*.pt")) == []  # done: nothing left to continue
+    if save:
+        assert not list((tmp_path / "saved").glob(".*"))  # the partial folder became the model
+        ref, _, _ = load_quantized(whole["details"]["saved"]["path"])
+        got, _, _ = load_quantized(again["details"]["saved"]["path"])  # checks its fingerprint
+        ids = torch.randint(0, 300, (1, 24))
+        with torch.no_grad():
+            assert torch.equal(ref(ids).logits, got(ids).logits)
 
 
 _RSS_SCRIPT = textwrap.dedent(

@@ -152,7 +152,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="keep each method's perplexity windows and zero-shot answers in DIR as they are "
         "measured, and each quantized model; the same command again after a stop reloads the "
-        "model instead of calibrating again and measures only what is missing",
+        "model instead of calibrating again and measures only what is missing; with --stream, "
+        "keep the run's progress between layers: the same command again continues after the "
+        "last layer kept",
     )
     run.add_argument(
         "--portable-dir",

@@ -13,6 +13,11 @@ For a method's :class:`~torq.methods.registry.LayerPlan` and a
 3. the final norm and lm_head score the evaluation hidden states: WikiText-2 perplexity,
    as GPTQ's and QuaRot's layer-wise evaluation scripts compute it.
 
+With a :class:`LayerProgress` the driver's state after a layer (the hidden states, the
+records, the random state) is kept on disk, and a run stopped after layer ``l`` continues
+from layer ``l + 1`` with the same numbers bit for bit: a 70B model's calibration takes
+hours, and a stop should not cost them.
+
 Peak memory is one decoder layer in float32 (and its quantized copy), the hidden states of
 the calibration and evaluation windows (float32, as the layers compute), the statistics of
 one layer, and the larger of the embedding and the head: never the whole model. The
@@ -22,8 +27,12 @@ capture and loss), so the two give the same numbers bit for bit on a CPU.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +42,7 @@ from tqdm.auto import tqdm
 from torq.calibration.capture import LayerSolver, capture_layer, layer_outputs
 from torq.calibration.data import CalibrationConfig
 from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
+from torq.errors import TorqError
 from torq.eval.perplexity import PerplexityResult, perplexity_from_nll, window_nll
 from torq.eval.resume import fingerprint_of_logits
 from torq.methods.registry import LayerPlan
@@ -61,6 +71,82 @@ class StreamedRun:
     fingerprint: list[float] | None = None
 
 
+# how often a streamed run's progress is written (seconds; each write is every window's
+# hidden states, so not after every layer of a small model)
+PROGRESS_EVERY_S = 60.0
+
+
+class LayerProgress:
+    """Where a streamed run keeps its progress between layers (module doc): one file in
+    ``folder``, ``layers-<identity>.pt``, named after everything that makes the run's
+    numbers (the plan's settings, the windows' tokens, the layer count, how the states are
+    held), so a state is only ever taken up by the same run. Written at most every
+    ``every`` seconds (after the layer that passes it) and after the last layer, each time
+    to a new file that replaces the old one whole (a stop while writing leaves the previous
+    state); removed when the run is done. It holds the hidden states of every window, in
+    float32 (the 8B shape with 8 calibration and 2 evaluation windows: 0.34 GB)."""
+
+    def __init__(self, folder: str | Path, every: float | None = None) -> None:
+        self.folder = Path(folder)
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.file: Path | None = None
+        self._last = -float("inf")
+
+    def bind(self, identity: dict[str, Any]) -> None:
+        """Name the state file after the run's ``identity`` (JSON-able)."""
+        text = json.dumps(identity, sort_keys=True, default=str)
+        digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+        self.file = self.folder / f"layers-{digest}.pt"
+        self._last = time.perf_counter()
+
+    def load(self) -> dict[str, Any] | None:
+        """The state a stopped run left (``None``: none; start from layer 0)."""
+        assert self.file is not None, "bind the progress to a run first"
+        if not self.file.is_file():
+            return None
+        try:
+            return torch.load(self.file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a file we cannot read is not a state to continue from
+            raise TorqError(
+                f"{self.file}: cannot read the saved layer progress ({exc}); remove it to "
+                "start again from the first layer"
+            ) from None
+
+    def due(self, last_layer: bool) -> bool:
+        return last_layer or time.perf_counter() - self._last >= self.every
+
+    def save(self, state: dict[str, Any]) -> None:
+        assert self.file is not None, "bind the progress to a run first"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.file.with_name(self.file.name + ".partial")
+        torch.save(state, tmp)
+        os.replace(tmp, self.file)
+        self._last = time.perf_counter()
+
+    def clear(self) -> None:
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+
+
+def _digest(t: torch.Tensor | None) -> str | None:
+    if t is None:
+        return None
+    return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 @torch.no_grad()
 def run_layerwise(
     source: LayerSource,
@@ -72,6 +158,7 @@ def run_layerwise(
     desc: str = "layers",
     sink: CheckpointWriter | None = None,
     hidden_states: str = "memory",
+    progress_file: LayerProgress | None = None,
 ) -> StreamedRun:
     """Quantize with ``plan`` and evaluate, one layer of ``source`` at a time (module doc):
     the paper's Algorithm 3 per layer (capture, transform, fuse, quantize), then the
@@ -80,9 +167,13 @@ def run_layerwise(
     the quantized model is written as it goes (the embedding, each layer when done, the
     head) and its logits fingerprint is computed, streamed, for the sink's manifest.
     ``hidden_states``: how the windows' states are kept between layers (``"memory"``,
-    ``"bfloat16"``, ``"disk"``: :mod:`torq.calibration.hidden`)."""
+    ``"bfloat16"``, ``"disk"``: :mod:`torq.calibration.hidden`). With ``progress_file``
+    (:class:`LayerProgress`; with a ``sink``, a resumable one) a run stopped after a layer
+    continues after it."""
     if hidden_states not in HIDDEN_MODES:
         raise ValueError(f"hidden states are kept in {', '.join(HIDDEN_MODES)}")
+    if progress_file is not None and sink is not None and not sink.resumable:
+        raise TorqError("a streamed run that keeps its progress writes a resumable checkpoint")
     stores: list[HiddenStates] = []
     # each step's own peak resident set, so a run's record says which step makes its peak
     rss = ResidentPeak()
@@ -143,10 +234,52 @@ def run_layerwise(
             "calibration_bytes": _bytes(calib),
             "evaluation_bytes": _bytes(hidden),
         }
+        start = 0
+        if progress_file is not None:
+            identity = {
+                "method": desc,
+                "record": plan.record,
+                "calibration": None if plan.calibration is None else plan.calibration.to_dict(),
+                "capture": [plan.block_size, plan.reservoir, plan.sequential, plan.hessian],
+                "quantizes": plan.quantize is not None,
+                "residual": plan.parts is not None,
+                "layers": source.num_layers,
+                "device": source.device.type,
+                "calibration_windows": _digest(calibration_windows),
+                "eval_windows": _digest(eval_windows),
+                "batch_size": batch_size,
+                "hidden_states": hidden_states,
+            }
+            if sink is not None:
+                identity["saves"] = str(sink.out)
+            progress_file.bind(identity)
+            state = progress_file.load()
+            if state is not None:
+                # the embedding step above gave every layer's keyword arguments; the states
+                # are the ones the stopped run had after its last saved layer
+                start = int(state["next_layer"])
+                calib = _restored(calib, state["calibration"], new_store, source.device)
+                hidden = _restored(hidden, state["evaluation"], new_store, source.device)
+                if sink is not None:
+                    fp_hidden = _restored(
+                        fp_hidden, state["fingerprint"], lambda: None, source.device
+                    )
+                    sink.restore(state["sink"])
+                records, per_layer = state["records"], state["per_layer"]
+                t_quant, t_eval, t_fwd, t_solve, *saving = state["seconds"]
+                t_save = saving[0] if saving else 0.0
+                _set_rng_state(state["rng"])
+                del state
+                give_back_memory()
         bar = tqdm(
-            total=source.num_layers, desc=desc, unit="layer", disable=not progress, leave=False
+            total=source.num_layers,
+            initial=start,
+            desc=desc,
+            unit="layer",
+            disable=not progress,
+            leave=False,
         )
-        for li in range(source.num_layers):
+        for li in range(start, source.num_layers):
             rss.restart()
             t0 = time.perf_counter()
             layer = source.load_layer(li)
@@ -217,6 +350,22 @@ def run_layerwise(
             )
             if plan.calibration is not None or plan.quantize is not None:
                 records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
+            if progress_file is not None and progress_file.due(li == source.num_layers - 1):
+                progress_file.save(
+                    {
+                        "next_layer": li + 1,
+                        # after the last layer only the evaluation states are left to use
+                        "calibration": None if li == source.num_layers - 1 else _stored(calib),
+                        "evaluation": _stored(hidden),
+                        "fingerprint": _stored(fp_hidden),
+                        "sink": None if sink is None else sink.snapshot(),
+                        "records": records,
+                        "per_layer": per_layer,
+                        "seconds": [t_quant, t_eval, t_fwd, t_solve, t_save],
+                        "rng": _rng_state(),
+                    }
+                )
+                give_back_memory()
             bar.update(1)
         bar.close()
         t_quant += t_fwd + t_solve
@@ -251,6 +400,8 @@ def run_layerwise(
                 source.release_head()
                 give_back_memory()
         details: dict[str, Any] = {**plan.record, "hidden_states": held}
+        if start:
+            details["resumed_at_layer"] = start
         # the steps outside the layers: embedding the windows (and saving the embedding),
         # the head (its logits, the perplexity, saving it)
         details["peak_rss_bytes"] = {"embed": embed_peak, "head": rss.peak()}
@@ -268,6 +419,8 @@ def run_layerwise(
                 for k, n in rec.get("replaced", {}).items():
                     totals[k] = totals.get(k, 0) + n
             details["replaced"] = totals
+        if progress_file is not None:
+            progress_file.clear()  # done: the row is the record now
         return StreamedRun(details, t_quant, result, per_layer, fingerprint)
     finally:
         rss.close()
@@ -282,6 +435,30 @@ def _bytes(states: Any) -> int:
     if isinstance(states, HiddenStates):
         return states.nbytes
     return sum(h.numel() * h.element_size() for h in states)
+
+
+def _stored(states: Any) -> list[torch.Tensor] | None:
+    """The batches of hidden states as a stopped run keeps them (on the CPU, as held:
+    a bf16 store's batches in bf16)."""
+    if states is None:
+        return None
+    if isinstance(states, HiddenStates):
+        return [t.cpu() for t in states.batches()]
+    return [t.cpu() for t in states]
+
+
+def _restored(
+    current: Any, saved: list[torch.Tensor] | None, new_store: Any, device: torch.device
+) -> Any:
+    """``saved`` batches in place of ``current`` (freed), held the way the run holds them."""
+    _release(current, None)
+    if saved is None:
+        return None
+    store = new_store()
+    out: Any = [] if store is None else store
+    while saved:
+        out.append(saved.pop(0).to(device))  # one batch at a time: no second copy of all
+    return out
 
 
 def _release(old: Any, new: Any) -> None:

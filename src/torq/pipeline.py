@@ -376,7 +376,6 @@ def check_streamable(config: RunConfig, methods: list[Method]) -> None:
     if not methods:
         raise TorqError("--stream reads a float checkpoint; this model is already quantized")
     for option, value in (
-        ("--resume-dir", config.resume_dir),
         ("--portable-dir", config.portable_dir),
         ("--skip-ppl", config.skip_ppl),
     ):
@@ -412,7 +411,7 @@ def _run_streamed(
     from transformers import AutoTokenizer
 
     from torq.calibration.data import calibration_windows
-    from torq.driver import run_layerwise
+    from torq.driver import LayerProgress, run_layerwise
     from torq.export.checkpoint import CheckpointWriter
     from torq.models.loading import model_folder
     from torq.models.streaming import LayerStream
@@ -451,6 +450,8 @@ def _run_streamed(
                     tokenizer,
                     method=method.name,
                     overwrite=True,
+                    # with kept progress, a stopped run's parts stay for the next to go on
+                    resumable=config.resume_dir is not None,
                 )
             with writer if writer is not None else contextlib.nullcontext():
                 result = run_layerwise(
@@ -463,6 +464,10 @@ def _run_streamed(
                     desc=method.name,
                     sink=writer,
                     hidden_states=config.hidden_states,
+                    # a stopped run continues after its last saved layer
+                    progress_file=None
+                    if config.resume_dir is None
+                    else LayerProgress(method_resume_dir(config, method.name)),
                 )
                 if writer is not None:
                     assert result.fingerprint is not None
@@ -485,7 +490,17 @@ def _run_streamed(
         zeroshot = None
         if config.tasks:
             assert writer is not None
-            zeroshot = _saved_zeroshot(config, writer.out, details, progress, scratch)
+            zeroshot = _saved_zeroshot(
+                config,
+                writer.out,
+                details,
+                progress,
+                scratch,
+                # answers kept as they come: a stop in the tasks loses none of them
+                request_cache=None
+                if config.resume_dir is None
+                else Path(method_resume_dir(config, method.name)),
+            )
         if writer is not None:
             details["saved"] = {
                 "path": str(writer.out),
@@ -521,10 +536,11 @@ def _saved_zeroshot(
     details: dict[str, Any],
     progress: bool,
     scratch: Path | None = None,
+    **cache: Any,
 ) -> dict[str, Any]:
     """The zero-shot tasks of a streamed method, on the checkpoint it saved, loaded whole
     (packed with ``config.packed``; its layers offloaded to a folder in ``scratch`` when
-    given) and freed after."""
+    given) and freed after. ``cache``: :func:`_zeroshot`'s (the kept answers)."""
     from torq.export import load_quantized
 
     offload = None if scratch is None else Path(tempfile.mkdtemp(prefix="layers-", dir=scratch))
@@ -532,7 +548,7 @@ def _saved_zeroshot(
         model, tokenizer, manifest = load_quantized(
             folder, device=config.device, packed=config.packed, offload_dir=offload
         )
-        row = _zeroshot(config, model, tokenizer, progress, details)
+        row = _zeroshot(config, model, tokenizer, progress, details, **cache)
         del model
     finally:
         gc.collect()

@@ -109,7 +109,8 @@ def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
     """``--stream --save-dir --tasks``: each method is quantized layer by layer and saved as
     it goes, then its tasks run on the saved checkpoint: the whole-model path's scores
     (the same logits); with ``--packed`` the weights stay packed (4-bit) in memory; with
-    ``--offload-dir`` its layers stay on disk (the same scores; the scratch folder goes)."""
+    ``--offload-dir`` its layers stay on disk (the same scores; the scratch folder goes); with
+    ``--resume-dir`` its answers are kept as they come."""
     _zeroshot_dir(tiny_data_dir)
     common = [
         "eval", "--model", str(tiny_checkpoint), "--methods", "rtn,quarot",
@@ -118,18 +119,25 @@ def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
     ]  # fmt: skip
     runs = {}
     off = tmp_path / "scratch" / "offload"
+    kept = tmp_path / "resume"
     for name, extra in {
         "whole": [],
         "streamed": ["--stream", "--save-dir", str(tmp_path / "s")],
         "packed": ["--stream", "--save-dir", str(tmp_path / "p"), "--packed"],
         "offloaded": ["--stream", "--save-dir", str(tmp_path / "o"), "--offload-dir", str(off)],
+        "kept": ["--stream", "--save-dir", str(tmp_path / "k"), "--resume-dir", str(kept)],
     }.items():
         out = tmp_path / f"{name}.json"
         assert main([*common, *extra, "--out", str(out)]) == 0
         runs[name] = json.loads(out.read_text())["rows"]
-    for whole, streamed, packed, offloaded in zip(*runs.values(), strict=True):
+    for whole, streamed, packed, offloaded, with_kept in zip(*runs.values(), strict=True):
         assert whole["ppl"] == streamed["ppl"] == packed["ppl"] == offloaded["ppl"]
+        assert with_kept["ppl"] == whole["ppl"]
         assert whole["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"], whole["method"]
+        # with --resume-dir the answers are kept as they come, in the method's folder
+        assert with_kept["zeroshot"]["tasks"] == whole["zeroshot"]["tasks"]
+        assert with_kept["zeroshot"]["request_cache"] is not None
+        assert streamed["zeroshot"]["request_cache"] is None
         assert offloaded["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"]
         assert Path(offloaded["details"]["zeroshot_model"]["offload_dir"]).parent.parent == off
         assert set(packed["zeroshot"]["tasks"]) == {"arc_easy", "piqa"}

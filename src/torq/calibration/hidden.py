@@ -73,6 +73,14 @@ class HiddenStates:
         for i in range(len(self)):
             yield self[i]
 
+    def batches(self) -> list[torch.Tensor]:
+        """The batches as stored (``"bfloat16"``: in bf16; ``"disk"``: memory-mapped
+        float32), for copying them elsewhere without a float32 copy of all at once;
+        :meth:`append` takes them back exactly."""
+        if self.mode == "disk":
+            return [torch.load(f, mmap=True, weights_only=True) for f in self._files]
+        return list(self._items)
+
     def empty_like(self) -> HiddenStates:
         """An empty store of the same kind (the disk store writes in the same folder)."""
         return HiddenStates(self.mode, self.folder)

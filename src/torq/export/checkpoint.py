@@ -192,20 +192,27 @@ def _module_state(model: nn.Module, skip: list[str]) -> tuple[dict, dict[str, st
 
 
 @contextlib.contextmanager
-def _atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out`` to fill; it becomes ``out`` only when complete."""
+def _atomic_folder(out: Path, overwrite: bool, keep_partial: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out`` to fill; it becomes ``out`` only when complete.
+    ``keep_partial``: the sibling is ``.<name>.partial``, taken up if there and left in
+    place on an error (a later run writes on into it)."""
     if out.exists() and not out.is_dir():
         raise TorqError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise TorqError(f"{out} exists and is not empty; choose another folder or overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if keep_partial:
+        tmp = out.with_name(f".{out.name}.partial")
+        tmp.mkdir(exist_ok=True)
+    else:
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep_partial:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
@@ -419,7 +426,12 @@ class CheckpointWriter:
     outside the quantized modules are stored in bf16 when that is exact (a bf16
     checkpoint's values), else as computed. The logits fingerprint is computed by the
     driver, streamed. Use as a context manager: the folder appears, complete, only when
-    :meth:`finish` was called and the block ends without an error."""
+    :meth:`finish` was called and the block ends without an error.
+
+    ``resumable``: the parts are written to ``.<name>.partial`` beside the folder, which a
+    failed or stopped run leaves in place, so that a run continued from the driver's kept
+    progress (:class:`torq.driver.LayerProgress`, which keeps :meth:`snapshot`) writes on
+    into it instead of starting again; :meth:`finish` removes any part no longer named."""
 
     def __init__(
         self,
@@ -430,11 +442,13 @@ class CheckpointWriter:
         method: str | None = None,
         info: dict[str, Any] | None = None,
         overwrite: bool = False,
+        resumable: bool = False,
     ) -> None:
         self.out = Path(out_dir)
         self.model = model  # the skeleton: config, class, where the parts sit
         self.tokenizer = tokenizer
         self.method, self.info, self.overwrite = method, info, overwrite
+        self.resumable = resumable
         self.entries = _Entries()
         self.modules: dict[str, dict[str, Any]] = {}
         self.weight_map: dict[str, str] = {}
@@ -446,9 +460,33 @@ class CheckpointWriter:
         self._manifest: dict[str, Any] | None = None
 
     def __enter__(self) -> CheckpointWriter:
-        self._folder = _atomic_folder(self.out, self.overwrite)
+        self._folder = _atomic_folder(self.out, self.overwrite, self.resumable)
         self._tmp = self._folder.__enter__()
         return self
+
+    def snapshot(self) -> dict[str, Any]:
+        """What has been written so far (plain data), for :meth:`restore` in a later run."""
+        e = self.entries
+        return {
+            "quantizer_entries": e.quantizer_entries,
+            "transform_entries": e.transform_entries,
+            "modules": self.modules,
+            "weight_map": self.weight_map,
+            "aliases": self.aliases,
+            "bytes": self.bytes,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take up a :meth:`snapshot`: the parts written after it are written again. The
+        quantizers and transforms written before are not shared with the later layers'
+        (their objects are gone with the run that made them): entries of their own."""
+        self.entries = _Entries()
+        self.entries.quantizer_entries = list(state["quantizer_entries"])
+        self.entries.transform_entries = list(state["transform_entries"])
+        self.modules = dict(state["modules"])
+        self.weight_map = dict(state["weight_map"])
+        self.aliases = dict(state["aliases"])
+        self.bytes = int(state["bytes"])
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
         assert self._folder is not None
@@ -526,6 +564,10 @@ class CheckpointWriter:
         )
         manifest["stats"]["bytes"] = self.bytes
         manifest["stats"]["shards"] = len(set(self.weight_map.values()))
+        named = set(self.weight_map.values())
+        for f in self._tmp.glob("model-*.safetensors"):
+            if f.name not in named:  # a part of a run that stopped and did not come back
+                f.unlink()
         index = {"metadata": {"total_size": self.bytes}, "weight_map": self.weight_map}
         (self._tmp / INDEX).write_text(json.dumps(index, indent=1))
         _write_configs(self._tmp, self.model, self.tokenizer)
