@@ -286,6 +286,15 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="channel balancing strength α before the rotations (torq's addition; "
         "0.5 is optimal), or 'none' for the paper's TORQ",
     )
+    t.add_argument(
+        "--torq-guard",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="hold back this fraction of each group's sampled tokens and keep TORQ's "
+        "calibrated transform only where it lowers the W4A4 output error there, else the "
+        "balanced 32-block Hadamard (torq-guard uses 0.25)",
+    )
     t.add_argument("--max-iter", type=int, default=10, help="intra-block MaxIter")
     t.add_argument("--pairs", type=_positive_int, default=None, help="intra-block P (default K/4)")
     t.add_argument("--lam", type=float, default=1.0, help="pair-selection weight λ")
@@ -319,6 +328,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ dampening (× mean diag H)")
     t.add_argument(
         "--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal"
+    )
+    t.add_argument(
+        "--gptq-scales",
+        choices=["amax", "mse"],
+        default="amax",
+        help="GPTQ: each MX block's scale by the format's rule from its amax, or the "
+        "power of two around it that rounds the block with the least error (as mr-gptq)",
     )
     t.add_argument(
         "--reservoir",
@@ -372,6 +388,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sequential=args.sequential,
         reservoir_tokens=args.reservoir,
         balance=args.balance,
+        guard=args.torq_guard,
     )
     if args.paper:
         torq_settings = torq_settings.paper()
@@ -408,7 +425,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         keep_models=not args.no_keep_models,
         portable_dir=args.portable_dir,
         torq=torq_settings,
-        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
+        gptq=GPTQConfig(
+            damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales
+        ),
         device=args.device,
         save_dir=args.save_dir,
         stream=args.stream,

@@ -46,7 +46,7 @@ def test_names_compose() -> None:
         get_method("fp+gptq")
 
 
-@pytest.mark.parametrize("method", ["gptq", "had32+gptq", "quarot+gptq", "torq+gptq"])
+@pytest.mark.parametrize("method", ["gptq", "had32+gptq", "quarot+gptq", "torq+gptq", "mr-gptq"])
 def test_gptq_weights_are_on_the_grid_and_beat_rtn(method, corpus, tiny_tokenizer) -> None:
     """Weight-only MXFP4: the GPTQ variant's weights lie on the grid, and on the calibration
     text its logits are closer to the float model's than the same method with RTN weights."""

@@ -3,6 +3,7 @@ definition (issue 26, item 5)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -79,6 +80,14 @@ def test_keys_hold_only_what_a_method_reads() -> None:
     torq_gptq = get_method("torq+gptq")
     assert torq_gptq.settings_key(other_gptq) != torq_gptq.settings_key(base)
     assert torq_gptq.settings_key(other_torq) != torq_gptq.settings_key(base)
+    # MR-GPTQ's own GPTQ settings are in its key, over the run's; settings added since
+    # the carried keys were made stay out of the others' keys at their defaults
+    mr = json.loads(get_method("mr-gptq").settings_key(base))[1]["gptq"]
+    assert mr["act_order"] is True and mr["scale_search"] == "mse"
+    plain = json.loads(get_method("gptq").settings_key(base))[1]["gptq"]
+    assert "scale_search" not in plain and plain["act_order"] is False
+    mse = {**base, "gptq": {**base["gptq"], "scale_search": "mse"}}
+    assert get_method("gptq").settings_key(mse) != get_method("gptq").settings_key(base)
 
 
 class _Hadamard32Again(TransformBuilder):

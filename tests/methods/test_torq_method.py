@@ -113,3 +113,58 @@ def test_block_hadamard_baseline_is_exact_in_float(arch, method) -> None:
     assert ((out - ref).norm() / ref.norm()) < 1e-4
     qlinears = [m for m in q.modules() if isinstance(m, QuantLinear)]
     assert qlinears and all(isinstance(m.input_transform, BlockRotation) for m in qlinears)
+
+
+def test_guard_keeps_the_transform_with_the_lower_held_back_error(corpus, tiny_tokenizer) -> None:
+    """``torq-guard``: each group's calibrated transform is checked on the sampled tokens
+    held back (a quarter) against the balanced ``H₃₂``; the group keeps the one with the
+    lower W4A4 output error, which the record names with both errors; where it is the
+    Hadamard, the transform is ``torq-had32``'s exactly. The fit sees the rest only."""
+    from torq.calibration.capture import BlockStatistics
+    from torq.formats import get_format
+    from torq.methods.torq_rotation import build_group_transform, output_error
+
+    fmt = get_format("mxfp4")
+    chosen = set()
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        stats = BlockStatistics(64, 32, reservoir=96, seed=seed)
+        x = torch.randn(96, 64, generator=gen) * torch.exp(torch.randn(1, 64, generator=gen))
+        stats.update(x)
+        weight = torch.randn(48, 64, generator=gen) * 0.1
+        settings = _settings(corpus, guard=0.25)
+        t, rec = build_group_transform(stats, settings, fmt, weight, fmt)
+        guard = rec["guard"]
+        assert guard["held_tokens"] == 24 and rec["intra"]["samples"] == 72 * 2
+        errors = guard["error"]
+        assert guard["chosen"] == min(errors, key=errors.get)
+        held = stats.sample[72:]
+        assert output_error(held, weight, t, fmt, fmt) == errors[guard["chosen"]]
+        if guard["chosen"] == "hadamard":
+            assert t.r_inter is None
+            assert torch.equal(t.r_intra, hadamard_matrix(32, dtype=torch.float64).float())
+        chosen.add(guard["chosen"])
+        _, plain_rec = build_group_transform(stats, _settings(corpus), fmt, weight, fmt)
+        assert "guard" not in plain_rec and rec["intra"]["samples"] < plain_rec["intra"]["samples"]
+    assert chosen  # (which one wins depends on the draw)
+    with pytest.raises(ValueError, match="fraction"):
+        _settings(corpus, guard=1.0)
+
+
+def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tokenizer) -> None:
+    from dataclasses import asdict
+
+    from torq.pipeline import RunConfig
+
+    model = tiny_model("llama")
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    rec = _apply(model, "torq-guard", qconfig, _settings(corpus), tiny_tokenizer)
+    json.dumps(rec)
+    groups = [g for layer in rec["layers"] for k, g in layer.items() if isinstance(g, dict)]
+    guarded = [g["guard"] for g in groups if "guard" in g]
+    assert len(guarded) == 4 * model.config.num_hidden_layers
+    assert rec["settings"]["guard"] == 0.25
+    base = asdict(RunConfig(model="m"))
+    assert "guard" not in get_method("torq").settings_key(base)
+    run_guard = {**base, "torq": {**base["torq"], "guard": 0.5}}
+    assert get_method("torq").settings_key(run_guard) != get_method("torq").settings_key(base)

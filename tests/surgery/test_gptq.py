@@ -81,3 +81,32 @@ def test_dead_inputs_and_bad_hessians() -> None:
         gptq_quantize(w, torch.full((64, 64), float("nan")), get_format("mxfp4"))
     with pytest.raises(ValueError, match="multiple of 32"):
         GPTQConfig(lazy_batch=100)
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "mxint4"])
+def test_mse_scales_round_each_block_no_worse_than_the_rule(fmt_name: str) -> None:
+    """MR-GPTQ's MSE-chosen scales: with an identity Hessian GPTQ is round to nearest, so
+    each block of each row is rounded with the least ``Σ|w − q|^2.4`` of the three
+    power-of-two scales around the rule's, never more than with the rule's, and less for
+    some; the weights stay on the grid."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 256, generator=gen) * torch.exp(torch.randn(32, 256, generator=gen))
+    fmt = get_format(fmt_name)
+    h = torch.eye(256, dtype=torch.float64)
+    rule, _ = gptq_quantize(w, h, fmt)
+    mse, _ = gptq_quantize(w, h, fmt, GPTQConfig(scale_search="mse"))
+    err_rule = (w - rule).double().abs().pow(2.4).reshape(32, 8, 32).sum(-1)
+    err_mse = (w - mse).double().abs().pow(2.4).reshape(32, 8, 32).sum(-1)
+    assert (err_mse <= err_rule).all()
+    assert (err_mse < err_rule).float().mean() > 0.05
+    assert torch.equal(fake_quantize(mse, fmt), mse)
+
+
+def test_mse_scales_are_for_mx_formats() -> None:
+    with pytest.raises(ValueError, match="scale_search"):
+        GPTQConfig(scale_search="best")
+    with pytest.raises(ValueError, match="MX formats"):
+        gptq_quantize(
+            torch.randn(4, 32), torch.eye(32, dtype=torch.float64), get_format("nvfp4"),
+            GPTQConfig(scale_search="mse"),
+        )  # fmt: skip

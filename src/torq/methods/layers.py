@@ -147,7 +147,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
             return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory)}
 
         return LayerPlan(quantize, record=record, parts=parts)
-    gptq = ctx.gptq_config() if method.gptq_enabled else None
+    gptq = method.gptq_config(ctx) if method.gptq_enabled else None
     if gptq is not None:
         record = {**record, "gptq": gptq.__dict__}
     capture = ctx.capture_settings()

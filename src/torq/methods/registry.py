@@ -132,10 +132,23 @@ class Method:
     transform: TransformBuilder = field(default_factory=TransformBuilder)
     weights: str = "rtn"
     quantizes: bool = True
+    # the method's own GPTQ settings, over the run's (``(name, value)`` pairs of
+    # :class:`~torq.surgery.gptq.GPTQConfig`): MR-GPTQ's act-order and MSE-chosen scales
+    gptq_settings: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_QUANTIZERS:
             raise ValueError(f"weight quantizer must be one of {WEIGHT_QUANTIZERS}")
+        if self.gptq_settings:
+            from torq.surgery.gptq import GPTQConfig
+
+            if self.weights != "gptq":
+                raise ValueError("GPTQ settings need GPTQ weights")
+            GPTQConfig(**dict(self.gptq_settings))  # names and values checked now
+
+    def gptq_config(self, ctx: MethodContext) -> Any:
+        """The GPTQ settings this method runs with: the run's, then its own."""
+        return replace(ctx.gptq_config(), **dict(self.gptq_settings))
 
     @property
     def gptq_enabled(self) -> bool:
@@ -173,8 +186,13 @@ class Method:
             key["gguf_dtype"] = run["gguf_dtype"]
         key.update(self.transform.key_settings(run))
         if self.gptq_enabled:
+            from torq.surgery.gptq import gptq_key
+
             torq = run.get("torq") or {}
-            key["gptq"] = run.get("gptq")
+            gptq = run.get("gptq")
+            if self.gptq_settings:
+                gptq = {**(gptq or {}), **dict(self.gptq_settings)}
+            key["gptq"] = gptq_key(gptq)
             key["calibration"] = [
                 torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
             ]

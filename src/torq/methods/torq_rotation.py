@@ -11,6 +11,12 @@ quantization; ``W' = W Tᵀ`` is fused into each member's weight, which is then 
 torq's addition (``balance``, on by default; ``balance=None`` is the paper's method): a
 per-channel scale that balances activation and weight energy runs first
 (:mod:`torq.rotations.balance`), and both rotations are fitted to the balanced statistics.
+
+``guard`` (``torq-guard``): the intra-block rotation is fitted on part of each group's sampled
+tokens, and the calibrated transform is kept only where it lowers the group's W4A4 output
+error ``‖X Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖X Wᵀ‖²`` on the tokens held back; elsewhere the
+group gets ``torq-had32``'s transform (the balancing and ``H₃₂``). Each group records both
+errors and what was chosen.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from torq.calibration.data import CalibrationConfig
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
 from torq.rotations.balance import balance_covariance, balance_scales, channel_energy
+from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
-from torq.rotations.transform import BlockRotation
+from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
 from torq.surgery.qlinear import QuantConfig
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
@@ -55,6 +62,13 @@ class TorqSettings:
     reservoir_tokens: int = 1024
     block_size: int = 32
     balance: float | None = 0.5
+    # the fraction of each group's sampled tokens held back to check the calibrated
+    # transform against the balanced Hadamard (module doc); ``None``: no check
+    guard: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.guard is not None and not 0.0 < self.guard < 1.0:
+            raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +76,18 @@ class TorqSettings:
     def paper(self) -> TorqSettings:
         """These settings with the paper's method: no balancing, Algorithm 2 from the
         identity with ``K/2`` candidate columns."""
-        return replace(self, balance=None, intra=replace(self.intra, init="identity", k_top=None))
+        return replace(
+            self,
+            balance=None,
+            guard=None,
+            intra=replace(self.intra, init="identity", k_top=None),
+        )
+
+
+def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """TORQ's settings (``asdict(TorqSettings)``) as a settings key holds them: settings
+    added after results were kept are left out at their defaults, so those keys still match."""
+    return {k: v for k, v in settings.items() if not (k == "guard" and v is None)}
 
 
 def build_group_transform(
@@ -70,12 +95,23 @@ def build_group_transform(
     settings: TorqSettings,
     fmt: FormatSpec | None = None,
     weight: torch.Tensor | None = None,
+    weight_fmt: FormatSpec | None = None,
 ) -> tuple[BlockRotation, dict[str, Any]]:
     """``T`` for one input group (Algorithm 3, steps 1–3): the balancing scales ``s`` (torq's
     addition, from ``E[x_j²]`` and the group's stacked ``weight``), inter-block ``R_k`` from
-    the balanced ``Σ_k`` (Algorithm 1), then ``R_intra`` (Algorithm 2) on balanced blocks."""
+    the balanced ``Σ_k`` (Algorithm 1), then ``R_intra`` (Algorithm 2) on balanced blocks.
+    With ``settings.guard`` the transform is checked on held-back tokens against the
+    balanced ``H₃₂`` (module doc; ``fmt``/``weight_fmt``: the activation and weight formats)."""
     k = settings.block_size
     record: dict[str, Any] = {"tokens": stats.count, "width": stats.width}
+    fit_sample, held = stats.sample, None
+    if settings.guard is not None:
+        if weight is None:
+            raise ValueError("the guard needs the group's weights")
+        n = stats.sample.shape[0]
+        n_held = round(n * settings.guard)
+        if 0 < n_held < n:  # the reservoir's rows are a random draw: the last ones are too
+            fit_sample, held = stats.sample[: n - n_held], stats.sample[n - n_held :]
     covariance = stats.covariance()
     scales = None
     if settings.balance is not None:
@@ -96,7 +132,7 @@ def build_group_transform(
         record["inter"] = {"rotations": info.rotations, "max_rel_deviation": info.max_rel_deviation}
     r_intra = None
     if settings.use_intra:
-        sample = stats.sample.to(torch.float64)
+        sample = fit_sample.to(torch.float64)
         if scales is not None:
             sample = sample / scales
         if r_inter is not None:
@@ -118,6 +154,23 @@ def build_group_transform(
         dtype=torch.float32,
         channel_scale=None if scales is None else scales.to(torch.float32),
     )
+    if held is not None:
+        assert weight is not None
+        fallback = BlockRotation(
+            k,
+            None,
+            hadamard_matrix(k, dtype=torch.float64),  # torq-had32's: Algorithm 2 from H_K, no step
+            dtype=torch.float32,
+            channel_scale=None if scales is None else scales.to(torch.float32),
+        )
+        errors = {
+            "calibrated": output_error(held, weight, transform, fmt, weight_fmt),
+            "hadamard": output_error(held, weight, fallback, fmt, weight_fmt),
+        }
+        chosen = "calibrated" if errors["calibrated"] < errors["hadamard"] else "hadamard"
+        record["guard"] = {"held_tokens": held.shape[0], "error": errors, "chosen": chosen}
+        if chosen == "hadamard":
+            transform = fallback
     if fmt is not None and stats.sample.shape[0]:
         # Diagnostic: relative activation quantization error on the sampled tokens, without
         # and with the transform (relative to each one's own energy: with balancing T is not
@@ -128,6 +181,32 @@ def build_group_transform(
             "transformed": relative_quant_error(transform(x), fmt),
         }
     return transform, record
+
+
+@torch.no_grad()
+def output_error(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transform: BlockRotation,
+    fmt: FormatSpec | None,
+    weight_fmt: FormatSpec | None,
+    rows: int = 4096,
+) -> float:
+    """The W4A4 output error of a group with ``transform`` on inputs ``x [n, width]``:
+    ``‖x Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖x Wᵀ‖²`` (Algorithm 3, option B, RTN weights), in
+    float64, ``rows`` of the stacked ``weight`` at a time (an 8B gate/up group is 28672)."""
+    xt = transform(x.to(torch.float32))
+    xq = (xt if fmt is None else fake_quantize(xt, fmt)).to(torch.float64)
+    x64 = x.to(torch.float64)
+    err = ref = 0.0
+    for r in range(0, weight.shape[0], rows):
+        w = weight[r : r + rows].to(torch.float32)
+        fused = fuse_inverse_into_weight(w, transform)
+        wq = fused if weight_fmt is None else fake_quantize(fused, weight_fmt)
+        y = x64 @ w.to(torch.float64).T
+        err += float((y - xq @ wq.to(torch.float64).T).pow(2).sum())
+        ref += float(y.pow(2).sum())
+    return err / max(ref, 1e-300)
 
 
 def relative_quant_error(x: torch.Tensor, fmt: FormatSpec) -> float:
@@ -144,9 +223,14 @@ class TorqTransform(TransformBuilder):
     calibrates = True
 
     def __init__(
-        self, use_inter: bool = True, use_intra: bool = True, fixed_hadamard: bool = False
+        self,
+        use_inter: bool = True,
+        use_intra: bool = True,
+        fixed_hadamard: bool = False,
+        guard: float | None = None,
     ) -> None:
         self.use_inter, self.use_intra, self.fixed_hadamard = use_inter, use_intra, fixed_hadamard
+        self.guard = guard  # the method's own held-back fraction, unless the run sets one
 
     def settings(self, qconfig: QuantConfig, ctx: MethodContext) -> TorqSettings:
         """The run's settings with this method's levels, and the intra-block solver's scale
@@ -155,6 +239,8 @@ class TorqTransform(TransformBuilder):
         settings = replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
         if self.fixed_hadamard:
             settings = replace(settings, intra=replace(settings.intra, init="hadamard", max_iter=0))
+        if self.guard is not None and settings.guard is None:
+            settings = replace(settings, guard=self.guard)
         act = qconfig.activation
         if act is not None and act.name == "mxfp4" and settings.intra.scale_mode != act.scale_mode:
             settings = replace(settings, intra=replace(settings.intra, scale_mode=act.scale_mode))
@@ -168,10 +254,12 @@ class TorqTransform(TransformBuilder):
         qconfig: QuantConfig,
         ctx: MethodContext,
     ) -> tuple[nn.Module | None, dict[str, Any]]:
-        return build_group_transform(stats, self.settings(qconfig, ctx), qconfig.activation, weight)
+        return build_group_transform(
+            stats, self.settings(qconfig, ctx), qconfig.activation, weight, qconfig.weight
+        )
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
-        return {"torq": run.get("torq") or {}}
+        return {"torq": torq_key(run.get("torq") or {})}
 
     def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         return {"settings": self.settings(qconfig, ctx).to_dict()}
@@ -191,6 +279,16 @@ TORQ_INTER = register(
 )
 TORQ_INTRA = register(
     Method("torq-intra", "TORQ ablation: intra-block rotation only", TorqTransform(use_inter=False))
+)
+# torq's guard (issue 27): TORQ where it beats the balanced Hadamard on held-back tokens,
+# the balanced Hadamard elsewhere
+TORQ_GUARD = register(
+    Method(
+        "torq-guard",
+        "TORQ, each group's calibrated transform kept only where it lowers the W4A4 output "
+        "error on a quarter of the sampled tokens held back, else balancing + H32",
+        TorqTransform(guard=0.25),
+    )
 )
 # Ablation (ours): TORQ's channel balancing with the fixed 32-block Hadamard in place of the
 # calibrated rotations — separates what the balancing and the rotations contribute.

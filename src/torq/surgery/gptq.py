@@ -7,7 +7,10 @@ calibration inputs ``X``. Here the grid is the target format's: the blocks of 32
 NVFP4) run along the input dimension, and each block's scale is fitted when GPTQ reaches the
 block's first column, from the block's weights as the earlier columns' updates left them
 (or, with ``act_order``, from the original weights, since columns are then visited out of
-block order). Dampening adds ``damp · mean(diag H)`` to the diagonal.
+block order). Dampening adds ``damp · mean(diag H)`` to the diagonal. With
+``scale_search="mse"`` (MR-GPTQ's MSE-chosen scales, Egiazarian et al., 2025) each MX
+block's power-of-two scale is the one of ``2^(e−1), 2^e, 2^(e+1)`` (``e`` the format's rule)
+that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 as in FP-Quant).
 
 With an online transform ``T`` (TORQ, Hadamard), the layer computes ``W' (T x)``, so the
 Hessian is that of the transformed inputs, ``T H Tᵀ``: :func:`transform_hessian`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +34,11 @@ from torq.formats.reference import (
     round_to_int4,
 )
 
+SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
+# settings added after results were kept under keys without them: at their defaults they
+# stay out of a method's settings key (:meth:`GPTQConfig.key`), so those keys still match
+_KEYLESS_AT_DEFAULT = {"scale_search": "amax", "mse_norm": 2.4}
+
 
 @dataclass(frozen=True)
 class GPTQConfig:
@@ -38,21 +47,48 @@ class GPTQConfig:
     damp: float = 0.01
     act_order: bool = False
     lazy_batch: int = 128
+    # how each block's scale is chosen: the format's rule from the block's amax, or the
+    # candidate exponent around it with the least Σ|w − q|^mse_norm (MR-GPTQ)
+    scale_search: str = "amax"
+    mse_norm: float = 2.4
 
     def __post_init__(self) -> None:
         if not self.damp >= 0:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.scale_search not in SCALE_SEARCHES:
+            raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}")
+        if not self.mse_norm > 0:
+            raise ValueError(f"mse_norm must be > 0, got {self.mse_norm}")
         if self.lazy_batch < 1 or self.lazy_batch % 32:
             raise ValueError(f"lazy_batch must be a positive multiple of 32, got {self.lazy_batch}")
+
+
+def gptq_key(settings: dict[str, Any] | None) -> dict[str, Any] | None:
+    """GPTQ's settings (``asdict(GPTQConfig)``) as a method's settings key holds them:
+    settings added later are left out at their defaults (:data:`_KEYLESS_AT_DEFAULT`)."""
+    if settings is None:
+        return None
+    return {
+        k: v
+        for k, v in settings.items()
+        if not (k in _KEYLESS_AT_DEFAULT and v == _KEYLESS_AT_DEFAULT[k])
+    }
 
 
 class _BlockGrid:
     """The format's quantizer for one block of columns: fit the scales, round a column."""
 
-    def __init__(self, fmt: FormatSpec, weight: torch.Tensor) -> None:
+    def __init__(
+        self, fmt: FormatSpec, weight: torch.Tensor, config: GPTQConfig | None = None
+    ) -> None:
         if fmt.name not in ("mxfp4", "mxint4", "nvfp4"):
             raise ValueError(f"GPTQ supports mxfp4, mxint4 and nvfp4, not {fmt.name}")
+        cfg = config or GPTQConfig()
+        if cfg.scale_search == "mse" and fmt.name == "nvfp4":
+            raise ValueError("MSE-chosen scales are for the MX formats' power-of-two scales")
         self.fmt = fmt
+        self.search = cfg.scale_search
+        self.norm = cfg.mse_norm
         self.tensor_scale = (
             nvfp4_tensor_scale(weight.abs().amax().float()) if fmt.name == "nvfp4" else None
         )
@@ -66,7 +102,27 @@ class _BlockGrid:
             s = s.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
             return (s * self.tensor_scale).double()
         exponent = mx_scale_exponent(amax.float(), self.fmt)
+        if self.search == "mse":
+            exponent = self._least_error_exponent(block, exponent)
         return exact_pow2(exponent, torch.float32).double()
+
+    def _least_error_exponent(self, block: torch.Tensor, rule: torch.Tensor) -> torch.Tensor:
+        """Of ``rule − 1, rule, rule + 1`` (E8M0's range), each row's exponent that rounds
+        the row with the least ``Σ |w − q|^p``; a tie keeps the rule's."""
+        best, best_err = rule, None
+        for shift in (0, 1, -1):  # the rule first: it wins ties
+            e = (rule + shift).clamp(-127, 127)
+            scale = exact_pow2(e, torch.float32).double()
+            v = block / scale
+            q = round_to_int4(v) if self.fmt.name == "mxint4" else round_to_e2m1(v)
+            err = (block - q * scale).abs().pow(self.norm).sum(dim=1, keepdim=True)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best = torch.where(better, e, best)
+            best_err = torch.where(better, err, best_err)
+        return best
 
     def quantize(self, column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Round a column ``[N]`` with its rows' scales ``[N]``; back in float64."""
@@ -136,7 +192,7 @@ def gptq_quantize(
     block = fmt.block_size
     w = weight.detach().to(torch.float64).clone()
     h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
-    grid = _BlockGrid(fmt, w)
+    grid = _BlockGrid(fmt, w, cfg)
 
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
