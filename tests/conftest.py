@@ -44,7 +44,7 @@ def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB):
         num_key_value_heads=2,
         head_dim=16,
         vocab_size=vocab_size,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         **extra,
     )
 

@@ -68,6 +68,13 @@ def test_destinations_and_methods_are_checked_before_any_work(
         (["--methods", "fp", "--resume-dir", str(a_file)], "--resume-dir"),
         (["--methods", "fp,rtn,fp"], "'fp' is given twice"),
         (["--methods", "gptq,RTN+gptq"], "'gptq' and 'RTN+gptq' are the same method"),
+        # the tiny model has 4096 positions; TORQ's k_top cannot exceed its block of 32
+        (["--methods", "rtn", "--seqlen", "5000"], "longer than the model's context (4096"),
+        (["--methods", "torq", "--seqlen", "32", "--calib-seqlen", "6000"], "--calib-seqlen 6000"),
+        (
+            ["--methods", "torq", "--calib-seqlen", "32", "--seqlen", "32", "--k-top", "99"],
+            "k_top=99",
+        ),
     ]
     for extra, needle in cases:
         code, _, err = _run([*base, *extra], capsys)
@@ -438,3 +445,21 @@ def test_run_reloads_its_kept_quantized_model(
     assert main(argv) == 0
     assert calls == ["fp", "had32", "torq"]
     assert not list(other.glob("*/*/quantized-model.pt"))
+
+
+def test_the_command_line_shows_no_library_noise(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
+    """A run prints torq's lines and its table; not torchao's note that its GPU extensions
+    do not load on this machine, nor torch's advice to library authors (both printed by
+    every run before, in a fresh process)."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torq.cli", "run", "--model", str(tiny_checkpoint),
+            "--methods", "rtn", "--seqlen", "32", "--max-windows", "1", "--no-progress",
+            "--data-dir", str(tiny_data_dir), "--out", str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stderr and "register_constant" not in proc.stderr
+    assert "rtn" in proc.stdout

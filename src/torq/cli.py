@@ -147,6 +147,11 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
     run.add_argument(
+        "--allow-long-windows",
+        action="store_true",
+        help="allow windows (--seqlen, --calib-seqlen) longer than the model's context",
+    )
+    run.add_argument(
         "--resume-dir",
         default=None,
         metavar="DIR",
@@ -435,6 +440,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         offload_dir=args.offload_dir,
         gguf_dtype=args.gguf_dtype,
         hidden_states=args.hidden_states,
+        allow_long_windows=args.allow_long_windows,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks
@@ -470,10 +476,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# libraries' messages that are not the user's business on the command line: torchao's
+# optional GPU extensions that a CPU machine cannot load, torch's notes to library authors
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_libraries() -> None:
+    """Show only torq's output and real problems (errors) from those libraries."""
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="torq: %(message)s")
+    _quiet_libraries()
     try:
         if args.command in ("run", "eval"):
             return _cmd_run(args)

@@ -30,7 +30,7 @@ from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import MODEL_INFO, fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import Method, MethodContext, get_method
 from torq.methods.torq_rotation import TorqSettings
-from torq.models.loading import LoadedModel, load
+from torq.models.loading import LoadedModel, context_length, load
 from torq.paths import check_destination
 from torq.results import command_line, machine_info, now_iso, versions
 from torq.seeding import method_rng
@@ -82,6 +82,8 @@ class RunConfig:
     # read the float checkpoint one decoder layer at a time and quantize and evaluate layer
     # by layer (:mod:`torq.driver`): memory bounded by one layer, not the model
     stream: bool = False
+    # windows longer than the model's context (max_position_embeddings) are refused unless
+    allow_long_windows: bool = False
     # evaluate a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed
     # (:class:`torq.kernels.linear.PackedMXFP4Linear`: 4.25 bits a weight in memory, not 32);
     # with --stream and --tasks, how each saved checkpoint is loaded for the tasks
@@ -189,6 +191,7 @@ def _run(
                 )
     if config.stream:
         check_streamable(config, methods if saved is None else [])
+    check_settings(config, methods if saved is None else [])
     if config.hidden_states != "memory" and not config.stream:
         raise TorqError("--hidden-states applies to a streamed run (--stream)")
     if config.packed and saved is None and not (config.stream and config.tasks):
@@ -369,6 +372,31 @@ def _fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.
     if own:
         return load(config.model, gguf_dtype=config.gguf_dtype).model.to(device)
     return copy.deepcopy(loaded.model)
+
+
+def check_settings(config: RunConfig, methods: list[Method]) -> None:
+    """Fail before any work when a setting cannot work with the model or the methods: a
+    window longer than the model's context (unless ``allow_long_windows``), TORQ's
+    intra-block settings against its block size."""
+    from torq.methods.torq_rotation import TorqTransform
+
+    calibrates = any(m.calibrates() for m in methods)
+    limit = None if config.allow_long_windows else context_length(config.model)
+    if limit is not None:
+        lengths = [("--seqlen", config.seqlen)]
+        if calibrates:
+            lengths.append(("--calib-seqlen", config.torq.calibration.seqlen))
+        for option, n in lengths:
+            if n > limit:
+                raise TorqError(
+                    f"{option} {n} is longer than the model's context ({limit} positions); "
+                    "add --allow-long-windows if you mean it"
+                )
+    if any(isinstance(m.transform, TorqTransform) for m in methods):
+        try:
+            config.torq.intra.resolved(config.torq.block_size)
+        except ValueError as exc:
+            raise TorqError(f"TORQ's intra-block settings: {exc}") from None
 
 
 def check_streamable(config: RunConfig, methods: list[Method]) -> None:

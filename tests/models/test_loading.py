@@ -57,10 +57,33 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(gguf_mod, "convert_gguf_tensorwise", fake_conversion)
     out = tmp_path / "cache" / "m"
-    with pytest.raises(Boom):
+    # a dead writer's folder (kill -9) goes; a live writer's (this process) stays
+    out.parent.mkdir()
+    dead = out.parent / ".m.tmp-999999999-abc"
+    live = out.parent / f".m.tmp-{os.getpid()}-xyz"
+    dead.mkdir()
+    live.mkdir()
+    with pytest.raises(
+        TorqError, match=r"m\.gguf: cannot convert this GGUF file.*Boom: interrupted"
+    ):
         loading_mod.convert_gguf(gguf, out)
     assert not out.exists()
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert list((tmp_path / "cache").iterdir()) == [live]
+
+
+def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsys) -> None:
+    """The first megabyte of a real GGUF: one line that names the file, no traceback."""
+    from torq.cli import main
+
+    gguf = loading_mod.resolve_embedded_gguf("smollm2-135m")
+    cut = tmp_path / "cut.gguf"
+    with open(gguf, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    code = main(["run", "--model", str(cut), "--methods", "rtn", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{cut}: not a readable GGUF file (truncated or damaged?)" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_gguf_converts_tensor_by_tensor_to_transformers_values(tmp_path) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,10 +221,23 @@ def convert_gguf(
     if marker.is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    _remove_stale_partials(out_dir)
+    # the writer's pid in the name: a later start can tell a dead writer's folder from a
+    # live one's
+    prefix = f".{out_dir.name}.tmp-{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir.parent))
     try:
         log.info("converting %s to %s safetensors in %s", gguf_path, dtype_name, out_dir)
-        written = convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
+        try:
+            written = convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
+        except (TorqError, KeyboardInterrupt, MemoryError):
+            raise
+        except Exception as exc:  # the reader and transformers raise many kinds
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TorqError(
+                f"{gguf_path}: cannot convert this GGUF file (truncated, damaged, or an "
+                f"architecture transformers cannot convert): {type(exc).__name__}: {reason}"
+            ) from None
         (tmp / "torq_source.json").write_text(
             json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype_name, **written}, indent=2)
         )
@@ -235,6 +249,29 @@ def convert_gguf(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Remove the temporary folders of conversions into ``out_dir`` whose process is gone
+    (killed mid-write: nothing else would ever remove them); a live writer's stays."""
+    for partial in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid_text = partial.name.removeprefix(f".{out_dir.name}.tmp-").split("-", 1)[0]
+        if pid_text.isdigit():
+            if _alive(int(pid_text)):
+                continue
+        elif time.time() - partial.stat().st_mtime < 24 * 3600:
+            continue  # a folder of an earlier torq, without a pid: only once clearly stale
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
@@ -312,6 +349,44 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
         f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "
         f"or a hub id (org/name). Known defaults: {', '.join(known_models())}"
     )
+
+
+def context_length(name_or_path: str) -> int | None:
+    """The positions the model was made for (``max_position_embeddings``; a GGUF's
+    ``<arch>.context_length``), read without loading or converting it, so that a window
+    longer than that is refused before any work; ``None`` where it cannot be read cheaply
+    (a hub id; a missing file, which the loader reports). A GGUF file that cannot be read
+    is refused here, in one line, before the conversion would start."""
+    key = name_or_path.strip()
+    path = Path(key).expanduser()
+    embedded = key.lower() in EMBEDDED_MODELS
+    if embedded or (key.endswith(".gguf") and path.is_file()):
+        from gguf import GGUFReader
+
+        gguf_path = resolve_embedded_gguf(key.lower()) if embedded else path
+        try:
+            reader = GGUFReader(str(gguf_path))
+            arch_field = reader.fields["general.architecture"]
+            arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        except Exception as exc:  # the reader raises many kinds on a damaged file
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TorqError(
+                f"{gguf_path}: not a readable GGUF file (truncated or damaged?): "
+                f"{type(exc).__name__}: {reason}"
+            ) from None
+        field = reader.fields.get(f"{arch}.context_length")
+        return None if field is None else int(field.parts[field.data[0]][0])
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):  # the loader says what is wrong with it
+        return None
+    for section in (data, data.get("text_config") or {}):
+        if isinstance(section, dict) and isinstance(section.get("max_position_embeddings"), int):
+            return int(section["max_position_embeddings"])
+    return None
 
 
 def _gguf_dtype(name: str) -> torch.dtype:
