@@ -374,17 +374,30 @@ def _peak_growth(folder: Path, method: str) -> int:
 def test_resident_peak_sees_a_step_and_restarts() -> None:
     """A step that holds 256 MiB for a moment has a peak at least that far above where it
     began; after a restart, a step that holds nothing has not."""
+    import threading
+
     from torq.models.streaming import ResidentPeak
 
-    rss = ResidentPeak(interval=0.005)
+    class SlowSampler(ResidentPeak):
+        """The watcher thread's samples go stale before they are stored (as on a loaded
+        machine): a sample taken before a restart once landed in the stretch after it."""
+
+        def _now(self) -> int:
+            value = super()._now()
+            if threading.current_thread() is self._thread:
+                time.sleep(0.03)
+            return value
+
+    rss = SlowSampler(interval=0.001)
     try:
         rss.restart()
         before = rss.peak()
         held = torch.ones(64, 2**20)  # 256 MiB, touched
-        time.sleep(0.05)
+        time.sleep(0.1)  # the watcher has sampled it
         del held
         step = rss.peak()
         rss.restart()
+        time.sleep(0.1)  # the watcher's pending sample (taken while it was held) comes in
         quiet = rss.peak()
     finally:
         rss.close()

@@ -80,6 +80,10 @@ class ResidentPeak:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._ok = Path("/proc/self/statm").is_file()
         self._peak = 0
+        # a sample taken before a restart must not land in the stretch after it: the
+        # watcher keeps a sample only if no restart came between reading and storing it
+        self._stretch = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self._ok:
@@ -92,19 +96,27 @@ class ResidentPeak:
 
     def _watch(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            self._peak = max(self._peak, self._now())
+            stretch = self._stretch
+            now = self._now()
+            with self._lock:
+                if stretch == self._stretch:
+                    self._peak = max(self._peak, now)
 
     def restart(self) -> None:
         """Begin a new stretch: its peak starts at the resident set now."""
         if self._ok:
-            self._peak = self._now()
+            with self._lock:
+                self._stretch += 1
+                self._peak = self._now()
 
     def peak(self) -> int | None:
         """The largest resident set (bytes) since :meth:`restart`, this moment included."""
         if not self._ok:
             return None
-        self._peak = max(self._peak, self._now())
-        return self._peak
+        now = self._now()
+        with self._lock:
+            self._peak = max(self._peak, now)
+            return self._peak
 
     def close(self) -> None:
         self._stop.set()
