@@ -4,6 +4,9 @@ python benchmarks/zeroshot_paired.py --model smollm2-135m \
     --methods torq-had32,torq-inter,torq-intra --carry docs/zeroshot/carry \
     --out results/zeroshot/smollm2-paired.json
 
+A method with several carried copies (another setting) is named with its file's hash:
+``--methods quarot@3fa46f9946,quarot@8c46196c62``.
+
 Each method's answers come from its portable copy in ``--carry`` (``<model>-<method>-*.npz``,
 written by ``zeroshot_table.py --portable-dir``); every question is scored again with
 lm-eval's own rule (``torq.eval.paired``), so each row's task means are its table numbers.
@@ -33,7 +36,14 @@ from torq.results import command_line, machine_info, now_iso
 
 
 def carry_file(carry: Path, model: str, method: str) -> Path:
-    """The one portable copy of ``method``'s answers in ``carry``."""
+    """The one portable copy of ``method``'s answers in ``carry``; ``method@<hash>`` names
+    one of several (``quarot@8c46196c62``: QuaRot's row before its signs were fixed)."""
+    if "@" in method:
+        name, digest = method.split("@", 1)
+        exact = carry / f"{model}-{name}-{digest}.npz"
+        if not exact.is_file():
+            raise TorqError(f"no carried answers {exact.name} in {carry}")
+        return exact
     found = sorted(carry.glob(f"{model}-{method}-*.npz"))
     # "torq-inter-<hash>" must not match "torq-inter+gptq-<hash>": the hash has no dash
     found = [f for f in found if "-" not in f.stem[len(f"{model}-{method}-") :]]
@@ -41,7 +51,9 @@ def carry_file(carry: Path, model: str, method: str) -> Path:
         raise TorqError(f"no carried answers for {method!r} in {carry} ({model}-{method}-*.npz)")
     if len(found) > 1:
         names = ", ".join(f.name for f in found)
-        raise TorqError(f"several carried copies for {method!r} ({names}); keep one")
+        raise TorqError(
+            f"several carried copies for {method!r} ({names}); name one as {method}@<hash>"
+        )
     return found[0]
 
 
