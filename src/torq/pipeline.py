@@ -403,12 +403,12 @@ def check_streamable(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when a streamed run asks for what it cannot do yet."""
     if not methods:
         raise TorqError("--stream reads a float checkpoint; this model is already quantized")
-    for option, value in (
-        ("--portable-dir", config.portable_dir),
-        ("--skip-ppl", config.skip_ppl),
-    ):
-        if value:
-            raise TorqError(f"--stream does not support {option} yet; drop one of them")
+    if config.skip_ppl:
+        raise TorqError("--stream does not support --skip-ppl yet; drop one of them")
+    if config.portable_dir is not None and not config.tasks:
+        raise TorqError(
+            "with --stream, --portable-dir carries the zero-shot answers: add --tasks, or drop it"
+        )
     if config.tasks:
         # zero-shot tasks need the whole model: the saved quantized checkpoint, loaded back
         if config.save_dir is None:
@@ -576,7 +576,16 @@ def _saved_zeroshot(
         model, tokenizer, manifest = load_quantized(
             folder, device=config.device, packed=config.packed, offload_dir=offload
         )
+        resume = cache.get("request_cache")
+        if config.portable_dir is not None and resume is not None:
+            # answers carried from another machine: checked against this model, then used
+            portable = portable_path(config, resume)
+            cache["seeds"] = seed_resume_dir(portable, resume, model, tokenizer)
+            cache["portable"] = portable
+            details["portable"] = {"file": str(portable), "answers_carried": len(cache["seeds"])}
         row = _zeroshot(config, model, tokenizer, progress, details, **cache)
+        if "portable" in cache:
+            export_portable(resume, cache["portable"])
         del model
     finally:
         gc.collect()
