@@ -102,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="score each choice with its own forward pass (lm-eval's HFLM as it is)",
     )
 
+    ex = sub.add_parser(
+        "export",
+        help="write a quantized checkpoint torq saved (--save-dir) in another format",
+    )
+    ex.add_argument(
+        "--model", required=True, help="a folder torq saved (<save-dir>/<model>-<method>)"
+    )
+    ex.add_argument("--out", required=True, help="the folder to write")
+    ex.add_argument(
+        "--to",
+        choices=["compressed-tensors"],
+        default="compressed-tensors",
+        help="compressed-tensors: what transformers and vLLM load (rtn, gptq, had32, had32+gptq)",
+    )
+    ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     sub.add_parser("models", help="list the embedded default models")
     sub.add_parser("methods", help="list the registered quantization methods")
     return parser
@@ -500,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
 
             for name, entry in EMBEDDED_MODELS.items():
                 print(f"{name}\t{entry.description}\t({entry.install_hint})")
+            return 0
+        if args.command == "export":
+            from torq.export import load_quantized
+            from torq.export.compressed_tensors import export_compressed_tensors
+
+            model, tokenizer, _ = load_quantized(args.model)
+            out = export_compressed_tensors(model, args.out, tokenizer, overwrite=args.overwrite)
+            print(f"torq: wrote {out} ({args.to})")
             return 0
         if args.command == "methods":
             from torq.methods import METHODS, get_method

@@ -1,0 +1,98 @@
+"""A torq model exported to compressed-tensors and loaded back through transformers: its
+WikiText-2 perplexity beside torq's own for the same quantized model, and the folder's size.
+
+    python benchmarks/export_ct.py --model smollm2-135m --methods rtn,had32 --max-windows 4 \\
+        --out results/export/smollm2-ct.json
+
+For each method the model is quantized by torq (W4A4 MXFP4, activations with the ``nearest``
+scale rule, the rule transformers' compressed-tensors loader quantizes activations with),
+exported (:func:`torq.export.compressed_tensors.export_compressed_tensors`), loaded through
+transformers in bf16 with the online transforms attached again
+(:func:`~torq.export.compressed_tensors.load_compressed_tensors`), and both models are
+evaluated on the same windows; torq's model also with its default ``ocp`` rule. Writes JSON
+and a markdown table (``<out>.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save
+from torq.eval.data import load_wikitext2_test
+from torq.eval.perplexity import perplexity, windows_from_text
+from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
+from torq.methods import MethodContext, get_method
+from torq.models import load
+from torq.results import command_line, machine_info, now_iso
+from torq.surgery import QuantConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", default="rtn,had32")
+    ap.add_argument("--max-windows", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = load(args.model)
+    text = load_wikitext2_test(args.data_dir)
+    windows = windows_from_text(text, base.tokenizer, 2048, args.max_windows)
+    rows = []
+    for method in args.methods.split(","):
+        row: dict = {"method": method}
+        for mode in ("nearest", "ocp"):
+            model = load(args.model).model
+            qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
+            get_method(method).apply(model, qconfig, MethodContext(options={"progress": False}))
+            row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
+            if mode == "nearest":
+                with tempfile.TemporaryDirectory() as tmp:
+                    t0 = time.perf_counter()
+                    out = export_compressed_tensors(model, Path(tmp) / "ct", base.tokenizer)
+                    row["export_seconds"] = time.perf_counter() - t0
+                    row["export_bytes"] = sum(f.stat().st_size for f in out.iterdir())
+                    del model
+                    loaded = load_compressed_tensors(out)
+                    row["transformers"] = perplexity(loaded, windows, progress=False).ppl
+                    del loaded
+            else:
+                del model
+        rows.append(row)
+        print(row, flush=True)
+    record = {
+        "model": args.model,
+        "windows": int(windows.shape[0]),
+        "rows": rows,
+        "command": command_line(),
+        "date": now_iso(),
+        "machine": machine_info(),
+        "torch": torch.__version__,
+    }
+    lines = [
+        f"{args.model}, first {windows.shape[0]} WikiText-2 windows of 2048 tokens, W4A4 MXFP4",
+        "",
+        "| method | torq (`nearest` activations) | through transformers (compressed-tensors, bf16) "
+        "| torq (`ocp`, its default) | export MB |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['torq_nearest']:.3f} | {r['transformers']:.3f} "
+            f"| {r['torq_ocp']:.3f} | {r['export_bytes'] / 1e6:.1f} |"
+        )
+    save(args.out, record, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Export to compressed-tensors (transformers, vLLM) and back through transformers."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY_TEXT, tiny_model
+from torq.errors import TorqError
+from torq.formats import get_format, quantize
+from torq.methods import MethodContext, get_method
+from torq.surgery import QuantConfig
+
+pytest.importorskip("compressed_tensors")
+
+
+def _quantized(method: str, activation: str | None, arch: str = "llama"):
+    model = tiny_model(arch)
+    qconfig = QuantConfig.from_names("mxfp4", activation, scale_mode="nearest")
+    q = copy.deepcopy(model)
+    get_method(method).apply(q, qconfig, MethodContext(options={"progress": False}))
+    return q
+
+
+@pytest.mark.parametrize("method", ["rtn", "had32"])
+@pytest.mark.parametrize("activation", ["mxfp4", None])
+def test_exported_model_loads_in_transformers_as_torq_computes_it(
+    method, activation, tmp_path, tiny_tokenizer
+) -> None:
+    """The folder carries torq's packed weights (the same codes but the sign of zero, the
+    same scales), its Hadamard as a transform_config, and loads through transformers: with
+    the online Hadamard attached again each linear computes what torq's does, within bf16
+    and the activation rounding; without it (transformers alone), the Hadamard models
+    compute something else."""
+    from safetensors import safe_open
+
+    from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
+    from torq.formats.packing import unpack_nibbles
+
+    q = _quantized(method, activation)
+    out = export_compressed_tensors(q, tmp_path / "ct", tiny_tokenizer)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mxfp4-pack-quantized"
+    assert bool(config["transform_config"]) == (method == "had32")
+    name = "model.layers.0.mlp.down_proj"
+    torq_linear = q.get_submodule(name)
+    packed = quantize(torq_linear.weight.detach(), get_format("mxfp4"))
+    files = list(out.glob("*.safetensors"))
+    with safe_open(str(files[0]), "pt") as f:
+        codes, scales = f.get_tensor(f"{name}.weight_packed"), f.get_tensor(f"{name}.weight_scale")
+    assert torch.equal(scales, packed.scales)
+    a, b = unpack_nibbles(codes), unpack_nibbles(packed.codes)
+    assert torch.equal(a | 8, b | 8) and bool(((a != b) <= ((b & 7) == 0)).all())
+
+    loaded = load_compressed_tensors(out)
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        loaded(input_ids=ids)  # decompresses the weights on the first call
+    x = (torch.randn(64, torq_linear.in_features) * 3).bfloat16()
+    ct_linear = loaded.get_submodule(name)
+    with torch.no_grad():
+        ref = torq_linear(x.float())
+        got = ct_linear(x).float()
+    rel = float((got - ref).norm() / ref.norm())
+    # measured: 0.2 % (the bf16 matmul) without a transform or without activation
+    # quantization; 2.8-3.5 % for had32 W4A4, where compressed-tensors rounds the Hadamard's
+    # output to bf16 before quantizing it, and some values cross a rounding boundary.
+    # (Against torq's `ocp` rule it is 8 %: the loaders quantize activations as `nearest`.)
+    assert rel < (0.06 if method == "had32" and activation else 0.01), rel
+    if method == "had32":  # the transform matters: transformers alone drops it
+        from transformers import AutoModelForCausalLM
+
+        bare = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+        with torch.no_grad():
+            bare(input_ids=ids)
+            wrong = bare.get_submodule(name)(x.bfloat16()).float()
+        assert float((wrong - ref).norm() / ref.norm()) > 10 * rel
+
+
+def test_what_the_format_cannot_hold_is_refused(tmp_path) -> None:
+    from torq.export.compressed_tensors import export_compressed_tensors
+
+    with pytest.raises(TorqError, match="no compressed-tensors form"):
+        q = _quantized("quarot", "mxfp4")
+        export_compressed_tensors(q, tmp_path / "a")
+    with pytest.raises(TorqError, match="bias under its online Hadamard"):
+        export_compressed_tensors(_quantized("had32", "mxfp4", "qwen2"), tmp_path / "b")
+    with pytest.raises(TorqError, match="fused MoE experts"):
+        export_compressed_tensors(_quantized("rtn", "mxfp4", "qwen3_moe"), tmp_path / "c")
+    model = tiny_model("llama")
+    with pytest.raises(TorqError, match="no quantized linears"):
+        export_compressed_tensors(model, tmp_path / "d")
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_export_command_writes_a_saved_checkpoint(tmp_path, tiny_tokenizer, capsys) -> None:
+    """``torq export``: a folder torq saved, written for transformers, one line of output;
+    a method the format cannot hold is one line of error and nothing written."""
+    from torq.cli import main
+    from torq.export import save_quantized
+
+    save_quantized(_quantized("had32", "mxfp4"), tmp_path / "saved", tiny_tokenizer, method="had32")
+    assert main(["export", "--model", str(tmp_path / "saved"), "--out", str(tmp_path / "ct")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "ct" / "config.json").is_file()
+    save_quantized(_quantized("quarot", "mxfp4"), tmp_path / "q", tiny_tokenizer, method="quarot")
+    assert main(["export", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "ct2")]) == 2
+    err = capsys.readouterr().err
+    assert "no compressed-tensors form" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ct2").exists()
