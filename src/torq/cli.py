@@ -162,6 +162,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
     run.add_argument(
+        "--save-format",
+        choices=["torq", "compressed-tensors"],
+        default="torq",
+        help="what --save-dir writes: torq's checkpoint, or compressed-tensors for transformers "
+        "and vLLM (rtn, gptq, had32, had32+gptq; see torq export)",
+    )
+    run.add_argument(
         "--allow-long-windows",
         action="store_true",
         help="allow windows (--seqlen, --calib-seqlen) longer than the model's context",
@@ -456,6 +463,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         gguf_dtype=args.gguf_dtype,
         hidden_states=args.hidden_states,
         allow_long_windows=args.allow_long_windows,
+        save_format=args.save_format,
     )
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks

@@ -84,6 +84,9 @@ class RunConfig:
     stream: bool = False
     # windows longer than the model's context (max_position_embeddings) are refused unless
     allow_long_windows: bool = False
+    # what --save-dir writes: torq's own checkpoint ("torq"), or "compressed-tensors"
+    # (transformers, vLLM; rtn, gptq, had32, had32+gptq)
+    save_format: str = "torq"
     # evaluate a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed
     # (:class:`torq.kernels.linear.PackedMXFP4Linear`: 4.25 bits a weight in memory, not 32);
     # with --stream and --tasks, how each saved checkpoint is loaded for the tasks
@@ -192,6 +195,8 @@ def _run(
     if config.stream:
         check_streamable(config, methods if saved is None else [])
     check_settings(config, methods if saved is None else [])
+    if config.save_format != "torq":
+        check_exportable(config, methods if saved is None else [])
     if config.hidden_states != "memory" and not config.stream:
         raise TorqError("--hidden-states applies to a streamed run (--stream)")
     if config.packed and saved is None and not (config.stream and config.tasks):
@@ -397,6 +402,30 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
             config.torq.intra.resolved(config.torq.block_size)
         except ValueError as exc:
             raise TorqError(f"TORQ's intra-block settings: {exc}") from None
+
+
+def check_exportable(config: RunConfig, methods: list[Method]) -> None:
+    """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
+    (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
+    from torq.export.compressed_tensors import EXPORTABLE
+
+    if config.save_format != "compressed-tensors":
+        raise TorqError(f"unknown --save-format '{config.save_format}'")
+    if config.save_dir is None:
+        raise TorqError("--save-format applies to what --save-dir writes: add --save-dir")
+    if config.stream or config.tasks:
+        raise TorqError(
+            "--save-format compressed-tensors is written from the whole model, without "
+            "--stream or --tasks yet (export a streamed checkpoint with torq export)"
+        )
+    act = (config.act_format or "fp").lower()
+    if config.weight_format != "mxfp4" or act not in ("mxfp4", "fp", "none", "float"):
+        raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
+    for method in methods:
+        if method.quantizes and method.name not in ("rtn", "gptq", "had32", "had32+gptq"):
+            raise TorqError(
+                f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
+            )
 
 
 def check_streamable(config: RunConfig, methods: list[Method]) -> None:
@@ -731,16 +760,26 @@ def _save(
 
     t0 = time.perf_counter()
     out = saved_model_dir(config, method)
-    save_quantized(
-        model,
-        out,
-        loaded.tokenizer,
-        method=method,
-        info=_saved_info(config, loaded.source, quantize_seconds, details),
-        overwrite=True,
-    )
+    if config.save_format == "compressed-tensors":
+        from torq.export.compressed_tensors import export_compressed_tensors
+
+        export_compressed_tensors(model, out, loaded.tokenizer, overwrite=True)
+    else:
+        save_quantized(
+            model,
+            out,
+            loaded.tokenizer,
+            method=method,
+            info=_saved_info(config, loaded.source, quantize_seconds, details),
+            overwrite=True,
+        )
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return {"path": str(out), "bytes": size, "seconds": time.perf_counter() - t0}
+    return {
+        "path": str(out),
+        "format": config.save_format,
+        "bytes": size,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _saved_info(

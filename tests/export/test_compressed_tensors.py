@@ -111,3 +111,29 @@ def test_export_command_writes_a_saved_checkpoint(tmp_path, tiny_tokenizer, caps
     err = capsys.readouterr().err
     assert "no compressed-tensors form" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ct2").exists()
+
+
+def test_run_saves_compressed_tensors_or_refuses_before_any_work(
+    tiny_checkpoint, tiny_data_dir, tmp_path, capsys
+) -> None:
+    """``torq run --save-dir D --save-format compressed-tensors``: each method's folder is
+    the export, loadable through transformers; a method the format cannot hold is refused
+    in one line before the model is loaded."""
+    from torq.cli import main
+    from torq.export.compressed_tensors import load_compressed_tensors
+
+    base = [
+        "run", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1",
+        "--data-dir", str(tiny_data_dir), "--no-progress", "--save-dir", str(tmp_path / "s"),
+        "--save-format", "compressed-tensors", "--scale-mode", "nearest",
+    ]  # fmt: skip
+    assert main([*base, "--methods", "rtn,had32", "--out", str(tmp_path / "r.json")]) == 0
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][1]
+    assert row["details"]["saved"]["format"] == "compressed-tensors"
+    model = load_compressed_tensors(row["details"]["saved"]["path"])
+    assert type(model).__name__ == "LlamaForCausalLM"
+    capsys.readouterr()
+    assert main([*base, "--methods", "torq-had32", "--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold 'torq-had32' yet" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
