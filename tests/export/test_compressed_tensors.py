@@ -137,3 +137,22 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
     err = capsys.readouterr().err
     assert "cannot hold 'torq-had32' yet" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "t.json").exists()
+
+
+def test_an_exported_folder_is_not_taken_for_a_float_model(
+    tmp_path, tiny_tokenizer, tiny_data_dir, capsys
+) -> None:
+    """transformers would load an exported had32 folder without its Hadamard: torq refuses
+    to quantize or evaluate it as a float model, and names the loader that is right."""
+    from torq.cli import main
+    from torq.export.compressed_tensors import export_compressed_tensors
+
+    export_compressed_tensors(_quantized("had32", "mxfp4"), tmp_path / "ct", tiny_tokenizer)
+    for extra in ([], ["--stream"]):
+        args = [
+            "run", "--model", str(tmp_path / "ct"), "--methods", "rtn", "--seqlen", "32",
+            "--max-windows", "1", "--data-dir", str(tiny_data_dir), "--no-progress", *extra,
+        ]  # fmt: skip
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "quantized already (compressed-tensors)" in err and "load_compressed_tensors" in err

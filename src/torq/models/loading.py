@@ -274,9 +274,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def refuse_prequantized(path: str | Path) -> None:
+    """A folder whose ``config.json`` says it is quantized already (compressed-tensors,
+    other quantizers) is not a float model: quantizing it again, or loading it where
+    transformers drops its online transforms, would give wrong numbers without a word."""
+    config = Path(path) / "config.json"
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return
+    if not isinstance(qc, dict):
+        return
+    kind = qc.get("quant_method", "a quantizer")
+    hint = (
+        "; load it with torq.export.compressed_tensors.load_compressed_tensors"
+        if kind == "compressed-tensors"
+        else ""
+    )
+    raise TorqError(f"{path} is quantized already ({kind}), not a float model{hint}")
+
+
 def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    refuse_prequantized(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -329,6 +350,7 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
             raise TorqError(
                 f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
             )
+        refuse_prequantized(path)
         return path, f"local:{path.resolve()}"
     if path.exists():
         raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
