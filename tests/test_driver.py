@@ -466,3 +466,22 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
         assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)
     with pytest.raises(TorqError, match="--hidden-states applies"):
         run(_config(folder, data_dir, ["rtn"], hidden_states="disk"), progress=False)
+
+
+def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
+    """A run's kept progress is found by a name made of its settings: a setting that a later
+    torq adds, at its default, does not rename it (TORQ's guard, GPTQ's scale search)."""
+    from dataclasses import asdict
+
+    from torq.driver import _stable_record
+    from torq.methods.torq_rotation import TorqSettings
+    from torq.surgery.gptq import GPTQConfig
+
+    settings = asdict(TorqSettings())
+    before = {k: v for k, v in settings.items() if k != "guard"}
+    assert _stable_record({"settings": settings}) == {"settings": before}
+    gptq = GPTQConfig().__dict__
+    older = {k: v for k, v in gptq.items() if k not in ("scale_search", "mse_norm")}
+    assert _stable_record({"gptq": dict(gptq)}) == {"gptq": older}
+    changed = _stable_record({"settings": {**settings, "guard": 0.25}})
+    assert changed["settings"]["guard"] == 0.25

@@ -128,6 +128,21 @@ class LayerProgress:
             self.file.unlink(missing_ok=True)
 
 
+def _stable_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A plan's record as a progress file's name holds it: settings added to TORQ or GPTQ
+    after a run began are left out at their defaults (as the settings keys leave them out),
+    so the run's kept progress is still taken up by a torq that knows them."""
+    from torq.methods.torq_rotation import torq_key
+    from torq.surgery.gptq import gptq_key
+
+    out = dict(record)
+    if isinstance(out.get("settings"), dict):
+        out["settings"] = torq_key(out["settings"])
+    if isinstance(out.get("gptq"), dict):
+        out["gptq"] = gptq_key(out["gptq"])
+    return out
+
+
 def _digest(t: torch.Tensor | None) -> str | None:
     if t is None:
         return None
@@ -238,7 +253,7 @@ def run_layerwise(
         if progress_file is not None:
             identity = {
                 "method": desc,
-                "record": plan.record,
+                "record": _stable_record(plan.record),
                 "calibration": None if plan.calibration is None else plan.calibration.to_dict(),
                 "capture": [plan.block_size, plan.reservoir, plan.sequential, plan.hessian],
                 "quantizes": plan.quantize is not None,
