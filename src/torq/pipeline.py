@@ -407,7 +407,7 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
 def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
-    from torq.export.compressed_tensors import EXPORTABLE
+    from torq.export.compressed_tensors import EXPORTABLE, EXPORTABLE_METHODS
 
     if config.save_format != "compressed-tensors":
         raise TorqError(f"unknown --save-format '{config.save_format}'")
@@ -422,7 +422,7 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     if config.weight_format != "mxfp4" or act not in ("mxfp4", "fp", "none", "float"):
         raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
     for method in methods:
-        if method.quantizes and method.name not in ("rtn", "gptq", "had32", "had32+gptq"):
+        if method.quantizes and method.name not in EXPORTABLE_METHODS:
             raise TorqError(
                 f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
             )
@@ -491,6 +491,8 @@ def _run_streamed(
     for method in methods:
         source = LayerStream(folder, device)
         loaded = LoadedModel(source.model, tokenizer, source_name, str(folder))
+        # the method's resume folder: its layer progress and its zero-shot answers
+        resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
         t0 = time.perf_counter()
         ctx = replace(method_context(config, tokenizer, progress), model_config=source.model.config)
         with method_rng(config.seed, setting_key(asdict(config), method.name)):
@@ -522,9 +524,7 @@ def _run_streamed(
                     sink=writer,
                     hidden_states=config.hidden_states,
                     # a stopped run continues after its last saved layer
-                    progress_file=None
-                    if config.resume_dir is None
-                    else LayerProgress(method_resume_dir(config, method.name)),
+                    progress_file=None if resume is None else LayerProgress(resume),
                 )
                 if writer is not None:
                     assert result.fingerprint is not None
@@ -554,9 +554,7 @@ def _run_streamed(
                 progress,
                 scratch,
                 # answers kept as they come: a stop in the tasks loses none of them
-                request_cache=None
-                if config.resume_dir is None
-                else Path(method_resume_dir(config, method.name)),
+                request_cache=resume,
             )
         if writer is not None:
             details["saved"] = {

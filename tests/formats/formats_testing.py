@@ -7,6 +7,19 @@ from fractions import Fraction
 
 import torch
 
+import torq.formats as tf
+
+# every format and MXFP4 scale rule the format tests cover
+ALL_SPECS = [
+    tf.get_format("mxfp4", "ocp"),
+    tf.get_format("mxfp4", "paper"),
+    tf.get_format("mxfp4", "rceil"),
+    tf.get_format("mxfp4", "nearest"),
+    tf.get_format("nvfp4"),
+    tf.get_format("mxint4"),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
 _INT_VIEW = {
     torch.float64: torch.int64,
     torch.float32: torch.int32,

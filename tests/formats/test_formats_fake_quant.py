@@ -8,6 +8,8 @@ import torch
 
 import torq.formats as tf
 from tests.formats.formats_testing import (
+    ALL_SPECS,
+    DTYPES,
     assert_bits_equal,
     edge_blocks,
     non_finite_blocks,
@@ -16,18 +18,9 @@ from tests.formats.formats_testing import (
 from torq.formats import cpu_kernel, kernels
 from torq.formats.reference import fake_quantize_reference, mx_quantize_blocks, to_blocks
 
-ALL_SPECS = [
-    tf.get_format("mxfp4", "ocp"),
-    tf.get_format("mxfp4", "paper"),
-    tf.get_format("mxfp4", "rceil"),
-    tf.get_format("mxfp4", "nearest"),
-    tf.get_format("nvfp4"),
-    tf.get_format("mxint4"),
-]
 SPEC_IDS = [f"{s.name}-{s.scale_mode}" for s in ALL_SPECS]
 MXFP4_SPECS = ALL_SPECS[:4]
 MXFP4_IDS = SPEC_IDS[:4]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def mixed_input(rows: int = 16, width: int = 256, seed: int = 0) -> torch.Tensor:

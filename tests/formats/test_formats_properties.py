@@ -11,19 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torq.formats as tf
-from tests.formats.formats_testing import assert_bits_equal
+from tests.formats.formats_testing import ALL_SPECS, DTYPES, assert_bits_equal
 from torq.formats.packing import pack_nibbles, unpack_nibbles
 from torq.formats.reference import fake_quantize_reference
-
-SPECS = [
-    tf.get_format("mxfp4", "ocp"),
-    tf.get_format("mxfp4", "paper"),
-    tf.get_format("mxfp4", "rceil"),
-    tf.get_format("mxfp4", "nearest"),
-    tf.get_format("nvfp4"),
-    tf.get_format("mxint4"),
-]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 # values of every kind a block can hold: ordinary, subnormal, huge, signed zeros,
 # infinities and NaN (drawn rarely: one poisons its block, or an NVFP4 tensor)
@@ -40,7 +30,7 @@ _value = st.one_of(
 
 @st.composite
 def _tensors(draw: st.DrawFn) -> tuple[torch.Tensor, tf.FormatSpec]:
-    spec = draw(st.sampled_from(SPECS))
+    spec = draw(st.sampled_from(ALL_SPECS))
     dtype = draw(st.sampled_from(DTYPES))
     rows = draw(st.integers(1, 3))
     width = draw(st.integers(1, 3 * spec.block_size + 5))

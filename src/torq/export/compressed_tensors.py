@@ -42,7 +42,8 @@ from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
-EXPORTABLE = "rtn, gptq, had32 and had32+gptq (MXFP4 weights; MXFP4 or float activations)"
+EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq")
+EXPORTABLE = f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights; MXFP4 or float activations)"
 _HADAMARD_GROUP = "torq_had32"
 
 

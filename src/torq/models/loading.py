@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torq.errors import TorqError
+from torq.errors import TorqError, first_line
 from torq.paths import cache_dir, usual_permissions
 
 log = logging.getLogger(__name__)
@@ -233,10 +233,9 @@ def convert_gguf(
         except (TorqError, KeyboardInterrupt, MemoryError):
             raise
         except Exception as exc:  # the reader and transformers raise many kinds
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise TorqError(
                 f"{gguf_path}: cannot convert this GGUF file (truncated, damaged, or an "
-                f"architecture transformers cannot convert): {type(exc).__name__}: {reason}"
+                f"architecture transformers cannot convert): {first_line(exc)}"
             ) from None
         (tmp / "torq_source.json").write_text(
             json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype_name, **written}, indent=2)
@@ -391,10 +390,8 @@ def context_length(name_or_path: str) -> int | None:
             arch_field = reader.fields["general.architecture"]
             arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
         except Exception as exc:  # the reader raises many kinds on a damaged file
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise TorqError(
-                f"{gguf_path}: not a readable GGUF file (truncated or damaged?): "
-                f"{type(exc).__name__}: {reason}"
+                f"{gguf_path}: not a readable GGUF file (truncated or damaged?): {first_line(exc)}"
             ) from None
         field = reader.fields.get(f"{arch}.context_length")
         return None if field is None else int(field.parts[field.data[0]][0])
