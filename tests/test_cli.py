@@ -126,6 +126,14 @@ def test_missing_data_is_found_before_any_work(
             ["eval", *base, "--methods", "fp", "--tasks", "piqa", "--limit", "2"],
             "zero-shot data not found (expected",
         ),
+        (
+            ["run", *base, "--methods", "fp", "--eval-corpus", "wikipedia-en"],
+            "perplexity text file not found: expected",
+        ),
+        (
+            ["run", *base, "--methods", "fp", "--eval-corpus", "wikipedia"],
+            "perplexity text file not found: wikipedia (known: wikitext2-test, wikipedia-en)",
+        ),
     ]
     for argv, needle in cases:
         code, _, err = _run(argv, capsys)
@@ -463,3 +471,49 @@ def test_the_command_line_shows_no_library_noise(tiny_checkpoint, tiny_data_dir,
     assert proc.returncode == 0, proc.stderr
     assert "Failed to load" not in proc.stderr and "register_constant" not in proc.stderr
     assert "rtn" in proc.stdout
+
+
+def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
+    """``--eval-corpus wikipedia-en`` measures the first windows of the held-out Wikipedia
+    text (the number a direct evaluation of those windows gives), records which text, keeps
+    its windows apart from WikiText-2's in a resume folder, and streams to the same numbers."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import TINY_TEXT
+    from torq.eval import perplexity, windows_from_text
+
+    data = tmp_path / "data"
+    for rel in ("wikitext-2-raw/wiki.test.raw",):
+        (data / rel).parent.mkdir(parents=True)
+        (data / rel).write_bytes((tiny_data_dir / rel).read_bytes())
+    other = " ".join(reversed(TINY_TEXT.split())) + " \n"
+    (data / "wikipedia-en").mkdir()
+    (data / "wikipedia-en" / "bigbench_paragraph_segmentation.txt").write_text(other * 40)
+    args = [
+        "run", "--model", str(tiny_checkpoint), "--methods", "fp,rtn", "--seqlen", "64",
+        "--max-windows", "3", "--data-dir", str(data), "--no-progress",
+        "--resume-dir", str(tmp_path / "keep"),
+    ]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "wiki2.json")]) == 0
+    assert main([*args, "--eval-corpus", "wikipedia-en", "--out", str(tmp_path / "wp.json")]) == 0
+    assert main([*args, "--eval-corpus", "wikipedia-en", "--stream", "--out",
+                 str(tmp_path / "wp-stream.json")]) == 0  # fmt: skip
+    results = {
+        name: json.loads((tmp_path / f"{name}.json").read_text())
+        for name in ("wiki2", "wp", "wp-stream")
+    }
+    assert results["wiki2"]["eval"]["dataset"] == "wikitext-2-raw test"
+    assert results["wp"]["eval"]["dataset"] == "wikipedia-en"
+    ppl = {name: {r["method"]: r["ppl"] for r in res["rows"]} for name, res in results.items()}
+    assert ppl["wp"] == ppl["wp-stream"]
+    assert ppl["wp"]["fp"] != ppl["wiki2"]["fp"] and ppl["wp"]["rtn"] != ppl["wiki2"]["rtn"]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), torch_dtype="float32")
+    windows = windows_from_text(other * 40, tokenizer, 64, 3)
+    assert perplexity(model.eval(), windows, progress=False).ppl == ppl["wp"]["fp"]
+    # each text's windows kept in a file of their own, beside the other's
+    kept = sorted(p.name for p in (tmp_path / "keep").glob("*/fp-*/ppl-*.json"))
+    assert len(kept) == 2 and kept[0] == "ppl-3x64.json"
+    assert kept[1].startswith("ppl-wikipedia-en-") and kept[1].endswith("-3x64.json")

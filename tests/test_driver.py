@@ -470,7 +470,8 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
 
 def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
-    torq adds, at its default, does not rename it (TORQ's guard, GPTQ's scale search)."""
+    torq adds, at its default, does not rename it (TORQ's guard and fold, GPTQ's scale
+    search)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -478,10 +479,35 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())
-    before = {k: v for k, v in settings.items() if k != "guard"}
+    before = {k: v for k, v in settings.items() if k not in ("guard", "fold")}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__
     older = {k: v for k, v in gptq.items() if k not in ("scale_search", "mse_norm")}
     assert _stable_record({"gptq": dict(gptq)}) == {"gptq": older}
-    changed = _stable_record({"settings": {**settings, "guard": 0.25}})
-    assert changed["settings"]["guard"] == 0.25
+    changed = _stable_record({"settings": {**settings, "guard": 0.25, "fold": True}})
+    assert changed["settings"]["guard"] == 0.25 and changed["settings"]["fold"] is True
+
+
+def test_a_folded_balancing_streams_and_saves_as_the_whole_model(
+    tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """``--fold-balance`` changes the norms and v/up rows of each layer as it is quantized:
+    streamed, the perplexity is the whole model's bit for bit, and the folder saved while
+    streaming loads to the same logits (the folded norms included)."""
+    from torq.export import load_quantized
+
+    folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
+    runs = {}
+    for name, stream in (("whole", False), ("streamed", True)):
+        cfg = _config(
+            folder, data_dir, ["torq-had32"], stream=stream, save_dir=str(tmp_path / name)
+        )
+        runs[name] = run(replace(cfg, torq=replace(cfg.torq, fold=True)), progress=False)["rows"][0]
+    assert runs["whole"]["ppl"] == runs["streamed"]["ppl"]
+    assert "'into': 'self_attn.v_proj'" in str(runs["streamed"]["details"]["layers"][0])
+    ids = torch.randint(0, 300, (2, 24))
+    (a, _, _), (b, _, _) = (load_quantized(r["details"]["saved"]["path"]) for r in runs.values())
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    float_norm = tiny_model("llama").model.layers[0].input_layernorm.weight
+    assert not torch.equal(b.model.layers[0].input_layernorm.weight, float_norm)

@@ -200,6 +200,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--max-windows", type=_positive_int, default=None, help="evaluate only the first N windows"
     )
+    run.add_argument(
+        "--eval-corpus",
+        default="wikitext2-test",
+        metavar="TEXT",
+        help="the text perplexity is measured on: wikitext2-test (default, the paper's), "
+        "wikipedia-en (held-out Wikipedia articles of the data directory) or a text file",
+    )
     run.add_argument("--batch-size", type=_positive_int, default=1)
     run.add_argument(
         "--data-dir", default=None, help="data directory (default: $TORQ_DATA_DIR, else the HF hub)"
@@ -272,7 +279,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--calib-corpus",
         default="wikitext2-valid",
-        help="wikitext2-valid, wikipedia-en or a text file",
+        help="wikitext2-valid, wikipedia-en, python-stdlib (this Python's standard library "
+        "sources, a code corpus) or a text file",
     )
     t.add_argument("--calib-samples", type=_positive_int, default=128, help="calibration windows")
     t.add_argument(
@@ -321,6 +329,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="hold back this fraction of each group's sampled tokens and keep TORQ's "
         "calibrated transform only where it lowers the W4A4 output error there, else the "
         "balanced 32-block Hadamard (torq-guard uses 0.25)",
+    )
+    t.add_argument(
+        "--fold-balance",
+        action="store_true",
+        help="do the channel balancing's division in the module that produces each input "
+        "(the norm, v_proj's or up_proj's rows; o_proj's scales tied across the query heads "
+        "of a value head) instead of online: torq-had32 can then be exported",
     )
     t.add_argument("--max-iter", type=int, default=10, help="intra-block MaxIter")
     t.add_argument("--pairs", type=_positive_int, default=None, help="intra-block P (default K/4)")
@@ -416,6 +431,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         reservoir_tokens=args.reservoir,
         balance=args.balance,
         guard=args.torq_guard,
+        fold=args.fold_balance,
     )
     if args.paper:
         torq_settings = torq_settings.paper()
@@ -445,6 +461,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         scale_mode=scale_mode,
         seqlen=args.seqlen,
         max_windows=args.max_windows,
+        eval_corpus=args.eval_corpus,
         batch_size=args.batch_size,
         data_dir=args.data_dir,
         seed=args.seed,

@@ -24,7 +24,7 @@ import torch
 
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
-from torq.eval.data import load_wikitext2_test, wikitext2_test_path
+from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path, load_eval_text
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import MODEL_INFO, fingerprint_ids, keep_model, load_kept_model
@@ -101,6 +101,9 @@ class RunConfig:
     # with --stream: how the windows' hidden states are kept between layers, "memory"
     # (float32, exact), "bfloat16" (half, rounded) or "disk" (float32 files, exact)
     hidden_states: str = "memory"
+    # the text perplexity is measured on: "wikitext2-test" (the paper's), "wikipedia-en"
+    # (held-out text of ../shared/data) or a text file; its first max_windows windows
+    eval_corpus: str = DEFAULT_EVAL_CORPUS
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
@@ -239,7 +242,7 @@ def _run(
         loaded.model.to(device)
     windows = None
     if not config.skip_ppl:
-        text = load_wikitext2_test(config.data_dir)
+        text = load_eval_text(config.eval_corpus, config.data_dir)
         windows = windows_from_text(text, loaded.tokenizer, config.seqlen, config.max_windows)
 
     rows: list[MethodRow] = []
@@ -307,7 +310,7 @@ def _run(
                 desc=method.name,
                 checkpoint=None
                 if resume is None
-                else resume / f"ppl-{windows.shape[0]}x{windows.shape[1]}.json",
+                else resume / ppl_checkpoint_name(config.eval_corpus, windows),
                 on_checkpoint=None
                 if portable is None or resume is None
                 else _every(60.0, partial(export_portable, resume, portable)),
@@ -407,7 +410,7 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
 def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
-    from torq.export.compressed_tensors import EXPORTABLE, EXPORTABLE_METHODS
+    from torq.export.compressed_tensors import EXPORTABLE, EXPORTABLE_METHODS, FOLDED_METHODS
 
     if config.save_format != "compressed-tensors":
         raise TorqError(f"unknown --save-format '{config.save_format}'")
@@ -425,6 +428,11 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
         if method.quantizes and method.name not in EXPORTABLE_METHODS:
             raise TorqError(
                 f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
+            )
+        if method.name in FOLDED_METHODS and not config.torq.fold:
+            raise TorqError(
+                f"--save-format compressed-tensors holds '{method.name}' with its balancing "
+                "folded: add --fold-balance"
             )
 
 
@@ -484,7 +492,7 @@ def _run_streamed(
         if parts is not None:
             parts.check(skeleton)
     del skeleton
-    text = load_wikitext2_test(config.data_dir)
+    text = load_eval_text(config.eval_corpus, config.data_dir)
     windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
     rows: list[MethodRow] = []
     loaded = None
@@ -680,7 +688,7 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
         except TorqError as exc:
             raise TorqError(f"method '{method.name}' calibrates: {exc}") from None
     if not config.skip_ppl:
-        wikitext2_test_path(config.data_dir)
+        eval_text_path(config.eval_corpus, config.data_dir)
     if config.tasks:
         from torq.eval.zeroshot import task_data_files
 
@@ -795,6 +803,28 @@ def _saved_info(
     }
 
 
+def eval_dataset_label(corpus: str) -> str:
+    """How a result names its perplexity text (``"wikitext-2-raw test"``, as it always has)."""
+    return {DEFAULT_EVAL_CORPUS: "wikitext-2-raw test", "wikipedia-en": "wikipedia-en"}.get(
+        corpus, f"file {corpus}"
+    )
+
+
+def ppl_checkpoint_name(corpus: str, windows: torch.Tensor) -> str:
+    """The kept perplexity windows' file in a method's resume folder: one per text and
+    window shape (the WikiText-2 test split's name is the one it always had)."""
+    shape = f"{windows.shape[0]}x{windows.shape[1]}"
+    if corpus == DEFAULT_EVAL_CORPUS:
+        return f"ppl-{shape}.json"
+    digest = hashlib.sha1(corpus.encode()).hexdigest()[:8]
+    return f"ppl-{_slug_name(corpus)}-{digest}-{shape}.json"
+
+
+def _slug_name(text: str) -> str:
+    name = Path(text).name or text
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)[:40]
+
+
 def setting_key(config: dict[str, Any], method: str) -> str:
     """What makes two rows of one method the same quantized model (``config`` is
     ``asdict(RunConfig)``): the method's own settings key, :meth:`Method.settings_key`."""
@@ -864,7 +894,7 @@ def _record(
         "quant_config": qconfig.to_dict(),
         "model": loaded.describe(),
         "eval": {
-            "dataset": "wikitext-2-raw test",
+            "dataset": eval_dataset_label(config.eval_corpus),
             "n_windows": 0 if windows is None else int(windows.shape[0]),
             "seqlen": config.seqlen,
             "zeroshot_tasks": list(config.tasks),
@@ -887,7 +917,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     if tasks:
         from torq.eval.zeroshot import TASKS
 
-        head = "| method | W | A | Wiki2 PPL | " + " | ".join(TASKS[t].label for t in tasks)
+        label = "Wiki2 PPL" if result["eval"]["dataset"] == "wikitext-2-raw test" else "PPL"
+        head = f"| method | W | A | {label} | " + " | ".join(TASKS[t].label for t in tasks)
         out = [head + " | Avg |", "| --- | --- | --- | ---: |" + " ---: |" * (len(tasks) + 1)]
         for r in rows:
             z = r["zeroshot"]["tasks"]
@@ -912,7 +943,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     out.append("")
     notes = []
     if ev["n_windows"]:
-        notes.append(f"WikiText-2 raw test, {ev['n_windows']} windows × {ev['seqlen']} tokens")
+        notes.append(f"{ev['dataset']}, {ev['n_windows']} windows × {ev['seqlen']} tokens")
     if tasks:
         limit = ev.get("zeroshot_limit")
         notes.append(

@@ -474,3 +474,31 @@ def test_hadamard_init_never_ends_above_the_hadamard() -> None:
         fit_intra_block_rotation(
             torch.randn(64, 18, dtype=torch.float64), IntraBlockConfig(init="hadamard")
         )
+
+
+def test_the_pairs_prepared_side_by_side_give_the_search_of_one_thread(monkeypatch):
+    """What of each pair's sweep depends on its own columns only (the sort, its own counts)
+    is prepared for all pairs on torch's threads; each sweep then finishes on the histogram
+    the pairs before it left. Angles, losses and the rotated sample are those of one thread,
+    bit for bit, and every pair's numerators are the brute-force recount's."""
+    import torq.rotations.intra_block as ib
+
+    zn = _normalized(_samples("student_t2", 600, k=16, seed=3))
+    pairs = select_column_pairs(zn, k_top=16, n_pairs=4, lam=1.0)
+    results = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        results[threads] = exact_angle_search(zn, pairs)
+    one, three = results[1], results[3]
+    assert torch.equal(one.angles, three.angles) and torch.equal(one.losses, three.losses)
+    assert torch.equal(one.z_norm, three.z_norm)
+    assert int((one.angles != 0).sum()) >= 2  # later pairs' histograms are moved ones
+    # the split of Σ (base + own)² into base², the running cross term and own² is exact
+    sweeps = ib._prepare_sweeps(zn, pairs, ib._pair_events(zn, pairs))
+    for (p, q), sweep in zip(pairs, sweeps, strict=True):
+        base = codebook_histogram(zn) - codebook_histogram(zn[:, p]) - codebook_histogram(zn[:, q])
+        nums = ib._sweep_numerators(sweep, base, zn.numel())
+        widths = sweep.widths()
+        wide = widths > 1e-9
+        mids = ib._fold(sweep.angle + widths / 2)[wide]
+        assert torch.equal(nums[wide], _grid_numerators(zn, p, q, mids))

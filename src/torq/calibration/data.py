@@ -8,6 +8,7 @@ train, which is not available here, so the default is the validation split).
 from __future__ import annotations
 
 import os
+import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,16 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError
-from torq.eval.data import resolve_data_dir
+from torq.eval.data import WIKIPEDIA_EN, data_file
 
 CORPORA: dict[str, Path] = {
     "wikitext2-valid": Path("wikitext-2") / "wiki.valid.tokens",
-    "wikipedia-en": Path("wikipedia-en") / "bigbench_paragraph_segmentation.txt",
+    "wikipedia-en": WIKIPEDIA_EN,
 }
+# A code corpus every machine has (the paper's Table 5 calibrates on code too): the
+# ``.py`` sources of the running Python's standard library, its test suites left out.
+PYTHON_STDLIB = "python-stdlib"
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,14 @@ class CalibrationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.corpus not in CORPORA and not Path(self.corpus).suffix:
+        if (
+            self.corpus not in CORPORA
+            and self.corpus != PYTHON_STDLIB
+            and not Path(self.corpus).suffix
+        ):
             raise ValueError(
                 f"unknown calibration corpus '{self.corpus}'; "
-                f"known: {', '.join(CORPORA)} or a file path"
+                f"known: {', '.join(CORPORA)}, {PYTHON_STDLIB} or a file path"
             )
         if self.n_samples < 1 or self.seqlen < 2:
             raise ValueError("calibration needs n_samples >= 1 and seqlen >= 2")
@@ -45,29 +54,46 @@ class CalibrationConfig:
         return asdict(self)
 
 
+def python_stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files (``sysconfig``'s ``stdlib``), sorted by their
+    path under it, test suites and installed packages left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not _STDLIB_SKIP.intersection(p.relative_to(root).parts) and p.is_file()
+    ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def corpus_text(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The calibration corpus as one string: a file's text, or for ``python-stdlib`` the
+    standard library's sources one after another (each preceded by its path as a comment)."""
+    if corpus == PYTHON_STDLIB:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        parts = []
+        for path in python_stdlib_files():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            parts.append(f"# {path.relative_to(root).as_posix()}\n{text}")
+        return "\n\n".join(parts)
+    return corpus_path(corpus, data_dir).read_text(encoding="utf-8")
+
+
 def corpus_path(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The file behind a corpus name (or the corpus itself when it is a path)."""
-    if corpus not in CORPORA:
-        path = Path(corpus).expanduser()
-        if not path.is_file():
-            raise TorqError(f"calibration corpus file not found: {path}")
-        return path
-    root = resolve_data_dir(data_dir)
-    if root is None:
-        raise TorqError(
-            f"calibration corpus '{corpus}' needs a data directory (--data-dir or $TORQ_DATA_DIR)"
-        )
-    path = root / CORPORA[corpus]
-    if not path.is_file():
-        raise TorqError(f"calibration corpus file not found: expected {path}")
-    return path
+    """The file behind a corpus name (or the corpus itself when it is a path); for
+    ``python-stdlib``, the standard library's folder (checked to hold sources)."""
+    if corpus == PYTHON_STDLIB:
+        if not python_stdlib_files():
+            raise TorqError("calibration corpus python-stdlib: no standard library sources")
+        return Path(sysconfig.get_paths()["stdlib"])
+    return data_file(corpus, CORPORA, data_dir, "calibration corpus", (PYTHON_STDLIB,))
 
 
 def calibration_windows(
     tokenizer: Any, config: CalibrationConfig, data_dir: str | os.PathLike[str] | None = None
 ) -> torch.Tensor:
     """``[n_samples, seqlen]`` token windows at seeded random offsets of the corpus."""
-    text = corpus_path(config.corpus, data_dir).read_text(encoding="utf-8")
+    text = corpus_text(config.corpus, data_dir)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     if ids.numel() <= config.seqlen:
         raise TorqError(

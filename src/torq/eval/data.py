@@ -15,6 +15,16 @@ from torq.errors import TorqError
 
 DATA_DIR_ENV = "TORQ_DATA_DIR"
 WIKITEXT2_TEST_RAW = Path("wikitext-2-raw") / "wiki.test.raw"
+# 995 English Wikipedia articles (BIG-bench's paragraph_segmentation task, ../shared/data's
+# README): a second text, for calibration or as held-out text for perplexity
+WIKIPEDIA_EN = Path("wikipedia-en") / "bigbench_paragraph_segmentation.txt"
+
+# The texts perplexity can be measured on (``--eval-corpus``); any other value is a file.
+EVAL_CORPORA: dict[str, Path] = {
+    "wikitext2-test": WIKITEXT2_TEST_RAW,
+    "wikipedia-en": WIKIPEDIA_EN,
+}
+DEFAULT_EVAL_CORPUS = "wikitext2-test"
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -62,6 +72,48 @@ def wikitext2_test_path(data_dir: str | os.PathLike[str] | None = None) -> Path 
 def load_wikitext2_test(data_dir: str | os.PathLike[str] | None = None) -> str:
     """The WikiText-2 raw test split as one string (method-notes §3)."""
     path = wikitext2_test_path(data_dir)
+    if path is None:
+        return _hub_wikitext2_test()
+    return path.read_text(encoding="utf-8")
+
+
+def eval_text_path(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The file of a perplexity text (:data:`EVAL_CORPORA`, or a path); ``None`` for the
+    WikiText-2 test split without a data directory (the hub fallback). Checked before any
+    work: a missing file raises :class:`TorqError` naming the path expected."""
+    if corpus == DEFAULT_EVAL_CORPUS:
+        return wikitext2_test_path(data_dir)
+    return data_file(corpus, EVAL_CORPORA, data_dir, "perplexity text")
+
+
+def data_file(
+    name: str,
+    files: dict[str, Path],
+    data_dir: str | os.PathLike[str] | None,
+    what: str,
+    others: tuple[str, ...] = (),
+) -> Path:
+    """``name``'s file: one of ``files`` (paths in the data directory) or a path itself.
+    Errors are one line naming ``what`` and the path expected (and the names known, with
+    ``others`` that the caller resolves itself)."""
+    if name not in files:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            known = ", ".join([*files, *others])
+            raise TorqError(f"{what} file not found: {path} (known: {known})")
+        return path
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        raise TorqError(f"{what} '{name}' needs a data directory (--data-dir or ${DATA_DIR_ENV})")
+    path = root / files[name]
+    if not path.is_file():
+        raise TorqError(f"{what} file not found: expected {path}")
+    return path
+
+
+def load_eval_text(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The text perplexity is measured on, as one string (:func:`eval_text_path`)."""
+    path = eval_text_path(corpus, data_dir)
     if path is None:
         return _hub_wikitext2_test()
     return path.read_text(encoding="utf-8")

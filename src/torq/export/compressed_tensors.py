@@ -10,9 +10,10 @@ online to each linear's ``input`` and fused into its ``weight_input`` (inverse):
 Sylvester matrix the loaders build is torq's ``H₃₂`` times ``√32``, and they divide by it.
 
 What the format cannot express is refused, naming what can be exported: TORQ's calibrated
-per-position rotations and its channel balancing (until the balancing is folded into the
-weights around it), QuaRot's full-width rotations, fused MoE experts, a linear with a bias
-under a transform (vLLM cannot run that combination), formats other than MXFP4.
+per-position rotations, its channel balancing done online (``--fold-balance`` folds it into
+the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
+32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, a linear
+with a bias under a transform (vLLM cannot run that combination), formats other than MXFP4.
 
 Tensors outside the quantized linears are written in bf16 (transformers loads this format in
 bf16; float32 fails in its decompression): a float32 embedding or norm not exact in bf16 is
@@ -42,8 +43,13 @@ from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
-EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq")
-EXPORTABLE = f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights; MXFP4 or float activations)"
+EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-had32+gptq")
+# methods whose channel balancing must be folded (--fold-balance) to leave H32 alone online
+FOLDED_METHODS = ("torq-had32", "torq-had32+gptq")
+EXPORTABLE = (
+    f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights; MXFP4 or float activations; "
+    f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
+)
 _HADAMARD_GROUP = "torq_had32"
 
 
@@ -67,10 +73,14 @@ def _transform_kind(module: QuantLinear, name: str) -> str | None:
                 "(rtn, gptq)"
             )
         return "had32"
+    what = (
+        "torq's channel balancing, done online (quantize with --fold-balance to fold it)"
+        if isinstance(t, BlockRotation) and t.channel_scale is not None
+        else "TORQ's calibrated rotations or QuaRot's full-width Hadamard"
+    )
     raise TorqError(
-        f"{name}: its online transform (TORQ's calibrated rotations, torq's channel balancing "
-        "or QuaRot's full-width Hadamard) has no compressed-tensors form yet; exportable: "
-        f"{EXPORTABLE}"
+        f"{name}: its online transform ({what}) has no compressed-tensors form yet; "
+        f"exportable: {EXPORTABLE}"
     )
 
 

@@ -24,6 +24,8 @@ from torq.surgery.apply import quantize_layer
 from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantLinear
 
+_SAME = object()
+
 
 def quantize_group(
     layer: nn.Module,
@@ -32,11 +34,14 @@ def quantize_group(
     qconfig: QuantConfig,
     stats: BlockStatistics | None = None,
     gptq: GPTQConfig | None = None,
+    online: Any = _SAME,
 ) -> dict[str, Any]:
     """Replace a group's linears by :class:`QuantLinear` sharing one activation quantizer:
     ``W' = W Tᵀ`` fused (when ``T`` is given), then RTN or, with ``gptq``, GPTQ on the
-    Hessian ``T H Tᵀ`` of the group's captured inputs (Algorithm 3, option B)."""
-    shared = ActivationQuantizer(qconfig.activation, transform)
+    Hessian ``T H Tᵀ`` of the group's captured inputs (Algorithm 3, option B). ``online``:
+    the transform the quantizer runs, when part of ``T`` was folded into the module that
+    produces the group's input (default: ``T``)."""
+    shared = ActivationQuantizer(qconfig.activation, transform if online is _SAME else online)
     record: dict[str, Any] = {}
     h = None
     if gptq is not None and qconfig.weight is not None:
@@ -100,19 +105,41 @@ class GroupSolver:
         stats: dict[str, BlockStatistics],
     ) -> dict[str, Any]:
         record: dict[str, Any] = {}
+        transforms: dict[str, nn.Module | None] = {}
+        seconds: dict[str, float] = {}
+        # Every group's transform first, from the float layer (a group's transform reads
+        # only its own statistics and weights, so the order changes no number), then the
+        # fold, which may change the float weights of modules in other groups, then the
+        # quantization of each group.
         for g in groups:
             t0 = time.perf_counter()
             # the transforms are solved on the CPU, where the statistics are kept
             weight = torch.cat([layer.get_submodule(m).weight.detach().cpu() for m in g.members])
-            transform, rec = self.transform(g, stats[g.name], weight)
+            transforms[g.name], record[g.name] = self.transform(g, stats[g.name], weight)
             del weight  # (a copy of the group's weights: 0.47 GB for an 8B model's gate/up)
-            gptq_rec = quantize_group(layer, g, transform, self.qconfig, stats[g.name], self.gptq)
+            seconds[g.name] = time.perf_counter() - t0
+        folded = self.fold(layer, groups, transforms)
+        for g in groups:
+            t0 = time.perf_counter()
+            rec = record[g.name]
+            online: Any = _SAME
+            if g.name in folded:
+                online, rec["fold"] = folded[g.name]
+            gptq_rec = quantize_group(
+                layer, g, transforms[g.name], self.qconfig, stats[g.name], self.gptq, online
+            )
             if gptq_rec:
                 rec["gptq"] = gptq_rec
-            rec["seconds"] = time.perf_counter() - t0
-            record[g.name] = rec
+            rec["seconds"] = seconds[g.name] + time.perf_counter() - t0
         record["rtn_fallback"] = quantize_layer(layer, self.qconfig)
         return record
+
+    def fold(
+        self, layer: nn.Module, groups: list[LinearGroup], transforms: dict[str, nn.Module | None]
+    ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
+        """The transforms to run online where part of one was folded into the layer's float
+        weights (:meth:`TransformBuilder.fold`); none by default."""
+        return {}
 
 
 class _BuilderSolver(GroupSolver):
@@ -127,12 +154,18 @@ class _BuilderSolver(GroupSolver):
     ) -> tuple[nn.Module | None, dict[str, Any]]:
         return self.method.transform.for_group(group, stats, weight, self.qconfig, self.ctx)
 
+    def fold(
+        self, layer: nn.Module, groups: list[LinearGroup], transforms: dict[str, nn.Module | None]
+    ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
+        return self.method.transform.fold(layer, groups, transforms, self.qconfig, self.ctx)
+
 
 def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
     """``method`` as a :class:`LayerPlan` (module doc)."""
     if not method.quantizes:
         return LayerPlan(None)
     builder = method.transform
+    builder.check(qconfig, ctx)
     record = builder.record(qconfig, ctx)
     parts = builder.residual(ctx)
     if not method.calibrates():

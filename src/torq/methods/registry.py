@@ -108,6 +108,25 @@ class TransformBuilder:
         rows) and a record of how it was built."""
         return self.fixed(group.width, qconfig, ctx), {}
 
+    def fold(
+        self,
+        layer: nn.Module,
+        groups: list[LinearGroup],
+        transforms: dict[str, nn.Module | None],
+        qconfig: QuantConfig,
+        ctx: MethodContext,
+    ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
+        """Called with every group's transform ``T`` of a layer before any group is
+        quantized: for the groups whose ``T`` it moved in part into the layer's float
+        weights (torq's balancing folded, :mod:`torq.rotations.fold`), the transform to run
+        online instead and a record. ``T`` itself still fuses the group's weights (and
+        conjugates its Hessian). The default moves nothing."""
+        return {}
+
+    def check(self, qconfig: QuantConfig, ctx: MethodContext) -> None:
+        """Refuse, before the method's work, a model (``ctx.model_config``) this builder
+        cannot transform with its settings."""
+
     def residual(self, ctx: MethodContext) -> Any:
         """An offline rotation of the whole model fused part by part (embedding, each layer
         before its capture, head), as :class:`torq.surgery.fusion.ResidualRotation` does for

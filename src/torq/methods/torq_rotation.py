@@ -31,11 +31,21 @@ from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.calibration.data import CalibrationConfig
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
-from torq.rotations.balance import balance_covariance, balance_scales, channel_energy
+from torq.rotations.balance import (
+    balance_covariance,
+    balance_scales,
+    channel_energy,
+    tied_energies,
+)
+from torq.rotations.fold import check_foldable, fold_scales, is_o_proj, o_proj_ties
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import (
+    BlockRotation,
+    fuse_inverse_into_weight,
+    without_channel_scale,
+)
 from torq.surgery.qlinear import QuantConfig
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
@@ -65,6 +75,10 @@ class TorqSettings:
     # the fraction of each group's sampled tokens held back to check the calibrated
     # transform against the balanced Hadamard (module doc); ``None``: no check
     guard: float | None = None
+    # do the balancing's ``x ⊘ s`` in the module that produces each group's input (the norm,
+    # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
+    # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
+    fold: bool = False
 
     def __post_init__(self) -> None:
         if self.guard is not None and not 0.0 < self.guard < 1.0:
@@ -80,6 +94,7 @@ class TorqSettings:
             self,
             balance=None,
             guard=None,
+            fold=False,
             intra=replace(self.intra, init="identity", k_top=None),
         )
 
@@ -87,7 +102,11 @@ class TorqSettings:
 def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
     """TORQ's settings (``asdict(TorqSettings)``) as a settings key holds them: settings
     added after results were kept are left out at their defaults, so those keys still match."""
-    return {k: v for k, v in settings.items() if not (k == "guard" and v is None)}
+    return {k: v for k, v in settings.items() if not (k in _LATER and v is _LATER[k])}
+
+
+# settings added after keys were kept, at their defaults (``is``: None and False themselves)
+_LATER: dict[str, Any] = {"guard": None, "fold": False}
 
 
 def build_group_transform(
@@ -96,12 +115,14 @@ def build_group_transform(
     fmt: FormatSpec | None = None,
     weight: torch.Tensor | None = None,
     weight_fmt: FormatSpec | None = None,
+    ties: torch.Tensor | None = None,
 ) -> tuple[BlockRotation, dict[str, Any]]:
     """``T`` for one input group (Algorithm 3, steps 1–3): the balancing scales ``s`` (torq's
     addition, from ``E[x_j²]`` and the group's stacked ``weight``), inter-block ``R_k`` from
     the balanced ``Σ_k`` (Algorithm 1), then ``R_intra`` (Algorithm 2) on balanced blocks.
     With ``settings.guard`` the transform is checked on held-back tokens against the
-    balanced ``H₃₂`` (module doc; ``fmt``/``weight_fmt``: the activation and weight formats)."""
+    balanced ``H₃₂`` (module doc; ``fmt``/``weight_fmt``: the activation and weight formats).
+    ``ties``: channels that must share one balancing scale (:func:`balance.tied_energies`)."""
     k = settings.block_size
     record: dict[str, Any] = {"tokens": stats.count, "width": stats.width}
     fit_sample, held = stats.sample, None
@@ -117,7 +138,10 @@ def build_group_transform(
     if settings.balance is not None:
         if weight is None:
             raise ValueError("channel balancing needs the group's weights")
-        scales = balance_scales(channel_energy(covariance), weight, settings.balance)
+        energy, balance_weight = channel_energy(covariance), weight
+        if ties is not None:
+            energy, balance_weight = tied_energies(energy, weight, ties)
+        scales = balance_scales(energy, balance_weight, settings.balance)
         covariance = balance_covariance(covariance, scales)
         record["balance"] = {
             "alpha": settings.balance,
@@ -254,9 +278,39 @@ class TorqTransform(TransformBuilder):
         qconfig: QuantConfig,
         ctx: MethodContext,
     ) -> tuple[nn.Module | None, dict[str, Any]]:
+        settings = self.settings(qconfig, ctx)
+        ties = None
+        if settings.fold and settings.balance is not None and is_o_proj(group):
+            ties = o_proj_ties(ctx.model_config)
         return build_group_transform(
-            stats, self.settings(qconfig, ctx), qconfig.activation, weight, qconfig.weight
+            stats, settings, qconfig.activation, weight, qconfig.weight, ties=ties
         )
+
+    def check(self, qconfig: QuantConfig, ctx: MethodContext) -> None:
+        if self.settings(qconfig, ctx).fold and ctx.model_config is not None:
+            check_foldable(ctx.model_config)
+
+    def fold(
+        self,
+        layer: nn.Module,
+        groups: list[LinearGroup],
+        transforms: dict[str, nn.Module | None],
+        qconfig: QuantConfig,
+        ctx: MethodContext,
+    ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
+        """With ``fold``: each group's balancing ``⊘ s`` done by the module producing its
+        input (:func:`torq.rotations.fold.fold_scales`), ``R`` alone kept online."""
+        if not self.settings(qconfig, ctx).fold:
+            return {}
+        check_foldable(ctx.model_config)
+        out: dict[str, tuple[nn.Module | None, dict[str, Any]]] = {}
+        for g in groups:
+            t = transforms[g.name]
+            if not isinstance(t, BlockRotation) or t.channel_scale is None:
+                continue
+            record = fold_scales(layer, g, t.channel_scale, ctx.model_config)
+            out[g.name] = (without_channel_scale(t), record)
+        return out
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
         return {"torq": torq_key(run.get("torq") or {})}

@@ -22,7 +22,9 @@ Where it runs. ``s`` is the first step of the online transform
 (:class:`torq.rotations.transform.BlockRotation`); the inter-block rotation is then computed
 from the balanced covariances ``Σ_k / (s s ᵀ)`` and the intra-block rotation from balanced
 samples. For inputs read right after an RMSNorm (q/k/v, gate/up) ``1/s`` can be folded into
-the norm's weight at no online cost; here it is kept in the transform.
+the norm's weight at no online cost; by default it is kept in the transform, and with
+``fold`` (:mod:`torq.rotations.fold`) it goes into the module that produces the group's
+input (the norm, ``v_proj``'s or ``up_proj``'s rows), as an exported model needs.
 """
 
 from __future__ import annotations
@@ -74,3 +76,26 @@ def balance_covariance(covariance: torch.Tensor, scales: torch.Tensor) -> torch.
     k, b, _ = covariance.shape
     s = scales.to(covariance.dtype).reshape(b, k).T  # [K, B]
     return covariance / (s[:, :, None] * s[:, None, :])
+
+
+def tied_energies(
+    energy: torch.Tensor, weight: torch.Tensor, ties: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``E[x_j²]`` and the weights' column energies averaged over the channels that must share
+    one scale (``ties[j]``: channel ``j``'s set, e.g. the value channel of a grouped-query
+    attention head that ``o_proj``'s input channel ``j`` comes from), then given back per
+    channel: the balancing of whole sets (the module doc's optimum with ``s`` constant on
+    each set, taken on the sets' mean statistics). Returns ``(energy [d], weight [out, d])``
+    whose :func:`balance_scales` are equal within every set."""
+    ties = ties.long()
+    n = int(ties.max()) + 1
+    count = torch.zeros(n, dtype=torch.float64).index_add_(
+        0, ties, torch.ones_like(ties, dtype=torch.float64)
+    )
+    mean_x = (
+        torch.zeros(n, dtype=torch.float64).index_add_(0, ties, energy.to(torch.float64)) / count
+    )
+    w_ms = weight.detach().to(torch.float64).pow(2).mean(0)
+    mean_w = torch.zeros(n, dtype=torch.float64).index_add_(0, ties, w_ms) / count
+    # one row whose mean square is each set's: balance_scales reads rms(w_j) over rows
+    return mean_x[ties], mean_w[ties].sqrt().unsqueeze(0)

@@ -164,3 +164,22 @@ def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> 
         dtype=torch.float64,
     ).to(weight.device)
     return t64(w64).to(weight.dtype)
+
+
+def without_channel_scale(transform: BlockRotation) -> BlockRotation | None:
+    """``R`` of ``T x = R (x ⊘ s)``: what stays online once ``⊘ s`` is done by the module
+    that produces ``x`` (:mod:`torq.rotations.fold`); ``None`` when ``T`` is the scale
+    alone. The rotations are the same tensors (same dtype, same values)."""
+    if transform.r_inter is None and transform.r_intra is None:
+        return None
+    factors = [getattr(transform, f"intra_factor{i}") for i in range(transform.n_factors)]
+    out = BlockRotation(
+        transform.block_size,
+        transform.r_inter,
+        transform.r_intra,
+        dtype=(transform.r_inter if transform.r_inter is not None else transform.r_intra).dtype,
+        intra_factors=factors or None,
+    )
+    if out.n_blocks is None and transform.n_blocks is not None:
+        out.n_blocks = transform.n_blocks  # the width check the scale gave
+    return out

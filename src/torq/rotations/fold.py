@@ -1,0 +1,120 @@
+"""Folding torq's channel balancing into the module that produces each group's input.
+
+The balancing (:mod:`torq.rotations.balance`) divides a group's input by per-channel scales
+``s`` before its block rotation: ``T x = R (x ⊘ s)``, with ``diag(s)`` fused into the
+group's weights. Run online, that division is a step no serving engine has. But every
+input group of a Llama-style decoder layer is produced by a module that is linear in the
+channel being divided, so ``⊘ s`` can be done there, offline, leaving ``R`` alone online
+(for a 32-block Hadamard: the transform compressed-tensors, transformers and vLLM run):
+
+* q/k/v read ``input_layernorm``'s output and gate/up read ``post_attention_layernorm``'s:
+  ``γ ⊙ n(x) ⊘ s = (γ ⊘ s) ⊙ n(x)``, the norm's weight divided;
+* ``down_proj`` reads ``act(gate) ⊙ up``: ``up_proj``'s rows (and bias) divided;
+* ``o_proj`` reads the attention output, linear in the values: ``v_proj``'s rows divided.
+  With grouped-query attention one value channel feeds the same channel of several query
+  heads, so ``o_proj``'s scales must be equal across them (:func:`o_proj_ties`; the
+  balancing then works on the sets' mean statistics, :func:`balance.tied_energies`).
+
+Up to float rounding the folded model computes what the unfolded one does, but for the
+rows of ``v_proj`` and ``up_proj``: they are quantized after the division, and a row
+scaled by a factor that is not a power of two rounds to other codes (and, under GQA,
+``o_proj``'s scales are tied). Those are the two differences a folded run measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torq.calibration.capture import LinearGroup
+from torq.errors import TorqError
+
+# Decoder layers whose module names and norms (``weight ⊙ normalized``) are those below.
+# Gemma's norms multiply by ``1 + weight`` and it has norms around its MLP: not folded yet.
+FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Where a group's ``⊘ s`` goes: a norm's ``weight`` or a linear's rows (``kind``)."""
+
+    kind: str  # "norm" or "rows"
+    module: str  # its path inside the decoder layer
+
+
+# by the group's first member, in the layer's own names
+PRODUCERS: dict[str, Producer] = {
+    "self_attn.q_proj": Producer("norm", "input_layernorm"),
+    "mlp.gate_proj": Producer("norm", "post_attention_layernorm"),
+    "self_attn.o_proj": Producer("rows", "self_attn.v_proj"),
+    "mlp.down_proj": Producer("rows", "mlp.up_proj"),
+}
+
+
+def check_foldable(model_config: Any) -> None:
+    """Refuse, in one line, a model whose layers the fold does not know."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in FOLDABLE_MODEL_TYPES:
+        raise TorqError(
+            f"--fold-balance knows the layers of {', '.join(FOLDABLE_MODEL_TYPES)} models, "
+            f"not '{model_type}'"
+        )
+
+
+def producer_of(group: LinearGroup) -> Producer:
+    """The module that produces ``group``'s input (module doc)."""
+    found = PRODUCERS.get(group.members[0])
+    if found is None:
+        raise TorqError(f"no module to fold the balancing of {group.name} into")
+    return found
+
+
+def is_o_proj(group: LinearGroup) -> bool:
+    return group.members[0] == "self_attn.o_proj"
+
+
+def o_proj_ties(model_config: Any) -> torch.Tensor:
+    """For each input channel of ``o_proj`` (query head ``h``, dimension ``d``), the value
+    channel it comes from: ``(h // (H / H_kv)) · head_dim + d``."""
+    n_heads = int(model_config.num_attention_heads)
+    n_kv = int(getattr(model_config, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
+    if n_heads % n_kv:
+        raise TorqError(f"{n_heads} attention heads do not share {n_kv} value heads evenly")
+    kv = torch.arange(n_heads) // (n_heads // n_kv)
+    return (kv[:, None] * int(head_dim) + torch.arange(int(head_dim))[None, :]).reshape(-1)
+
+
+@torch.no_grad()
+def fold_scales(
+    layer: nn.Module, group: LinearGroup, scales: torch.Tensor, model_config: Any
+) -> dict[str, Any]:
+    """Divide the output of ``group``'s producer by ``scales`` (``[d]``, the group's input
+    channels; for ``o_proj``, equal across the query heads of one value head). Must run
+    before the producer is quantized. Returns a record of what was divided."""
+    where = producer_of(group)
+    target = layer.get_submodule(where.module)
+    s = scales.to(torch.float64)
+    if where.kind == "rows" and is_o_proj(group):
+        ties = o_proj_ties(model_config)
+        per_value = torch.zeros(int(ties.max()) + 1, dtype=torch.float64)
+        per_value[ties] = s  # equal within each set: any one of them
+        if not torch.allclose(per_value[ties], s, rtol=1e-12, atol=0.0):
+            raise TorqError("o_proj's scales differ within a value head: they cannot be folded")
+        s = per_value
+    weight = target.weight
+    if where.kind == "norm":
+        if weight.shape != s.shape:
+            raise TorqError(f"{where.module} has {weight.numel()} weights, not {s.numel()}")
+        weight.copy_((weight.to(torch.float64) / s).to(weight.dtype))
+    else:
+        if weight.shape[0] != s.numel():
+            raise TorqError(f"{where.module} has {weight.shape[0]} rows, not {s.numel()}")
+        weight.copy_((weight.to(torch.float64) / s[:, None]).to(weight.dtype))
+        bias = getattr(target, "bias", None)
+        if bias is not None:
+            bias.copy_((bias.to(torch.float64) / s).to(bias.dtype))
+    return {"into": where.module, "kind": where.kind}
