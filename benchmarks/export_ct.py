@@ -3,6 +3,12 @@ WikiText-2 perplexity beside torq's own for the same quantized model, and the fo
 
     python benchmarks/export_ct.py --model smollm2-135m --methods rtn,had32 --max-windows 4 \\
         --out results/export/smollm2-ct.json
+    python benchmarks/export_ct.py --methods torq-had32 --calib-samples 8 --max-windows 4 \\
+        --out results/export/smollm2-ct-torq-had32.json
+
+Calibrated methods (``torq-had32``, ``+gptq``) calibrate on ``--calib-samples`` WikiText-2
+validation windows, with torq's balancing folded (``--fold-balance``, so that the 32-block
+Hadamard alone runs online); torq's own rows are the same folded model.
 
 For each method the model is quantized by torq (W4A4 MXFP4, activations with the ``nearest``
 scale rule, the rule transformers' compressed-tensors loader quantizes activations with),
@@ -26,10 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
+from torq.calibration.data import CalibrationConfig
 from torq.eval.data import load_wikitext2_test
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
-from torq.methods import MethodContext, get_method
+from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
 from torq.surgery import QuantConfig
@@ -42,19 +49,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = load(args.model)
     text = load_wikitext2_test(args.data_dir)
     windows = windows_from_text(text, base.tokenizer, 2048, args.max_windows)
+    settings = TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples), fold=True)
+    context = MethodContext(
+        tokenizer=base.tokenizer,
+        options={"progress": False, "torq_settings": settings, "data_dir": args.data_dir},
+    )
     rows = []
     for method in args.methods.split(","):
         row: dict = {"method": method}
         for mode in ("nearest", "ocp"):
             model = load(args.model).model
             qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
-            get_method(method).apply(model, qconfig, MethodContext(options={"progress": False}))
+            get_method(method).apply(model, qconfig, context)
             row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
             if mode == "nearest":
                 with tempfile.TemporaryDirectory() as tmp:
@@ -73,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "model": args.model,
         "windows": int(windows.shape[0]),
+        "torq_settings": settings.to_dict(),
         "rows": rows,
         "command": command_line(),
         "date": now_iso(),

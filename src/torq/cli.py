@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--to",
         choices=["compressed-tensors"],
         default="compressed-tensors",
-        help="compressed-tensors: what transformers and vLLM load (rtn, gptq, had32, had32+gptq)",
+        help="compressed-tensors: what transformers and vLLM load (rtn, gptq, had32, "
+        "had32+gptq; torq-had32 and torq-had32+gptq quantized with --fold-balance)",
     )
     ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     sub.add_parser("models", help="list the embedded default models")
@@ -542,11 +543,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}\t{entry.description}\t({entry.install_hint})")
             return 0
         if args.command == "export":
-            from torq.export import load_quantized
-            from torq.export.compressed_tensors import export_compressed_tensors
+            from torq.export.compressed_tensors import export_saved_compressed_tensors
 
-            model, tokenizer, _ = load_quantized(args.model)
-            out = export_compressed_tensors(model, args.out, tokenizer, overwrite=args.overwrite)
+            # read and written a decoder layer at a time: any model size
+            out = export_saved_compressed_tensors(args.model, args.out, overwrite=args.overwrite)
             print(f"torq: wrote {out} ({args.to})")
             return 0
         if args.command == "methods":

@@ -416,10 +416,10 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
         raise TorqError(f"unknown --save-format '{config.save_format}'")
     if config.save_dir is None:
         raise TorqError("--save-format applies to what --save-dir writes: add --save-dir")
-    if config.stream or config.tasks:
+    if config.tasks:
         raise TorqError(
-            "--save-format compressed-tensors is written from the whole model, without "
-            "--stream or --tasks yet (export a streamed checkpoint with torq export)"
+            "--save-format compressed-tensors with --tasks is not supported yet (the tasks "
+            "read torq's own checkpoint): save with the default format, then torq export"
         )
     act = (config.act_format or "fp").lower()
     if config.weight_format != "mxfp4" or act not in ("mxfp4", "fp", "none", "float"):
@@ -512,7 +512,7 @@ def _run_streamed(
             writer = None
             if config.save_dir is not None and method.quantizes:
                 writer = CheckpointWriter(
-                    saved_model_dir(config, method.name),
+                    _streamed_save_dir(config, method.name),
                     source.model,
                     tokenizer,
                     method=method.name,
@@ -565,11 +565,24 @@ def _run_streamed(
                 request_cache=resume,
             )
         if writer is not None:
+            saved_at, seconds = writer.out, details.pop("save_seconds")
+            written = "part by part, as the layers were quantized"
+            if config.save_format == "compressed-tensors":
+                from torq.export.compressed_tensors import export_saved_compressed_tensors
+
+                t_export = time.perf_counter()
+                saved_at = export_saved_compressed_tensors(
+                    writer.out, saved_model_dir(config, method.name), overwrite=True
+                )
+                shutil.rmtree(writer.out)
+                seconds += time.perf_counter() - t_export
+                written += ", then exported layer by layer"
             details["saved"] = {
-                "path": str(writer.out),
-                "bytes": sum(f.stat().st_size for f in writer.out.iterdir() if f.is_file()),
-                "seconds": details.pop("save_seconds"),
-                "written": "part by part, as the layers were quantized",
+                "path": str(saved_at),
+                "format": config.save_format,
+                "bytes": sum(f.stat().st_size for f in saved_at.iterdir() if f.is_file()),
+                "seconds": seconds,
+                "written": written,
             }
         quantizes = method.quantizes
         rows.append(
@@ -752,6 +765,16 @@ def saved_model_dir(config: RunConfig, method: str) -> Path:
     stem = Path(config.model).name or config.model
     model = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
     return Path(config.save_dir) / f"{model}-{method.replace('+', '-')}"
+
+
+def _streamed_save_dir(config: RunConfig, method: str) -> Path:
+    """Where a streamed run writes a method's torq checkpoint as the layers are done: its
+    ``--save-dir`` folder, or for ``--save-format compressed-tensors`` a staging folder beside
+    it (``.<name>.torq``) that is exported and removed once the model is whole."""
+    out = saved_model_dir(config, method)
+    if config.save_format == "compressed-tensors":
+        return out.with_name(f".{out.name}.torq")
+    return out
 
 
 def _save(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,8 +98,9 @@ def test_what_the_format_cannot_hold_is_refused(tmp_path) -> None:
 
 
 def test_export_command_writes_a_saved_checkpoint(tmp_path, tiny_tokenizer, capsys) -> None:
-    """``torq export``: a folder torq saved, written for transformers, one line of output;
-    a method the format cannot hold is one line of error and nothing written."""
+    """``torq export``: a folder torq saved, written for transformers layer by layer, one
+    line of output; a method the format cannot hold is one line of error and nothing
+    written."""
     from torq.cli import main
     from torq.export import save_quantized
 
@@ -197,3 +199,100 @@ def test_torq_had32_with_its_balancing_folded_exports(activation, tmp_path, tiny
     assert gap < 1.25 * bf16_gap
     if activation is None:
         assert gap < 0.1 * error
+
+
+@pytest.mark.parametrize(
+    ("method", "activation", "arch"),
+    [("had32", "mxfp4", "llama"), ("rtn", None, "qwen2"), ("torq-had32", "mxfp4", "llama-tied")],
+)
+def test_a_saved_checkpoint_exports_layer_by_layer_as_the_whole_model(
+    method, activation, arch, tmp_path, tiny_tokenizer
+) -> None:
+    """``torq export`` reads a saved checkpoint and writes the compressed-tensors folder one
+    decoder layer at a time (a shard per layer and an index): the same tensors as the
+    whole-model export, bit for bit and in the same dtypes, and the same configuration;
+    a tied head is stored once, as transformers stores it."""
+    from safetensors import safe_open
+
+    from tests.methods.test_torq_method import _apply, _settings
+    from torq.export import save_quantized
+    from torq.export.compressed_tensors import (
+        export_compressed_tensors,
+        export_saved_compressed_tensors,
+        load_compressed_tensors,
+    )
+
+    model = tiny_model("llama" if arch == "llama-tied" else arch)
+    if arch == "llama-tied":
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    qconfig = QuantConfig.from_names("mxfp4", activation, scale_mode="nearest")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
+    _apply(model, method, qconfig, _settings(str(corpus), fold=True), tiny_tokenizer)
+    whole = export_compressed_tensors(model, tmp_path / "whole", tiny_tokenizer)
+    save_quantized(model, tmp_path / "saved", tiny_tokenizer, method=method)
+    parts = export_saved_compressed_tensors(tmp_path / "saved", tmp_path / "parts")
+
+    def tensors(folder):
+        out = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (a safe_open handle is not iterable)
+        return out
+
+    a, b = tensors(whole), tensors(parts)
+    assert a.keys() == b.keys()
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert ("lm_head.weight" in b) == (arch != "llama-tied")
+    assert len(list(parts.glob("model-layer-*.safetensors"))) == 2
+    config = json.loads((parts / "config.json").read_text())
+    assert config == json.loads((whole / "config.json").read_text())
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :32]
+    with torch.no_grad():
+        ref = load_compressed_tensors(whole)(input_ids=ids).logits
+        got = load_compressed_tensors(parts)(input_ids=ids).logits
+    assert torch.equal(ref, got)
+
+
+def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """``--stream --save-dir D --save-format compressed-tensors``: torq's checkpoint is
+    written layer by layer to a staging folder, exported layer by layer, and removed; the
+    folder is the whole-model run's, tensor for tensor and configuration for configuration."""
+    from safetensors import safe_open
+
+    from torq.cli import main
+
+    base = [
+        "run", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1",
+        "--data-dir", str(tiny_data_dir), "--no-progress", "--save-format", "compressed-tensors",
+        "--scale-mode", "nearest", "--methods", "rtn,had32",
+    ]  # fmt: skip
+    for name, extra in (("whole", []), ("streamed", ["--stream"])):
+        out = ["--save-dir", str(tmp_path / name), "--out", str(tmp_path / f"{name}.json")]
+        assert main([*base, *extra, *out]) == 0
+    rows = {
+        name: json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+        for name in ("whole", "streamed")
+    }
+    assert [r["ppl"] for r in rows["whole"]] == [r["ppl"] for r in rows["streamed"]]
+    for whole, streamed in zip(rows["whole"], rows["streamed"], strict=True):
+        a, b = (Path(r["details"]["saved"]["path"]) for r in (whole, streamed))
+        assert streamed["details"]["saved"]["format"] == "compressed-tensors"
+        assert json.loads((a / "config.json").read_text()) == json.loads(
+            (b / "config.json").read_text()
+        )
+        tensors = []
+        for folder in (a, b):
+            found = {}
+            for file in folder.glob("*.safetensors"):
+                with safe_open(str(file), "pt") as f:
+                    found.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+            tensors.append(found)
+        assert tensors[0].keys() == tensors[1].keys()
+        assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == sorted(
+        p.name for p in (tmp_path / "whole").iterdir()
+    )  # no staging folder left behind

@@ -29,6 +29,8 @@ transformers' compressed-tensors loader leaves them out without a word.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,12 @@ _HADAMARD_GROUP = "torq_had32"
 
 def _transform_kind(module: QuantLinear, name: str) -> str | None:
     """``None`` (no online transform) or ``"had32"``; anything else is refused."""
-    t = module.input_quantizer.transform
+    return _rotation_kind(module.input_quantizer.transform, module.bias is not None, name)
+
+
+def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None:
+    """:func:`_transform_kind` of an online transform ``t`` read by a linear with or without
+    a bias."""
     if t is None:
         return None
     if (
@@ -66,7 +73,7 @@ def _transform_kind(module: QuantLinear, name: str) -> str | None:
         and t.r_intra is not None
         and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
     ):
-        if module.bias is not None:
+        if has_bias:
             raise TorqError(
                 f"{name} has a bias under its online Hadamard: vLLM cannot run a transform on a "
                 "linear with a bias (Qwen2's q/k/v); export this model without a transform "
@@ -116,15 +123,7 @@ def export_compressed_tensors(
     """Write a model quantized by torq (its fake-quant :class:`QuantLinear` modules,
     Algorithm 3 option B: ``Q_w(W Tᵀ)`` with ``T`` online) as a compressed-tensors folder
     that transformers and vLLM load (module doc). Returns the folder."""
-    from compressed_tensors import TRANSFORM_CONFIG_NAME
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP4A16
-    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
     from transformers import AutoModelForCausalLM
 
     linears, kind, activations = _plan(model)
@@ -153,11 +152,9 @@ def export_compressed_tensors(
             f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
     plain = plain.to(torch.bfloat16)
-    scheme = QuantizationScheme(targets=["Linear"], **(MXFP4 if activations else MXFP4A16))
+    plain.config.dtype = torch.bfloat16  # what the folder holds, whatever the source said
     ignore = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n not in linears]
-    apply_quantization_config(
-        plain, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
-    )
+    _apply_schemes(plain, kind, activations, ignore)
     for name, module in linears.items():
         weight = module.weight.detach().float().cpu()
         packed = quantize(weight, module.config.weight)
@@ -169,6 +166,36 @@ def export_compressed_tensors(
         target.weight_scale.data = scale.reshape(target.weight_scale.shape).to(
             target.weight_scale.dtype
         )
+    out = Path(out_dir)
+    with _atomic_folder(out, overwrite) as tmp:
+        compressor = ModelCompressor.from_pretrained_model(plain, quantization_format=FORMAT)
+        compressor.compress_model(plain)
+        plain.save_pretrained(tmp)
+        compressor.update_config(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out
+
+
+def _apply_schemes(
+    model: nn.Module, kind: str | None, activations: bool, ignore: list[str]
+) -> None:
+    """compressed-tensors' MXFP4 scheme (W4A4, or W4A16 without ``activations``) on every
+    linear but ``ignore``, and with ``kind == "had32"`` the 32-block Hadamard's
+    ``transform_config`` (the weights are fused already, torq's: the config only says so)."""
+    from compressed_tensors import TRANSFORM_CONFIG_NAME
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP4A16
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], **(MXFP4 if activations else MXFP4A16))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
+    )
     if kind == "had32":
         args = [
             TransformArgs(targets=["Linear"], location="input", ignore=ignore),
@@ -179,16 +206,142 @@ def export_compressed_tensors(
                 _HADAMARD_GROUP: TransformScheme(type="hadamard", head_dim=32, apply=args)
             }
         )
-        # the weights are fused already (torq's): the config only says so
-        setattr(plain, TRANSFORM_CONFIG_NAME, transform)
+        setattr(model, TRANSFORM_CONFIG_NAME, transform)
+
+
+def _ct_codes(codes: torch.Tensor) -> torch.Tensor:
+    """torq's packed E2M1 codes as compressed-tensors stores them: the same nibbles but for
+    a rounded-to-zero value's sign (code 8, −0, becomes 0, +0; the same value)."""
+    low, high = codes & 0x0F, codes >> 4
+    low = torch.where(low == 8, torch.zeros_like(low), low)
+    high = torch.where(high == 8, torch.zeros_like(high), high)
+    return (high << 4) | low
+
+
+_LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
+
+
+@torch.no_grad()
+def export_saved_compressed_tensors(
+    folder: str | Path, out_dir: str | Path, overwrite: bool = False
+) -> Path:
+    """:func:`export_compressed_tensors` of a checkpoint torq saved (``--save-dir``), read and
+    written one decoder layer at a time: the packed codes and scales as stored (−0 as +0),
+    every other tensor in bf16, a shard per layer; memory of one layer, whatever the model's
+    size. The same tensors as the whole-model export, bit for bit. Returns the folder."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torq.export.checkpoint import (
+        INDEX,
+        _built_transforms,
+        _checkpoint_files,
+        _StoredTensors,
+        read_manifest,
+    )
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    tensors = _StoredTensors(_checkpoint_files(folder))
+    transforms = _built_transforms(manifest, tensors)
+    modules: dict[str, dict[str, Any]] = manifest["modules"]
+    kinds, acts = set(), set()
+    for name, entry in modules.items():
+        if entry["kind"] != "linear":
+            raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
+        w, a = entry["weight"], entry["activation"]
+        if w is None or w["name"] != "mxfp4" or w["block_size"] != 32:
+            raise TorqError(f"{name}: only MXFP4 weights (blocks of 32) are exported yet")
+        if entry["storage"] != "packed":
+            raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
+        if a is not None and (a["name"] != "mxfp4" or a["block_size"] != 32):
+            raise TorqError(f"{name}: activations must be MXFP4 (blocks of 32) or float")
+        t_index = manifest["quantizers"][entry["quantizer"]]["transform"]
+        t = None if t_index is None else transforms[t_index]
+        kinds.add(_rotation_kind(t, entry["bias"], name))
+        acts.add(a is not None)
+    if not modules:
+        raise TorqError(f"{folder} has no quantized linears")
+    if len(kinds) > 1 or len(acts) > 1:
+        raise TorqError("the quantized linears differ in transform or activation format")
+    kind, activations = kinds.pop(), acts.pop()
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):  # the architecture's module names, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    ignore = [
+        n for n, m in skeleton.named_modules() if isinstance(m, nn.Linear) and n not in modules
+    ]
+    # the compressed folder's names: a quantized linear's weight is its packed codes and scales
+    expected = set(skeleton.state_dict()) - {f"{n}.weight" for n in modules}
+    expected |= {f"{n}.{part}" for n in modules for part in ("weight_packed", "weight_scale")}
+    _apply_schemes(skeleton, kind, activations, ignore)
+    compressor = ModelCompressor.from_pretrained_model(skeleton, quantization_format=FORMAT)
+    del skeleton
+    # the tensors below are written compressed (what compress_model would leave)
+    compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
+
+    # what each stored tensor becomes, grouped by decoder layer (the rest: one part)
+    aliases: dict[str, str] = manifest.get("aliases") or {}
+    sources: dict[str, tuple[str, str]] = {}  # written name -> (stored name, how)
+    for name in modules:
+        sources[f"{name}.weight_packed"] = (f"{name}.weight_codes", "codes")
+        sources[f"{name}.weight_scale"] = (f"{name}.weight_scales", "scales")
+        if modules[name]["bias"]:
+            sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
+    quantized_keys = {key for src, _ in sources.values() for key in [src]}
+    for key in tensors:
+        if key.startswith("torq.transforms.") or key in quantized_keys:
+            continue
+        sources[key] = (key, "bf16")
+    for alias, stored in aliases.items():
+        if not (config.tie_word_embeddings and alias.endswith("lm_head.weight")):
+            sources[alias] = (stored, "bf16")
+    missing = {k for k in expected if k not in sources}
+    missing -= {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
+    unexpected = set(sources) - expected
+    if missing or unexpected:
+        raise TorqError(
+            f"{folder}: its tensors do not fit its architecture (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    parts: dict[str, list[str]] = {}
+    for key in sorted(sources):
+        m = _LAYER_KEY.search(key)
+        parts.setdefault("outer" if m is None else f"layer-{int(m.group(1)):05d}", []).append(key)
+
     out = Path(out_dir)
     with _atomic_folder(out, overwrite) as tmp:
-        compressor = ModelCompressor.from_pretrained_model(plain, quantization_format=FORMAT)
-        compressor.compress_model(plain)
-        plain.save_pretrained(tmp)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for part, keys in parts.items():
+            shard: dict[str, torch.Tensor] = {}
+            for key in keys:
+                stored, how = sources[key]
+                value = tensors[stored]
+                if how == "codes":
+                    value = _ct_codes(value)
+                elif how == "bf16":
+                    value = value.to(torch.bfloat16)
+                shard[key] = value.contiguous()
+                total += value.numel() * value.element_size()
+            file = f"model-{part}.safetensors"
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(keys, file))
+            del shard
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for extra in folder.iterdir():  # the tokenizer's and generation's files
+            if (
+                extra.is_file()
+                and extra.suffix in (".json", ".txt", ".model", ".jinja")
+                and extra.name not in (INDEX, "torq_quant.json", "config.json")
+            ):
+                shutil.copy2(extra, tmp / extra.name)
+        config.dtype = torch.bfloat16  # what the folder holds
+        config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
     return out
 
 
