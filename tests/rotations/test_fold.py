@@ -41,7 +41,7 @@ def test_tied_balancing_is_one_scale_per_set_from_the_sets_statistics() -> None:
     assert not torch.allclose(untied[:4], untied[4:])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
 @pytest.mark.parametrize("method", ["torq-had32", "torq"])
 def test_the_folded_model_is_the_same_function_in_float(
     arch,
@@ -49,11 +49,15 @@ def test_the_folded_model_is_the_same_function_in_float(
     corpus,
     tiny_tokenizer,
 ) -> None:
-    """With the balancing's division done by the norms and by v_proj's and up_proj's rows
-    (qwen2: their biases too), the model without quantization computes the float model's
-    logits; no online transform keeps a channel scale; o_proj's scales are equal across
-    the query heads of a value head; the norms' weights moved."""
+    """With the balancing's division done by the norms (Gemma's ``1 + w`` ones too) and by
+    v_proj's and up_proj's rows (qwen2: their biases too), the model without quantization
+    computes the float model's logits; no online transform keeps a channel scale; o_proj's
+    scales are equal across the query heads of a value head; the norms' weights moved."""
     model = tiny_model(arch)
+    with torch.no_grad():  # norms away from their initial 1 (Gemma: 1 + 0), to be folded into
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -73,10 +77,11 @@ def test_the_folded_model_is_the_same_function_in_float(
         for g, rec in layer0.items()
         if isinstance(rec, dict) and "fold" in rec
     }
+    mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3_text" else "post_attention_layernorm"
     assert folds == {
         "q_proj+k_proj+v_proj": "input_layernorm",
         "o_proj": "self_attn.v_proj",
-        "gate_proj+up_proj": "post_attention_layernorm",
+        "gate_proj+up_proj": mlp_norm,
         "down_proj": "mlp.up_proj",
     }
     norm, float_norm = (
@@ -113,7 +118,7 @@ def test_a_folded_run_differs_from_the_online_one_only_in_v_and_up_rows(
 
 
 def test_a_model_the_fold_does_not_know_is_refused(corpus, tiny_tokenizer) -> None:
-    model = tiny_model("gemma3_text")
+    model = tiny_model("qwen3_moe")
     with pytest.raises(TorqError, match="--fold-balance knows the layers of llama"):
         _apply(
             model,

@@ -7,8 +7,9 @@ input group of a Llama-style decoder layer is produced by a module that is linea
 channel being divided, so ``⊘ s`` can be done there, offline, leaving ``R`` alone online
 (for a 32-block Hadamard: the transform compressed-tensors, transformers and vLLM run):
 
-* q/k/v read ``input_layernorm``'s output and gate/up read ``post_attention_layernorm``'s:
-  ``γ ⊙ n(x) ⊘ s = (γ ⊘ s) ⊙ n(x)``, the norm's weight divided;
+* q/k/v read ``input_layernorm``'s output and gate/up read ``post_attention_layernorm``'s
+  (Gemma 3: ``pre_feedforward_layernorm``'s): ``γ ⊙ n(x) ⊘ s = (γ ⊘ s) ⊙ n(x)``, the norm's
+  weight divided (Gemma's norms multiply by ``1 + w``: ``w ← (1 + w) ⊘ s − 1``);
 * ``down_proj`` reads ``act(gate) ⊙ up``: ``up_proj``'s rows (and bias) divided;
 * ``o_proj`` reads the attention output, linear in the values: ``v_proj``'s rows divided.
   With grouped-query attention one value channel feeds the same channel of several query
@@ -32,41 +33,59 @@ from torch import nn
 from torq.calibration.capture import LinearGroup
 from torq.errors import TorqError
 
-# Decoder layers whose module names and norms (``weight ⊙ normalized``) are those below.
-# Gemma's norms multiply by ``1 + weight`` and it has norms around its MLP: not folded yet.
-FOLDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 @dataclass(frozen=True)
 class Producer:
-    """Where a group's ``⊘ s`` goes: a norm's ``weight`` or a linear's rows (``kind``)."""
+    """Where a group's ``⊘ s`` goes: a norm's ``weight`` or a linear's rows (``kind``). A
+    Gemma norm multiplies by ``1 + weight`` (``plus_one``), so its weight becomes
+    ``(1 + w) ⊘ s − 1``."""
 
     kind: str  # "norm" or "rows"
     module: str  # its path inside the decoder layer
+    plus_one: bool = False
 
 
-# by the group's first member, in the layer's own names
-PRODUCERS: dict[str, Producer] = {
-    "self_attn.q_proj": Producer("norm", "input_layernorm"),
-    "mlp.gate_proj": Producer("norm", "post_attention_layernorm"),
+_ROWS = {
     "self_attn.o_proj": Producer("rows", "self_attn.v_proj"),
     "mlp.down_proj": Producer("rows", "mlp.up_proj"),
 }
+_LLAMA = {
+    "self_attn.q_proj": Producer("norm", "input_layernorm"),
+    "mlp.gate_proj": Producer("norm", "post_attention_layernorm"),
+    **_ROWS,
+}
+# Gemma 3: the MLP reads pre_feedforward_layernorm's output (post_attention_layernorm and
+# post_feedforward_layernorm scale the blocks' outputs, not a quantized input)
+_GEMMA3 = {
+    "self_attn.q_proj": Producer("norm", "input_layernorm", plus_one=True),
+    "mlp.gate_proj": Producer("norm", "pre_feedforward_layernorm", plus_one=True),
+    **_ROWS,
+}
+# by model type, then by the group's first member, in the layer's own names
+PRODUCERS: dict[str, dict[str, Producer]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma3_text": _GEMMA3,
+}
+FOLDABLE_MODEL_TYPES = tuple(PRODUCERS)
 
 
 def check_foldable(model_config: Any) -> None:
     """Refuse, in one line, a model whose layers the fold does not know."""
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in FOLDABLE_MODEL_TYPES:
+    if model_type not in PRODUCERS:
         raise TorqError(
             f"--fold-balance knows the layers of {', '.join(FOLDABLE_MODEL_TYPES)} models, "
             f"not '{model_type}'"
         )
 
 
-def producer_of(group: LinearGroup) -> Producer:
+def producer_of(group: LinearGroup, model_config: Any) -> Producer:
     """The module that produces ``group``'s input (module doc)."""
-    found = PRODUCERS.get(group.members[0])
+    check_foldable(model_config)
+    found = PRODUCERS[model_config.model_type].get(group.members[0])
     if found is None:
         raise TorqError(f"no module to fold the balancing of {group.name} into")
     return found
@@ -95,7 +114,7 @@ def fold_scales(
     """Divide the output of ``group``'s producer by ``scales`` (``[d]``, the group's input
     channels; for ``o_proj``, equal across the query heads of one value head). Must run
     before the producer is quantized. Returns a record of what was divided."""
-    where = producer_of(group)
+    where = producer_of(group, model_config)
     target = layer.get_submodule(where.module)
     s = scales.to(torch.float64)
     if where.kind == "rows" and is_o_proj(group):
@@ -109,7 +128,8 @@ def fold_scales(
     if where.kind == "norm":
         if weight.shape != s.shape:
             raise TorqError(f"{where.module} has {weight.numel()} weights, not {s.numel()}")
-        weight.copy_((weight.to(torch.float64) / s).to(weight.dtype))
+        offset = 1.0 if where.plus_one else 0.0
+        weight.copy_(((weight.to(torch.float64) + offset) / s - offset).to(weight.dtype))
     else:
         if weight.shape[0] != s.numel():
             raise TorqError(f"{where.module} has {weight.shape[0]} rows, not {s.numel()}")
