@@ -53,6 +53,14 @@ EXPORTABLE = (
     f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
 )
 _HADAMARD_GROUP = "torq_had32"
+# NVFP4: compressed-tensors' nvfp4-pack-quantized needs each weight's E4M3 block scales and
+# FP32 tensor scale, which torq's fake-quantized NVFP4 weights do not keep and which cannot
+# be recovered from them exactly (tried: re-deriving them from the quantized values changes
+# the scales of blocks whose largest code is not 6)
+_NOT_MXFP4 = (
+    "only MXFP4 weights (blocks of 32) are exported yet; NVFP4 needs the block and tensor "
+    "scales torq does not keep with its fake-quantized weights"
+)
 
 
 def _transform_kind(module: QuantLinear, name: str) -> str | None:
@@ -103,7 +111,7 @@ def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool]:
             continue
         w, a = module.config.weight, module.config.activation
         if w is None or w.name != "mxfp4" or w.block_size != 32:
-            raise TorqError(f"{name}: only MXFP4 weights (blocks of 32) are exported yet")
+            raise TorqError(f"{name}: {_NOT_MXFP4}")
         if a is not None and (a.name != "mxfp4" or a.block_size != 32):
             raise TorqError(f"{name}: activations must be MXFP4 (blocks of 32) or float")
         kinds.add(_transform_kind(module, name))
@@ -253,7 +261,7 @@ def export_saved_compressed_tensors(
             raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
         w, a = entry["weight"], entry["activation"]
         if w is None or w["name"] != "mxfp4" or w["block_size"] != 32:
-            raise TorqError(f"{name}: only MXFP4 weights (blocks of 32) are exported yet")
+            raise TorqError(f"{name}: {_NOT_MXFP4}")
         if entry["storage"] != "packed":
             raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
         if a is not None and (a["name"] != "mxfp4" or a["block_size"] != 32):
