@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from torq.errors import TorqError
 from torq.eval.sandbox import SandboxLimits, isolation_problem, run_untrusted
@@ -151,3 +152,27 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_do_not() -> None:
     assert wrong["pass@1"] == 0.0
     assert wrong["tasks"][some[1].task_id]["first_failure"] == "killed (a limit was reached)"
     assert wrong["tasks"][some[0].task_id]["first_failure"] == "AssertionError"
+
+
+@needs_isolation
+def test_humaneval_completions_are_the_models_greedy_continuations(tiny_tokenizer) -> None:
+    """lm-eval generates each completion offline (torq's own config of its humaneval task):
+    the model's greedy continuation of the prompt, cut at the task's first stop sequence;
+    the completions are then scored in the sandbox."""
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.eval.generation import STOP, evaluate_humaneval
+    from torq.eval.humaneval import load_humaneval
+
+    model = tiny_model("llama")
+    result = evaluate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), limit=2, max_gen_toks=8)
+    assert result["problems"] == 2 and result["pass@1"] == 0.0  # a random tiny model
+    for problem in load_humaneval(SHARED_DATA)[:2]:
+        ids = tiny_tokenizer(problem.prompt, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(ids.input_ids, max_new_tokens=8, do_sample=False)
+        text = tiny_tokenizer.decode(out[0, ids.input_ids.shape[1] :])
+        for stop in STOP:
+            text = text.split(stop)[0]
+        got = result["tasks"][problem.task_id]
+        assert got["completion"] == text
+        assert got["first_failure"] is not None
