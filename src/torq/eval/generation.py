@@ -21,6 +21,7 @@ from torq.errors import TorqError
 from torq.eval.data import resolve_data_dir
 from torq.eval.humaneval import HUMANEVAL, load_humaneval, score
 from torq.eval.sandbox import SandboxLimits
+from torq.eval.zeroshot import in_process_lm
 
 TASK = "torq_humaneval"
 # lm-eval's humaneval.yaml (0.4.13): its prompt, stop sequences and generation settings
@@ -72,18 +73,11 @@ def generate_humaneval(
     root = resolve_data_dir(data_dir)
     if root is None or not (root / HUMANEVAL).is_file():
         raise TorqError(f"HumanEval file not found: expected <data-dir>/{HUMANEVAL}")
-    device = next(model.parameters()).device
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         (Path(tmp) / f"{TASK}.yaml").write_text(
             humaneval_task_yaml((root / HUMANEVAL).resolve(), max_gen_toks)
         )
-        lm = HFLM(
-            pretrained=model,
-            tokenizer=tokenizer,
-            batch_size=batch_size,
-            device=str(device),
-            max_length=getattr(model.config, "max_position_embeddings", 2048),
-        )
+        lm = in_process_lm(HFLM, model, tokenizer, batch_size)
         out = simple_evaluate(
             model=lm,
             tasks=[TASK],

@@ -221,6 +221,18 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
+def in_process_lm(cls: type, model: torch.nn.Module, tokenizer: Any, batch_size: int) -> Any:
+    """lm-eval's model wrapper ``cls`` (``HFLM`` or a subclass) around ``model`` as it is in
+    memory, on its device, with the model's own context length."""
+    return cls(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        device=str(next(model.parameters()).device),
+        max_length=getattr(model.config, "max_position_embeddings", 2048),
+    )
+
+
 def evaluate_zeroshot(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -260,7 +272,6 @@ def evaluate_zeroshot(
     if portable is not None and request_cache is None:
         raise TorqError("a portable copy needs a request cache (a resume directory)")
     names = [parse_tasks(t)[0] for t in tasks] if tasks else list(PAPER_TASKS)
-    device = next(model.parameters()).device
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
         manager = TaskManager(include_path=tmp)
@@ -274,13 +285,7 @@ def evaluate_zeroshot(
             from torq.eval.portable import SeededAnswers
 
             wrapper = type(f"Seeded{base.__name__}", (SeededAnswers, base), {"seeds": seeds})
-        lm = wrapper(
-            pretrained=model,
-            tokenizer=tokenizer,
-            batch_size=batch_size,
-            device=str(device),
-            max_length=getattr(model.config, "max_position_embeddings", 2048),
-        )
+        lm = in_process_lm(wrapper, model, tokenizer, batch_size)
         cache_info = None
         cache_db = None
         if request_cache is not None:
