@@ -118,3 +118,93 @@ def evaluate_humaneval(
     result["score_seconds"] = time.perf_counter() - t0 - t_gen
     result["max_gen_toks"] = max_gen_toks
     return result
+
+
+GSM8K_TASK = "torq_gsm8k"
+GSM8K_FILES = {"train": Path("gsm8k") / "train.jsonl", "test": Path("gsm8k") / "test.jsonl"}
+
+
+def gsm8k_task_yaml(builtin: Path, files: dict[str, Path]) -> str:
+    """lm-eval's ``gsm8k`` task (5-shot from the train split, its answer filters and exact
+    match, computed in lm-eval without the hub), its data read from ``files``."""
+    return f"""include: {builtin}
+task: {GSM8K_TASK}
+tag: []
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    train: {files["train"]}
+    test: {files["test"]}
+training_split: train
+fewshot_split: train
+test_split: test
+"""
+
+
+def evaluate_gsm8k(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    data_dir: str | None = None,
+    n: int | None = None,
+    seed: int = 0,
+    batch_size: int = 1,
+    gen_kwargs: str | None = None,
+) -> dict[str, Any]:
+    """GSM8K exact match of ``model`` through lm-eval (greedy, 5-shot, its own filters) on a
+    seeded subset of ``n`` test problems (all 1319 by default): the same problems for every
+    method of a seed, so rows compare question by question. Returns the strict and flexible
+    scores with their standard errors, and which problems were asked."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from torq.eval.zeroshot import _lm_eval_tasks_dir
+
+    root = resolve_data_dir(data_dir)
+    files = {split: None if root is None else root / rel for split, rel in GSM8K_FILES.items()}
+    missing = [str(f) for f in files.values() if f is None or not f.is_file()]
+    if missing:
+        raise TorqError(f"GSM8K data not found: expected {', '.join(missing)}")
+    builtin = _lm_eval_tasks_dir() / "gsm8k" / "gsm8k.yaml"
+    total = sum(1 for _ in files["test"].open(encoding="utf-8"))  # type: ignore[union-attr]
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    asked = sorted(order[: n or total])
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
+        resolved = {k: v.resolve() for k, v in files.items() if v is not None}
+        (Path(tmp) / f"{GSM8K_TASK}.yaml").write_text(gsm8k_task_yaml(builtin, resolved))
+        out = simple_evaluate(
+            model=in_process_lm(HFLM, model, tokenizer, batch_size),
+            tasks=[GSM8K_TASK],
+            task_manager=TaskManager(include_path=tmp),
+            samples={GSM8K_TASK: asked},
+            log_samples=True,
+            gen_kwargs=gen_kwargs,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            verbosity="WARNING",
+        )
+    if out is None:
+        raise TorqError("lm-eval returned no results")
+    res = out["results"][GSM8K_TASK]
+    answers: dict[int, dict[str, Any]] = {}
+    for s in out["samples"][GSM8K_TASK]:  # one entry per problem and answer filter
+        entry = answers.setdefault(int(s["doc_id"]), {"response": s["resps"][0][0]})
+        entry[s["filter"]] = {"answer": s["filtered_resps"][0], "exact_match": s["exact_match"]}
+    return {
+        **{
+            name: {
+                "exact_match": float(res[f"exact_match,{name}"]),
+                "stderr": float(res[f"exact_match_stderr,{name}"]),
+            }
+            for name in ("strict-match", "flexible-extract")
+        },
+        "problems": asked,
+        "n": len(asked),
+        "seed": seed,
+        "seconds": time.perf_counter() - t0,
+        "answers": answers,
+    }

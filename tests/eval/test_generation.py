@@ -1,0 +1,63 @@
+"""Generation tasks through lm-eval offline: HumanEval's completions, GSM8K on a seeded subset."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.eval.test_sandbox import needs_isolation
+
+
+@needs_isolation
+def test_humaneval_completions_are_the_models_greedy_continuations(tiny_tokenizer) -> None:
+    """lm-eval generates each completion offline (torq's own config of its humaneval task):
+    the model's greedy continuation of the prompt, cut at the task's first stop sequence;
+    the completions are then scored in the sandbox."""
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.eval.generation import STOP, evaluate_humaneval
+    from torq.eval.humaneval import load_humaneval
+
+    model = tiny_model("llama")
+    result = evaluate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), limit=2, max_gen_toks=8)
+    assert result["problems"] == 2 and result["pass@1"] == 0.0  # a random tiny model
+    for problem in load_humaneval(SHARED_DATA)[:2]:
+        ids = tiny_tokenizer(problem.prompt, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(ids.input_ids, max_new_tokens=8, do_sample=False)
+        text = tiny_tokenizer.decode(out[0, ids.input_ids.shape[1] :])
+        for stop in STOP:
+            text = text.split(stop)[0]
+        got = result["tasks"][problem.task_id]
+        assert got["completion"] == text
+        assert got["first_failure"] is not None
+
+
+def test_gsm8k_runs_offline_on_a_seeded_subset(tiny_tokenizer, monkeypatch) -> None:
+    """GSM8K through lm-eval with its data from the local files: the seed picks the
+    problems (the same for every method), lm-eval's own filters and exact match score them.
+    A model that answers each problem with its reference's final line scores 1 on both
+    filters; the tiny random model scores 0."""
+    from lm_eval.models.huggingface import HFLM
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.eval.generation import evaluate_gsm8k
+
+    model = tiny_model("llama")
+    run = evaluate_gsm8k(model, tiny_tokenizer, str(SHARED_DATA), n=3, gen_kwargs="max_gen_toks=4")
+    assert run["n"] == 3 and sorted(run["answers"]) == run["problems"]
+    assert run["strict-match"]["exact_match"] == 0.0
+    again = evaluate_gsm8k(
+        model, tiny_tokenizer, str(SHARED_DATA), n=3, gen_kwargs="max_gen_toks=4"
+    )
+    assert again["problems"] == run["problems"]
+    other = evaluate_gsm8k(
+        model, tiny_tokenizer, str(SHARED_DATA), n=3, seed=1, gen_kwargs="max_gen_toks=4"
+    )
+    assert other["problems"] != run["problems"]
+
+    def oracle(self, requests, disable_tqdm=False):
+        return [f"So: #### {r.doc['answer'].split('#### ')[-1].strip()}" for r in requests]
+
+    monkeypatch.setattr(HFLM, "generate_until", oracle)
+    right = evaluate_gsm8k(model, tiny_tokenizer, str(SHARED_DATA), n=3)
+    assert right["strict-match"]["exact_match"] == 1.0
+    assert right["flexible-extract"]["exact_match"] == 1.0
