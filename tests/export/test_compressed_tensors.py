@@ -18,6 +18,24 @@ from torq.surgery import QuantConfig
 pytest.importorskip("compressed_tensors")
 
 
+def _logit_gaps(float_model, torq_model, loaded, tokenizer) -> tuple[float, float, float]:
+    """On the same tokens: how far the model loaded through transformers is from torq's own
+    (float32), how far torq's own model run in bf16 (the loader's dtype) is from it, and how
+    far torq's model is from the float one (the quantization error): norms of the logits'
+    differences."""
+    ids = tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        ref = float_model(input_ids=ids).logits
+        torq_logits = torq_model(input_ids=ids).logits
+        torq_bf16 = copy.deepcopy(torq_model).bfloat16()(input_ids=ids).logits.float()
+        ct_logits = loaded(input_ids=ids).logits.float()
+    return (
+        float((ct_logits - torq_logits).norm()),
+        float((torq_bf16 - torq_logits).norm()),
+        float((torq_logits - ref).norm()),
+    )
+
+
 def _quantized(method: str, activation: str | None, arch: str = "llama"):
     model = tiny_model(arch)
     qconfig = QuantConfig.from_names("mxfp4", activation, scale_mode="nearest")
@@ -184,15 +202,7 @@ def test_torq_had32_with_its_balancing_folded_exports(activation, tmp_path, tiny
     out = export_compressed_tensors(folded, tmp_path / "ct", tiny_tokenizer)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]
     loaded = load_compressed_tensors(out)
-    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
-    with torch.no_grad():
-        ref = model(input_ids=ids).logits
-        torq_logits = folded(input_ids=ids).logits
-        torq_bf16 = copy.deepcopy(folded).bfloat16()(input_ids=ids).logits.float()
-        ct_logits = loaded(input_ids=ids).logits.float()
-    gap = float((ct_logits - torq_logits).norm())
-    bf16_gap = float((torq_bf16 - torq_logits).norm())
-    error = float((torq_logits - ref).norm())
+    gap, bf16_gap, error = _logit_gaps(model, folded, loaded, tiny_tokenizer)
     # measured (had32, rtn and the folded torq-had32 alike): W4A16 3 % of the quantization
     # error, as torq's own model in bf16; W4A4 about 60 %, as torq's own model in bf16 too
     # (bf16 activations cross 4-bit rounding boundaries, amplified by a random tiny model)
@@ -314,15 +324,7 @@ def test_every_architecture_round_trips_through_transformers(
     q = _quantized(method, activation, arch)
     out = export_compressed_tensors(q, tmp_path / "ct", tiny_tokenizer)
     loaded = load_compressed_tensors(out)
-    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
-    with torch.no_grad():
-        ref = model(input_ids=ids).logits
-        torq_logits = q(input_ids=ids).logits
-        torq_bf16 = copy.deepcopy(q).bfloat16()(input_ids=ids).logits.float()
-        ct_logits = loaded(input_ids=ids).logits.float()
-    gap = float((ct_logits - torq_logits).norm())
-    bf16_gap = float((torq_bf16 - torq_logits).norm())
-    error = float((torq_logits - ref).norm())
+    gap, bf16_gap, error = _logit_gaps(model, q, loaded, tiny_tokenizer)
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
     if activation is None:
         assert gap < 0.1 * error, (gap, error)
