@@ -10,6 +10,9 @@ Calibrated methods (``torq-had32``, ``+gptq``) calibrate on ``--calib-samples`` 
 validation windows, with torq's balancing folded (``--fold-balance``, so that the 32-block
 Hadamard alone runs online); torq's own rows are the same folded model.
 
+With ``--format nvfp4`` the weights are NVFP4 and the activations stay in float (W4A16, what
+compressed-tensors' NVFP4 export holds); there is no activation rule to compare.
+
 For each method the model is quantized by torq (W4A4 MXFP4, activations with the ``nearest``
 scale rule, the rule transformers' compressed-tensors loader quantizes activations with),
 exported (:func:`torq.export.compressed_tensors.export_compressed_tensors`), loaded through
@@ -50,6 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--calib-samples", type=int, default=8)
+    ap.add_argument(
+        "--format",
+        choices=("mxfp4", "nvfp4"),
+        default="mxfp4",
+        help="mxfp4: W4A4; nvfp4: NVFP4 weights, float activations (W4A16, what is exported)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -64,9 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for method in args.methods.split(","):
         row: dict = {"method": method}
-        for mode in ("nearest", "ocp"):
+        nvfp4 = args.format == "nvfp4"
+        row["torq_ocp"] = None  # (NVFP4 weights alone: no activation rule to compare)
+        for mode in ("nearest",) if nvfp4 else ("nearest", "ocp"):
             model = load(args.model).model
-            qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
+            qconfig = (
+                QuantConfig.from_names("nvfp4", None)
+                if nvfp4
+                else QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
+            )
             get_method(method).apply(model, qconfig, context)
             row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
             if mode == "nearest":
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row, flush=True)
     record = {
         "model": args.model,
+        "format": args.format,
         "windows": int(windows.shape[0]),
         "torq_settings": settings.to_dict(),
         "rows": rows,
@@ -94,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
     }
     lines = [
-        f"{args.model}, first {windows.shape[0]} WikiText-2 windows of 2048 tokens, W4A4 MXFP4",
+        f"{args.model}, first {windows.shape[0]} WikiText-2 windows of 2048 tokens, "
+        + ("W4A16 NVFP4" if args.format == "nvfp4" else "W4A4 MXFP4"),
         "",
         "| method | torq (`nearest` activations) | through transformers (compressed-tensors, bf16) "
         "| torq (`ocp`, its default) | export MB |",
@@ -103,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['torq_nearest']:.3f} | {r['transformers']:.3f} "
-            f"| {r['torq_ocp']:.3f} | {r['export_bytes'] / 1e6:.1f} |"
+            f"| {'–' if r['torq_ocp'] is None else format(r['torq_ocp'], '.3f')} "
+            f"| {r['export_bytes'] / 1e6:.1f} |"
         )
     save(args.out, record, "\n".join(lines) + "\n")
 

@@ -31,6 +31,8 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--max-windows", "0"], "positive integer"),
         (["run", "--scale-mode", "banana"], "invalid choice"),
         (["run", "--balance", "2"], "in [0, 1] or 'none'"),
+        (["run", "--torq-calibrate", "o_proj,1x"], "linear layer names such as o_proj"),
+        (["run", "--methods", "torq-perm", "--balance", "none"], "needs the balancing"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
         (["run", "--device", "banana", "--methods", "fp"], "unknown device 'banana'"),

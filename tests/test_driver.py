@@ -116,6 +116,27 @@ def test_bf16_checkpoint_streams_as_float32_of_its_values(tmp_path, data_dir, ti
     assert streamed["rows"][0]["details"]["streamed"]["stored_dtypes"].get("BF16", 0) > 0
 
 
+def test_the_block_mass_permutation_streams_as_the_whole_model(
+    tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """``torq-perm`` (and with GPTQ) layer by layer gives the whole-model perplexity bit
+    for bit, with the same choices per group."""
+    folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
+    methods = ["torq-perm", "torq-perm+gptq"]
+    whole = run(_config(folder, data_dir, methods), progress=False)
+    streamed = run(_config(folder, data_dir, methods, stream=True), progress=False)
+    for a, b in zip(whole["rows"], streamed["rows"], strict=True):
+        assert a["ppl"] == b["ppl"], a["method"]
+        choices = [
+            [
+                [layer[g["name"]]["guard"]["chosen"] for g in layer["groups"]]
+                for layer in r["details"]["layers"]
+            ]
+            for r in (a, b)
+        ]
+        assert choices[0] == choices[1] and any(choices[0])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "llama-tied"])
 def test_quarot_streams_its_residual_rotation_part_by_part(
     arch, tmp_path, data_dir, tiny_tokenizer
@@ -471,7 +492,7 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
 def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
     torq adds, at its default, does not rename it (TORQ's guard and fold, GPTQ's scale
-    search)."""
+    search, the groups TORQ calibrates, the block-mass permutation)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -479,13 +500,18 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())
-    before = {k: v for k, v in settings.items() if k not in ("guard", "fold")}
+    later = ("guard", "fold", "calibrate", "permute")
+    before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__
     older = {k: v for k, v in gptq.items() if k not in ("scale_search", "mse_norm")}
     assert _stable_record({"gptq": dict(gptq)}) == {"gptq": older}
-    changed = _stable_record({"settings": {**settings, "guard": 0.25, "fold": True}})
+    changed = _stable_record(
+        {"settings": {**settings, "guard": 0.25, "fold": True, "calibrate": ("o_proj",)}}
+    )
     assert changed["settings"]["guard"] == 0.25 and changed["settings"]["fold"] is True
+    assert changed["settings"]["calibrate"] == ("o_proj",)
+    assert _stable_record({"settings": {**settings, "permute": True}})["settings"]["permute"]
 
 
 def test_a_folded_balancing_streams_and_saves_as_the_whole_model(

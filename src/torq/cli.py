@@ -59,6 +59,15 @@ def _balance_alpha(value: str) -> float | None:
     return alpha
 
 
+def _linear_names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated linear layer names such as o_proj, got '{value}'"
+        )
+    return names
+
+
 def _format_name(value: str) -> str | None:
     from torq.formats import FORMAT_NAMES
 
@@ -167,7 +176,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         choices=["torq", "compressed-tensors"],
         default="torq",
         help="what --save-dir writes: torq's checkpoint, or compressed-tensors for transformers "
-        "and vLLM (rtn, gptq, had32, had32+gptq; see torq export)",
+        "and vLLM (rtn, gptq, had32, had32+gptq, torq-had32 with --fold-balance; MXFP4, or "
+        "NVFP4 weights with --a-format none; see torq export)",
     )
     run.add_argument(
         "--allow-long-windows",
@@ -332,6 +342,15 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "balanced 32-block Hadamard (torq-guard uses 0.25)",
     )
     t.add_argument(
+        "--torq-calibrate",
+        type=_linear_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear layers (e.g. o_proj) whose input groups get TORQ's "
+        "calibrated rotations; the other groups get the balanced 32-block Hadamard "
+        "(default: every group)",
+    )
+    t.add_argument(
         "--fold-balance",
         action="store_true",
         help="do the channel balancing's division in the module that produces each input "
@@ -433,6 +452,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         balance=args.balance,
         guard=args.torq_guard,
         fold=args.fold_balance,
+        calibrate=args.torq_calibrate,
     )
     if args.paper:
         torq_settings = torq_settings.paper()

@@ -405,12 +405,24 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
             config.torq.intra.resolved(config.torq.block_size)
         except ValueError as exc:
             raise TorqError(f"TORQ's intra-block settings: {exc}") from None
+    for m in methods:
+        if isinstance(m.transform, TorqTransform):
+            try:  # each method's own settings (torq-perm's permutation needs the balancing)
+                ctx = MethodContext(options={"torq_settings": config.torq})
+                m.transform.settings(config.quant_config(), ctx)
+            except ValueError as exc:
+                raise TorqError(f"{m.name}: {exc}") from None
 
 
 def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
-    from torq.export.compressed_tensors import EXPORTABLE, EXPORTABLE_METHODS, FOLDED_METHODS
+    from torq.export.compressed_tensors import (
+        EXPORTABLE,
+        EXPORTABLE_METHODS,
+        FOLDED_METHODS,
+        NVFP4_ACTIVATIONS,
+    )
 
     if config.save_format != "compressed-tensors":
         raise TorqError(f"unknown --save-format '{config.save_format}'")
@@ -422,7 +434,10 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
             "read torq's own checkpoint): save with the default format, then torq export"
         )
     act = (config.act_format or "fp").lower()
-    if config.weight_format != "mxfp4" or act not in ("mxfp4", "fp", "none", "float"):
+    act = None if act in ("fp", "none", "float") else act
+    if config.weight_format == "nvfp4" and act is not None:
+        raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
+    if config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
         raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
     for method in methods:
         if method.quantizes and method.name not in EXPORTABLE_METHODS:

@@ -89,7 +89,7 @@ def test_every_architecture_round_trips_bit_for_bit(arch, tmp_path, tiny_tokeniz
     assert packed_bytes == pytest.approx(quantized_params * 4.25 / 8, rel=1e-6)
 
 
-@pytest.mark.parametrize("method", ["rtn", "hadfull", "quarot", "torq", "torq+gptq"])
+@pytest.mark.parametrize("method", ["rtn", "hadfull", "quarot", "torq", "torq+gptq", "torq-perm"])
 def test_methods_round_trip_with_their_transforms(method, tmp_path, tiny_tokenizer, corpus) -> None:
     """The calibrated and fused methods too: transforms (TORQ's inter- and intra-block
     rotations with the channel scale, factored Hadamards, QuaRot's untied and rotated
@@ -120,6 +120,15 @@ def test_methods_round_trip_with_their_transforms(method, tmp_path, tiny_tokeniz
     if method == "torq":
         saved = {n for t in manifest["transforms"] for n in t["tensors"]}
         assert {"r_inter", "r_intra", "channel_scale"} <= saved
+    if method == "torq-perm":  # the permutations the guard kept come back as they were
+        perms = [
+            (m.input_transform.channel_perm, a.input_transform.channel_perm)
+            for m, a in zip(model.modules(), again.modules(), strict=True)
+            if isinstance(m, QuantLinear) and hasattr(m.input_transform, "channel_perm")
+        ]
+        assert perms and all(torch.equal(p, q) for p, q in perms)
+        saved = {n for t in manifest["transforms"] for n in t["tensors"]}
+        assert "channel_perm" in saved
 
 
 def test_packed_layers_compute_the_same_on_cpu(tmp_path, tiny_tokenizer, corpus) -> None:
@@ -196,6 +205,20 @@ def test_formats_and_float_weights(w, a, tmp_path) -> None:
     assert torch.equal(_logits(again), ref)
     storages = {e["storage"] for e in manifest["modules"].values()}
     assert storages == ({"float"} if w is None else {"packed"})
+
+
+def test_nvfp4_gptq_weights_are_stored_packed(tmp_path, tiny_tokenizer, corpus) -> None:
+    """GPTQ's NVFP4 weights pack from the tensor scale their linear keeps (quantizing them
+    again would take another); reloaded, the model computes the same logits and packs again."""
+    qconfig = QuantConfig(get_format("nvfp4"), get_format("nvfp4"))
+    model = _quantized("llama", "gptq", qconfig, tokenizer=tiny_tokenizer, corpus=corpus)
+    ref = _logits(model)
+    out = save_quantized(model, tmp_path / "ck", method="gptq")
+    again, _, manifest = load_quantized(out)
+    assert torch.equal(_logits(again), ref)
+    assert {e["storage"] for e in manifest["modules"].values()} == {"packed"}
+    _, _, manifest = load_quantized(save_quantized(again, tmp_path / "ck2", method="gptq"))
+    assert {e["storage"] for e in manifest["modules"].values()} == {"packed"}
 
 
 def test_tied_embeddings_are_stored_once_and_stay_tied(tmp_path) -> None:

@@ -36,6 +36,17 @@ def _logit_gaps(float_model, torq_model, loaded, tokenizer) -> tuple[float, floa
     )
 
 
+def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (a safe_open handle is not iterable)
+    return out
+
+
 def _quantized(method: str, activation: str | None, arch: str = "llama"):
     model = tiny_model(arch)
     qconfig = QuantConfig.from_names("mxfp4", activation, scale_mode="nearest")
@@ -159,7 +170,16 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
     assert main([*base, "--methods", "torq-had32", "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
     assert "'torq-had32' with its balancing folded: add --fold-balance" in err
+    assert main([*base, "--methods", "rtn", "--format", "nvfp4", "--out", "t.json"]) == 2
+    err = capsys.readouterr().err
+    assert "NVFP4 activations are not exported" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "t.json").exists()
+    nv = [*base, "--methods", "rtn", "--w-format", "nvfp4", "--a-format", "none"]
+    assert main([*nv, "--out", str(tmp_path / "n.json"), "--save-dir", str(tmp_path / "n")]) == 0
+    row = json.loads((tmp_path / "n.json").read_text())["rows"][0]
+    folder = Path(row["details"]["saved"]["path"])
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"
 
 
 def test_an_exported_folder_is_not_taken_for_a_float_model(
@@ -222,7 +242,6 @@ def test_a_saved_checkpoint_exports_layer_by_layer_as_the_whole_model(
     decoder layer at a time (a shard per layer and an index): the same tensors as the
     whole-model export, bit for bit and in the same dtypes, and the same configuration;
     a tied head is stored once, as transformers stores it."""
-    from safetensors import safe_open
 
     from tests.methods.test_torq_method import _apply, _settings
     from torq.export import save_quantized
@@ -244,14 +263,7 @@ def test_a_saved_checkpoint_exports_layer_by_layer_as_the_whole_model(
     save_quantized(model, tmp_path / "saved", tiny_tokenizer, method=method)
     parts = export_saved_compressed_tensors(tmp_path / "saved", tmp_path / "parts")
 
-    def tensors(folder):
-        out = {}
-        for file in folder.glob("*.safetensors"):
-            with safe_open(str(file), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (a safe_open handle is not iterable)
-        return out
-
-    a, b = tensors(whole), tensors(parts)
+    a, b = _folder_tensors(whole), _folder_tensors(parts)
     assert a.keys() == b.keys()
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert ("lm_head.weight" in b) == (arch != "llama-tied")
@@ -271,7 +283,6 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
     """``--stream --save-dir D --save-format compressed-tensors``: torq's checkpoint is
     written layer by layer to a staging folder, exported layer by layer, and removed; the
     folder is the whole-model run's, tensor for tensor and configuration for configuration."""
-    from safetensors import safe_open
 
     from torq.cli import main
 
@@ -294,13 +305,7 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
         assert json.loads((a / "config.json").read_text()) == json.loads(
             (b / "config.json").read_text()
         )
-        tensors = []
-        for folder in (a, b):
-            found = {}
-            for file in folder.glob("*.safetensors"):
-                with safe_open(str(file), "pt") as f:
-                    found.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-            tensors.append(found)
+        tensors = [_folder_tensors(a), _folder_tensors(b)]
         assert tensors[0].keys() == tensors[1].keys()
         assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
     assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == sorted(
@@ -328,3 +333,67 @@ def test_every_architecture_round_trips_through_transformers(
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
     if activation is None:
         assert gap < 0.1 * error, (gap, error)
+
+
+@pytest.mark.parametrize("method", ["rtn", "had32", "gptq"])
+def test_nvfp4_weights_export_and_load_as_torq_computes_them(
+    method, tmp_path, tiny_tokenizer
+) -> None:
+    """NVFP4 weights (W4A16; GPTQ's included, whose blocks need not reach code 6) are
+    written as ``nvfp4-pack-quantized``: torq's codes and E4M3 block scales found again from
+    the tensor scale each linear kept, the loaders' global scale its reciprocal; loaded
+    through transformers the model computes what torq's computes in bf16. The layer-by-layer
+    export of the saved checkpoint writes the same tensors. NVFP4 activations are refused,
+    with the reason, before anything is written."""
+    from safetensors import safe_open
+
+    from tests.methods.test_torq_method import _apply, _settings
+    from torq.export import save_quantized
+    from torq.export.compressed_tensors import (
+        export_compressed_tensors,
+        export_saved_compressed_tensors,
+        load_compressed_tensors,
+    )
+    from torq.formats.packed import encode_nvfp4_exact
+    from torq.formats.packing import decode_e4m3, unpack_nibbles
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
+    model = tiny_model("llama")
+    q = copy.deepcopy(model)
+    _apply(q, method, QuantConfig.from_names("nvfp4", None), _settings(str(corpus)), tiny_tokenizer)
+    out = export_compressed_tensors(q, tmp_path / "ct", tiny_tokenizer)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized"
+    name = "model.layers.1.mlp.down_proj"
+    torq_linear = q.get_submodule(name)
+    packed = encode_nvfp4_exact(torq_linear.weight.detach(), torq_linear.weight_tensor_scale)
+    assert packed is not None
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        codes, scales = f.get_tensor(f"{name}.weight_packed"), f.get_tensor(f"{name}.weight_scale")
+        global_scale = f.get_tensor(f"{name}.weight_global_scale")
+    assert scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(scales.float(), decode_e4m3(packed.scales))
+    assert float(global_scale) == float(1.0 / torq_linear.weight_tensor_scale)
+    a, b = unpack_nibbles(codes), unpack_nibbles(packed.codes)
+    assert torch.equal(a | 8, b | 8) and bool(((a != b) <= ((b & 7) == 0)).all())
+    loaded = load_compressed_tensors(out)
+    gap, bf16_gap, error = _logit_gaps(model, q, loaded, tiny_tokenizer)
+    assert gap < 1.25 * bf16_gap + 1e-3 * error and gap < 0.1 * error, (gap, bf16_gap, error)
+
+    save_quantized(q, tmp_path / "saved", tiny_tokenizer, method=method)
+    parts = export_saved_compressed_tensors(tmp_path / "saved", tmp_path / "parts")
+    found = [_folder_tensors(out), _folder_tensors(parts)]
+    assert found[0].keys() == found[1].keys()
+    assert all(
+        found[0][k].dtype == found[1][k].dtype and torch.equal(found[0][k], found[1][k])
+        for k in found[0]
+    )
+
+    w4a4 = copy.deepcopy(model)
+    get_method("rtn").apply(
+        w4a4, QuantConfig.from_names("nvfp4", "nvfp4"), MethodContext(options={"progress": False})
+    )
+    with pytest.raises(TorqError, match="NVFP4 activations are not exported"):
+        export_compressed_tensors(w4a4, tmp_path / "w4a4")
+    assert not (tmp_path / "w4a4").exists()

@@ -116,3 +116,46 @@ def test_packed_codes_decode_to_the_fake_quantized_values() -> None:
     values = decode_e2m1(unpack_nibbles(p.codes)).view(4, 2, 32)
     scales = decode_e8m0(p.scales).unsqueeze(-1)
     assert torch.equal((values * scales).view(4, 64), tf.fake_quantize(x, "mxfp4"))
+
+
+def test_nvfp4_weights_pack_again_exactly_from_their_tensor_scale() -> None:
+    """``encode_nvfp4_exact``: a weight on NVFP4's grid, by rounding (the same codes and scales
+    as packing the original) or by GPTQ (blocks whose largest code is not 6), packs again
+    from its tensor scale alone and unpacks to itself bit for bit, where quantizing it again
+    (what torq did before) need not; a wrong tensor scale or a value off the grid gives
+    ``None``."""
+    from torq.formats.config import get_format
+    from torq.formats.packed import dequantize, encode_nvfp4_exact, quantize
+    from torq.surgery.gptq import gptq_quantize
+    from torq.surgery.qlinear import nvfp4_weight_tensor_scale
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(1, 256, generator=gen))
+    w[3, 7] = 40.0
+    w[5, :16] = 1e-9  # a block far below the tensor's scale: its E4M3 scale clamps
+    w[6, 16:32] = 0.0
+    g = nvfp4_weight_tensor_scale(w)
+    rtn = tf.fake_quantize(w, "nvfp4")
+    p = encode_nvfp4_exact(rtn, g)
+    assert p is not None and torch.equal(dequantize(p), rtn)
+    ref = quantize(w, "nvfp4")
+    assert torch.equal(p.codes, ref.codes) and torch.equal(p.scales, ref.scales)
+    x = torch.randn(512, 256, generator=gen)
+    gptq, _ = gptq_quantize(w, x.T @ x, get_format("nvfp4"))
+    p = encode_nvfp4_exact(gptq, g)
+    assert p is not None and torch.equal(dequantize(p), gptq)
+    blocks = dequantize(p).reshape(64, 16, 16)
+    codes_max = (blocks.abs() / (p.tensor_scale * decode_e4m3(p.scales))[..., None]).amax(-1)
+    assert bool((codes_max < 6).any())  # GPTQ left blocks whose largest code is below 6
+    # the tensor's largest value moved from code 6 to 4 under the same scale (as GPTQ may
+    # leave it): re-quantizing takes another tensor scale and changes the weight; the
+    # tensor scale kept packs it exactly
+    moved = rtn.clone()
+    moved[3, 7] = moved[3, 7] * (4.0 / 6.0)
+    assert not torch.equal(dequantize(quantize(moved, "nvfp4")), moved)
+    p = encode_nvfp4_exact(moved, g)
+    assert p is not None and torch.equal(dequantize(p), moved)
+    assert encode_nvfp4_exact(gptq, g * 1.001) is None
+    off = gptq.clone()
+    off[0, 0] = off[0, 0] * 1.01 + 1e-3
+    assert encode_nvfp4_exact(off, g) is None

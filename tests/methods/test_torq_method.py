@@ -46,6 +46,7 @@ def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tok
         ("torq-inter", None),
         ("torq-intra", None),
         ("torq-had32", 0.5),
+        ("torq-perm", 0.5),
     ],
 )
 def test_transformed_model_matches_in_float(arch, method, balance, corpus, tiny_tokenizer) -> None:
@@ -62,12 +63,12 @@ def test_transformed_model_matches_in_float(arch, method, balance, corpus, tiny_
     assert record["settings"]["balance"] == balance
     qlinears = [m for m in q.modules() if isinstance(m, QuantLinear)]
     assert qlinears and all(isinstance(m.input_transform, BlockRotation) for m in qlinears)
-    has_inter = method not in ("torq-intra", "torq-had32")
+    has_inter = method not in ("torq-intra", "torq-had32", "torq-perm")
     has_intra = method != "torq-inter"
     t = qlinears[0].input_transform
     assert (t.r_inter is not None) == has_inter and (t.r_intra is not None) == has_intra
     assert (t.channel_scale is not None) == (balance is not None)
-    if method == "torq-had32":  # the fixed block Hadamard, not a calibrated rotation
+    if method in ("torq-had32", "torq-perm"):  # the fixed block Hadamard, not calibrated
         h = hadamard_matrix(32)
         assert torch.allclose(t.r_intra.double(), h / h[0].norm(), atol=1e-6)
     json.dumps(record)  # the record is JSON-serialisable as it stands
@@ -168,3 +169,73 @@ def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tok
     assert "guard" not in get_method("torq").settings_key(base)
     run_guard = {**base, "torq": {**base["torq"], "guard": 0.5}}
     assert get_method("torq").settings_key(run_guard) != get_method("torq").settings_key(base)
+
+
+def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None:
+    """``calibrate=("o_proj",)``: o_proj's input group gets ``torq``'s calibrated transform
+    and every other group ``torq-had32``'s, each bit for bit; names are checked; the setting
+    stays out of the keys of the methods it cannot change."""
+    from dataclasses import asdict
+
+    from torq.pipeline import RunConfig
+
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    models = {}
+    for label, method, kw in [
+        ("o", "torq", {"calibrate": ("o_proj",)}),
+        ("torq", "torq", {}),
+        ("had32", "torq-had32", {}),
+    ]:
+        models[label] = tiny_model("llama")
+        _apply(models[label], method, qconfig, _settings(corpus, **kw), tiny_tokenizer)
+    names = ("q_proj", "o_proj", "gate_proj", "down_proj")
+    for i, layer in enumerate(models["o"].model.layers):
+        for name in names:
+            sub = "self_attn" if name in ("q_proj", "o_proj") else "mlp"
+            ref = models["torq" if name == "o_proj" else "had32"].model.layers[i]
+            got_t = getattr(getattr(layer, sub), name).input_transform
+            ref_t = getattr(getattr(ref, sub), name).input_transform
+            assert set(got_t.state_dict()) == set(ref_t.state_dict())
+            for key, tensor in ref_t.state_dict().items():
+                assert torch.equal(got_t.state_dict()[key], tensor), (i, name, key)
+            w = getattr(getattr(layer, sub), name).weight
+            assert torch.equal(w, getattr(getattr(ref, sub), name).weight)
+        assert layer.self_attn.o_proj.input_transform.r_inter is not None
+        assert layer.self_attn.q_proj.input_transform.r_inter is None
+    with pytest.raises(ValueError, match="calibrate names"):
+        _settings(corpus, calibrate=("o_proj", "not a name"))
+    with pytest.raises(ValueError, match="calibrate names"):
+        _settings(corpus, calibrate=())
+    base = asdict(RunConfig(model="m"))
+    run_o = {**base, "torq": {**base["torq"], "calibrate": ("o_proj",)}}
+    assert "calibrate" not in json.dumps(get_method("torq").settings_key(base))
+    assert get_method("torq").settings_key(run_o) != get_method("torq").settings_key(base)
+    had = get_method("torq-had32")
+    assert had.settings_key(run_o) == had.settings_key(base)
+
+
+def test_the_block_mass_permutation_is_kept_where_it_lowers_the_held_back_error(
+    corpus, tiny_tokenizer
+) -> None:
+    """``torq-perm``: each group's permutation is fitted on the tokens the guard does not
+    hold back and kept (as the transform's ``channel_perm``) only where it lowers the W4A4
+    output error there, else the group gets ``torq-had32``'s transform; the records say
+    which and why; it needs the balancing and no inter-block level."""
+    model = tiny_model("llama")
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    rec = _apply(model, "torq-perm", qconfig, _settings(corpus), tiny_tokenizer)
+    json.dumps(rec)
+    groups = [g for layer in rec["layers"] for g in layer.values() if isinstance(g, dict)]
+    groups = [g for g in groups if "tokens" in g]  # (not the layer's fallback summary)
+    assert groups and all("permutation" in g and "guard" in g for g in groups)
+    for g in groups:
+        perm = g["permutation"]
+        assert perm["block_mass_sq_after"] <= perm["block_mass_sq_before"] * (1 + 1e-12)
+        errors = g["guard"]["error"]
+        assert g["guard"]["chosen"] == min(errors, key=errors.get)
+    transforms = [m.input_transform for m in model.modules() if isinstance(m, QuantLinear)]
+    kept = [t for t in transforms if getattr(t, "channel_perm", None) is not None]
+    chosen = sum(g["guard"]["chosen"] == "calibrated" for g in groups)
+    assert (len(kept) > 0) == (chosen > 0)
+    with pytest.raises(ValueError, match="needs the balancing and no inter-block"):
+        _settings(corpus, permute=True)  # with the inter-block level on

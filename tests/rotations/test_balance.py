@@ -99,3 +99,24 @@ def test_channel_scale_is_validated() -> None:
         BlockRotation(K, None, None)
     only_scale = BlockRotation(K, None, None, channel_scale=torch.full((64,), 2.0))
     assert torch.equal(only_scale(torch.ones(3, 64)), torch.full((3, 64), 0.5))
+
+
+def test_block_mass_permutation_evens_out_the_blocks() -> None:
+    """Every block gets ``block`` channels, each channel once; the blocks' squared masses
+    (the proxy of the balancing docstring) fall, to within the largest mass of the ideal
+    equal share; bad input is refused."""
+    from torq.rotations.balance import block_mass_permutation
+
+    gen = torch.Generator().manual_seed(0)
+    mass = torch.exp(2 * torch.randn(256, generator=gen, dtype=torch.float64))
+    perm = block_mass_permutation(mass, 32)
+    assert perm.dtype == torch.int64 and torch.equal(torch.sort(perm).values, torch.arange(256))
+    before = mass.reshape(8, 32).sum(1)
+    after = mass[perm].reshape(8, 32).sum(1)
+    assert float(after.pow(2).sum()) < float(before.pow(2).sum())
+    ideal = float(mass.sum()) / 8
+    assert float((after - ideal).abs().max()) <= float(mass.max())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        block_mass_permutation(mass[:100], 32)
+    with pytest.raises(ValueError, match="NaN"):
+        block_mass_permutation(torch.full((32,), float("nan")), 32)

@@ -90,3 +90,30 @@ def test_shape_errors() -> None:
         BlockRotation(4)
     with pytest.raises(ValueError):
         BlockRotation(4, torch.randn(3, 2, 2))
+
+
+@pytest.mark.parametrize("use_inter", [False, True])
+def test_a_channel_permutation_runs_after_the_scale_and_fuses_exactly(use_inter: bool) -> None:
+    """``T x = R P_π (x ⊘ s)``: the forward is the definition, ``W T⁻¹`` gathers the scaled
+    columns first, so ``(W T⁻¹)(T x) = W x``; with the scale folded away the permutation
+    stays online with the rotation; a non-permutation is refused."""
+    from torq.rotations.transform import without_channel_scale
+
+    k, b = 8, 6
+    d = k * b
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(d, generator=g)
+    scale = torch.exp(torch.randn(d, generator=g, dtype=F64))
+    r_inter = _random_orthogonal(k, b, seed=1) if use_inter else None
+    r_intra = _random_orthogonal(k, seed=2)
+    t = BlockRotation(k, r_inter, r_intra, dtype=F64, channel_scale=scale, channel_perm=perm)
+    plain = BlockRotation(k, r_inter, r_intra, dtype=F64)
+    x = torch.randn(5, d, generator=g, dtype=F64)
+    assert torch.allclose(t(x), plain((x / scale)[:, perm]), atol=1e-12)
+    w = torch.randn(7, d, generator=g, dtype=F64)
+    assert torch.allclose(fuse_inverse_into_weight(w, t) @ t(x).T, w @ x.T, atol=1e-10)
+    rest = without_channel_scale(t)
+    assert rest is not None and torch.equal(rest.channel_perm, perm)
+    assert torch.allclose(rest(x / scale), t(x), atol=1e-12)
+    with pytest.raises(ValueError, match="permutation"):
+        BlockRotation(k, None, r_intra, dtype=F64, channel_perm=torch.zeros(d, dtype=torch.int64))

@@ -55,7 +55,7 @@ from torq.eval.resume import (
     logits_fingerprint,
 )
 from torq.formats import FormatSpec
-from torq.formats.packed import PackedTensor, dequantize, quantize
+from torq.formats.packed import PackedTensor, dequantize, encode_nvfp4_exact, quantize
 from torq.models.architecture import decoder_layers
 from torq.models.streaming import return_free_heap
 from torq.paths import usual_permissions
@@ -68,7 +68,14 @@ MANIFEST = "torq_quant.json"
 WEIGHTS = "model.safetensors"
 CHECKPOINT_FORMAT = "torq-quantized"
 CHECKPOINT_VERSION = 1
-TRANSFORM_TENSORS = ("r_inter", "r_intra", "channel_scale", "intra_factor0", "intra_factor1")
+TRANSFORM_TENSORS = (
+    "r_inter",
+    "r_intra",
+    "channel_scale",
+    "intra_factor0",
+    "intra_factor1",
+    "channel_perm",
+)
 # token ids of the fingerprint when no tokenizer is given
 _FALLBACK_FINGERPRINT_LEN = 16
 
@@ -81,13 +88,21 @@ def _spec(data: dict[str, Any] | None) -> FormatSpec | None:
     return None if data is None else FormatSpec.from_dict(data)
 
 
-def _pack_exact(w: torch.Tensor, spec: FormatSpec | None) -> tuple[dict[str, torch.Tensor], str]:
+def _pack_exact(
+    w: torch.Tensor, spec: FormatSpec | None, tensor_scale: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
     """The stored tensors of one weight: packed when unpacking gives ``w`` back bit for bit
-    (a weight the method quantized to ``spec``'s grid), else ``w`` in float."""
+    (a weight the method quantized to ``spec``'s grid), else ``w`` in float. An NVFP4
+    weight packs with the tensor scale it was quantized with (``tensor_scale``,
+    :func:`torq.formats.packed.encode_nvfp4_exact`); quantizing it again would take the
+    quantized weight's own amax, another scale."""
     w = w.detach().cpu().contiguous()
     if spec is not None and bool(torch.isfinite(w).all()):
-        p = quantize(w, spec)
-        if torch.equal(dequantize(p, w.dtype), w):
+        if spec.name == "nvfp4":
+            p = None if tensor_scale is None else encode_nvfp4_exact(w, tensor_scale.cpu())
+        else:
+            p = quantize(w, spec)
+        if p is not None and torch.equal(dequantize(p, w.dtype), w):
             out = {"codes": p.codes.contiguous(), "scales": p.scales.contiguous()}
             if p.tensor_scale is not None:
                 out["tensor_scale"] = p.tensor_scale.reshape(1).contiguous()
@@ -136,9 +151,13 @@ def _take(tensors: _StoredTensors | dict[str, torch.Tensor], key: str) -> torch.
 
 
 def _store(
-    tensors: dict[str, torch.Tensor], key: str, w: torch.Tensor, spec: FormatSpec | None
+    tensors: dict[str, torch.Tensor],
+    key: str,
+    w: torch.Tensor,
+    spec: FormatSpec | None,
+    tensor_scale: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    parts, storage = _pack_exact(w, spec)
+    parts, storage = _pack_exact(w, spec, tensor_scale)
     for suffix, t in parts.items():
         tensors[key + (f"_{suffix}" if suffix else "")] = t
     return {
@@ -272,7 +291,13 @@ class _Entries:
             if isinstance(m, QuantLinear):
                 entry = {
                     "kind": "linear",
-                    **_store(tensors, f"{name}.weight", m.weight, m.config.weight),
+                    **_store(
+                        tensors,
+                        f"{name}.weight",
+                        m.weight,
+                        m.config.weight,
+                        getattr(m, "weight_tensor_scale", None),
+                    ),
                 }
                 entry["activation"] = _spec_dict(m.config.activation)
                 entry["bias"] = m.bias is not None
@@ -683,7 +708,7 @@ def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list
     for i, t in enumerate(manifest["transforms"]):
         parts = {n: _take(tensors, f"torq.transforms.{i}.{n}") for n in t["tensors"]}
         factors = [parts[n] for n in ("intra_factor0", "intra_factor1") if n in parts]
-        dtype = next(iter(parts.values())).dtype
+        dtype = next(v.dtype for v in parts.values() if v.is_floating_point())
         built.append(
             BlockRotation(
                 t["block_size"],
@@ -692,6 +717,7 @@ def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list
                 dtype=dtype,
                 channel_scale=parts.get("channel_scale"),
                 intra_factors=factors or None,
+                channel_perm=parts.get("channel_perm"),
             )
         )
     return built
@@ -724,7 +750,15 @@ def _quantized_module(
             return PackedMXFP4Linear(weight, bias, input_transform=quantizer.transform)
         cfg = QuantConfig(weight=_spec(entry["weight"]), activation=act)
         w = _unpack(tensors, f"{name}.weight", entry)
-        return QuantLinear(w, bias, cfg, input_quantizer=quantizer, weight_quantized=True)
+        ts = tensors.get(f"{name}.weight_tensor_scale") if entry["storage"] == "packed" else None
+        return QuantLinear(
+            w,
+            bias,
+            cfg,
+            input_quantizer=quantizer,
+            weight_quantized=True,
+            weight_tensor_scale=None if ts is None else ts.reshape(()),
+        )
     if entry["kind"] == "experts":
         gu = _unpack(tensors, f"{name}.gate_up_proj", entry["gate_up_proj"])
         dn = _unpack(tensors, f"{name}.down_proj", entry["down_proj"])

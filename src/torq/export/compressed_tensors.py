@@ -13,7 +13,14 @@ What the format cannot express is refused, naming what can be exported: TORQ's c
 per-position rotations, its channel balancing done online (``--fold-balance`` folds it into
 the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
 32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, a linear
-with a bias under a transform (vLLM cannot run that combination), formats other than MXFP4.
+with a bias under a transform (vLLM cannot run that combination), NVFP4 activations (the
+format's take a static tensor scale calibrated beforehand, torq's a dynamic one), MXINT4.
+
+NVFP4 weights (``nvfp4-pack-quantized``: E2M1 codes as MXFP4's, ``weight_scale`` the E4M3
+block scales per 16, ``weight_global_scale`` the reciprocal of torq's FP32 tensor scale, the
+loaders dividing by it) are written from the tensor scale each linear kept
+(:func:`torq.formats.packed.encode_nvfp4_exact`), with float activations (W4A16). The loaders'
+``s / (1/g)`` rounds where torq's ``g · s`` does not, by at most an ulp of float32.
 
 Tensors outside the quantized linears are written in bf16 (transformers loads this format in
 bf16; float32 fails in its decompression): a float32 embedding or norm not exact in bf16 is
@@ -40,27 +47,51 @@ from torch import nn
 from torq.errors import TorqError
 from torq.export.checkpoint import _atomic_folder
 from torq.formats import dequantize, quantize
+from torq.formats.packed import encode_nvfp4_exact
+from torq.formats.packing import decode_e4m3
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
+NVFP4_FORMAT = "nvfp4-pack-quantized"
 EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-had32+gptq")
 # methods whose channel balancing must be folded (--fold-balance) to leave H32 alone online
 FOLDED_METHODS = ("torq-had32", "torq-had32+gptq")
 EXPORTABLE = (
-    f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights; MXFP4 or float activations; "
-    f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
+    f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights with MXFP4 or float activations, or NVFP4 "
+    f"weights with float activations; {', '.join(FOLDED_METHODS)} with --fold-balance)"
 )
 _HADAMARD_GROUP = "torq_had32"
-# NVFP4: compressed-tensors' nvfp4-pack-quantized needs each weight's E4M3 block scales and
-# FP32 tensor scale, which torq's fake-quantized NVFP4 weights do not keep and which cannot
-# be recovered from them exactly (tried: re-deriving them from the quantized values changes
-# the scales of blocks whose largest code is not 6)
-_NOT_MXFP4 = (
-    "only MXFP4 weights (blocks of 32) are exported yet; NVFP4 needs the block and tensor "
-    "scales torq does not keep with its fake-quantized weights"
+_NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported"
+# compressed-tensors' NVFP4 activations (vLLM's too) quantize with a static FP32 tensor scale
+# (input_global_scale) calibrated beforehand; torq's NVFP4 activations take the tensor's own
+# amax at every call, which the format cannot say
+NVFP4_ACTIVATIONS = (
+    "NVFP4 activations are not exported: compressed-tensors quantizes them with a static "
+    "tensor scale calibrated beforehand, torq with each tensor's own; export NVFP4 weights "
+    "with float activations (--a-format none), or MXFP4"
 )
+
+
+def _scheme(weight: dict[str, Any] | None, activation: dict[str, Any] | None, name: str) -> str:
+    """The compressed-tensors format for a linear's weight and activation formats
+    (``{"name", "block_size"}``), or a :class:`TorqError` naming what cannot be written."""
+    w_name = None if weight is None else (weight["name"], weight["block_size"])
+    a_name = None if activation is None else (activation["name"], activation["block_size"])
+    if w_name == ("mxfp4", 32):
+        if a_name not in (None, ("mxfp4", 32)):
+            raise TorqError(f"{name}: with MXFP4 weights, activations must be MXFP4 or float")
+        return FORMAT
+    if w_name == ("nvfp4", 16):
+        if a_name is not None:
+            raise TorqError(f"{name}: {NVFP4_ACTIVATIONS}")
+        return NVFP4_FORMAT
+    raise TorqError(f"{name}: {_NOT_EXPORTED_FORMAT}")
+
+
+def _format_dict(spec: Any) -> dict[str, Any] | None:
+    return None if spec is None else {"name": spec.name, "block_size": spec.block_size}
 
 
 def _transform_kind(module: QuantLinear, name: str) -> str | None:
@@ -78,6 +109,7 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
         and t.block_size == 32
         and t.r_inter is None
         and t.channel_scale is None
+        and getattr(t, "channel_perm", None) is None
         and t.r_intra is not None
         and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
     ):
@@ -99,29 +131,27 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
     )
 
 
-def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool]:
-    """The quantized linears, their one transform kind, and whether activations are
-    quantized; every module must agree (the format holds one scheme for all here)."""
+def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, str]:
+    """The quantized linears, their one transform kind, whether activations are quantized
+    and the compressed-tensors format; every module must agree (the format holds one scheme
+    for all here)."""
     linears: dict[str, QuantLinear] = {}
-    kinds, acts = set(), set()
+    kinds, acts, formats = set(), set(), set()
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
             raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
         if not isinstance(module, QuantLinear):
             continue
         w, a = module.config.weight, module.config.activation
-        if w is None or w.name != "mxfp4" or w.block_size != 32:
-            raise TorqError(f"{name}: {_NOT_MXFP4}")
-        if a is not None and (a.name != "mxfp4" or a.block_size != 32):
-            raise TorqError(f"{name}: activations must be MXFP4 (blocks of 32) or float")
+        formats.add(_scheme(_format_dict(w), _format_dict(a), name))
         kinds.add(_transform_kind(module, name))
         acts.add(a is not None)
         linears[name] = module
     if not linears:
         raise TorqError("the model has no quantized linears: quantize it first (torq.methods)")
-    if len(kinds) > 1 or len(acts) > 1:
-        raise TorqError("the quantized linears differ in transform or activation format")
-    return linears, kinds.pop(), acts.pop()
+    if len(kinds) > 1 or len(acts) > 1 or len(formats) > 1:
+        raise TorqError("the quantized linears differ in transform or format")
+    return linears, kinds.pop(), acts.pop(), formats.pop()
 
 
 @torch.no_grad()
@@ -134,7 +164,7 @@ def export_compressed_tensors(
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM
 
-    linears, kind, activations = _plan(model)
+    linears, kind, activations, fmt = _plan(model)
     config = model.config
     # the plain Hugging Face model with torq's values: each quantized linear's weight is
     # its fused, quantized one; everything else as torq holds it
@@ -162,22 +192,44 @@ def export_compressed_tensors(
     plain = plain.to(torch.bfloat16)
     plain.config.dtype = torch.bfloat16  # what the folder holds, whatever the source said
     ignore = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n not in linears]
-    _apply_schemes(plain, kind, activations, ignore)
+    _apply_schemes(plain, kind, activations, ignore, fmt)
+    expected_codes: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
         weight = module.weight.detach().float().cpu()
-        packed = quantize(weight, module.config.weight)
-        if not torch.equal(dequantize(packed, torch.float32), weight):
-            raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
         target = plain.get_submodule(name)
-        exponent = packed.scales.to(torch.int32) - 127  # E8M0: the same bytes once stored
-        scale = torch.ldexp(torch.ones(exponent.shape), exponent)
+        if fmt == NVFP4_FORMAT:
+            g = getattr(module, "weight_tensor_scale", None)
+            packed = None if g is None else encode_nvfp4_exact(weight, g.cpu())
+            if packed is None:
+                raise TorqError(
+                    f"{name}: its NVFP4 weight has no tensor scale to pack it with (quantize "
+                    "it with this torq version); nothing written"
+                )
+            scale = decode_e4m3(packed.scales)
+            target.weight_global_scale.data = (1.0 / packed.tensor_scale).reshape(
+                target.weight_global_scale.shape
+            )
+            # the loaders' weight: codes × (s / global scale); compressed-tensors packs the
+            # weight given here with those scales, so it gets torq's codes back
+            weight = dequantize(packed, torch.float32)
+            expected_codes[name] = _ct_codes(packed.codes)
+        else:
+            packed = quantize(weight, module.config.weight)
+            if not torch.equal(dequantize(packed, torch.float32), weight):
+                raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
+            exponent = packed.scales.to(torch.int32) - 127  # E8M0: the same bytes once stored
+            scale = torch.ldexp(torch.ones(exponent.shape), exponent)
         target.weight_scale.data = scale.reshape(target.weight_scale.shape).to(
             target.weight_scale.dtype
         )
     out = Path(out_dir)
     with _atomic_folder(out, overwrite) as tmp:
-        compressor = ModelCompressor.from_pretrained_model(plain, quantization_format=FORMAT)
+        compressor = ModelCompressor.from_pretrained_model(plain, quantization_format=fmt)
         compressor.compress_model(plain)
+        for name, codes in expected_codes.items():
+            written = plain.get_submodule(name).weight_packed
+            if not torch.equal(written.cpu(), codes):
+                raise TorqError(f"{name}: compressed-tensors packed other codes; nothing written")
         plain.save_pretrained(tmp)
         compressor.update_config(str(tmp))
         if tokenizer is not None:
@@ -186,21 +238,28 @@ def export_compressed_tensors(
 
 
 def _apply_schemes(
-    model: nn.Module, kind: str | None, activations: bool, ignore: list[str]
+    model: nn.Module, kind: str | None, activations: bool, ignore: list[str], fmt: str = FORMAT
 ) -> None:
-    """compressed-tensors' MXFP4 scheme (W4A4, or W4A16 without ``activations``) on every
-    linear but ``ignore``, and with ``kind == "had32"`` the 32-block Hadamard's
-    ``transform_config`` (the weights are fused already, torq's: the config only says so)."""
+    """compressed-tensors' MXFP4 scheme (W4A4, or W4A16 without ``activations``), or its
+    NVFP4A16 scheme (``fmt``), on every linear but ``ignore``, and with ``kind == "had32"``
+    the 32-block Hadamard's ``transform_config`` (the weights are fused already, torq's: the
+    config only says so)."""
     from compressed_tensors import TRANSFORM_CONFIG_NAME
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP4A16
+    from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP4A16, NVFP4A16
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
-    scheme = QuantizationScheme(targets=["Linear"], **(MXFP4 if activations else MXFP4A16))
+    if fmt == NVFP4_FORMAT:
+        if activations:
+            raise TorqError(NVFP4_ACTIVATIONS)
+        preset = NVFP4A16
+    else:
+        preset = MXFP4 if activations else MXFP4A16
+    scheme = QuantizationScheme(targets=["Linear"], **preset)
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     )
@@ -255,26 +314,29 @@ def export_saved_compressed_tensors(
     tensors = _StoredTensors(_checkpoint_files(folder))
     transforms = _built_transforms(manifest, tensors)
     modules: dict[str, dict[str, Any]] = manifest["modules"]
-    kinds, acts = set(), set()
+    kinds, acts, formats = set(), set(), set()
     for name, entry in modules.items():
         if entry["kind"] != "linear":
             raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
         w, a = entry["weight"], entry["activation"]
-        if w is None or w["name"] != "mxfp4" or w["block_size"] != 32:
-            raise TorqError(f"{name}: {_NOT_MXFP4}")
+        formats.add(_scheme(w, a, name))
         if entry["storage"] != "packed":
-            raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
-        if a is not None and (a["name"] != "mxfp4" or a["block_size"] != 32):
-            raise TorqError(f"{name}: activations must be MXFP4 (blocks of 32) or float")
+            raise TorqError(
+                f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
+                "kept its tensor scale, or one off the format's grid); nothing written"
+            )
         t_index = manifest["quantizers"][entry["quantizer"]]["transform"]
         t = None if t_index is None else transforms[t_index]
         kinds.add(_rotation_kind(t, entry["bias"], name))
         acts.add(a is not None)
     if not modules:
         raise TorqError(f"{folder} has no quantized linears")
-    if len(kinds) > 1 or len(acts) > 1:
-        raise TorqError("the quantized linears differ in transform or activation format")
-    kind, activations = kinds.pop(), acts.pop()
+    if len(kinds) > 1 or len(acts) > 1 or len(formats) > 1:
+        raise TorqError("the quantized linears differ in transform or format")
+    kind, activations, fmt = kinds.pop(), acts.pop(), formats.pop()
+    parts_of = ("weight_packed", "weight_scale") + (
+        ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
+    )
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):  # the architecture's module names, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -283,9 +345,9 @@ def export_saved_compressed_tensors(
     ]
     # the compressed folder's names: a quantized linear's weight is its packed codes and scales
     expected = set(skeleton.state_dict()) - {f"{n}.weight" for n in modules}
-    expected |= {f"{n}.{part}" for n in modules for part in ("weight_packed", "weight_scale")}
-    _apply_schemes(skeleton, kind, activations, ignore)
-    compressor = ModelCompressor.from_pretrained_model(skeleton, quantization_format=FORMAT)
+    expected |= {f"{n}.{part}" for n in modules for part in parts_of}
+    _apply_schemes(skeleton, kind, activations, ignore, fmt)
+    compressor = ModelCompressor.from_pretrained_model(skeleton, quantization_format=fmt)
     del skeleton
     # the tensors below are written compressed (what compress_model would leave)
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
@@ -295,7 +357,12 @@ def export_saved_compressed_tensors(
     sources: dict[str, tuple[str, str]] = {}  # written name -> (stored name, how)
     for name in modules:
         sources[f"{name}.weight_packed"] = (f"{name}.weight_codes", "codes")
-        sources[f"{name}.weight_scale"] = (f"{name}.weight_scales", "scales")
+        sources[f"{name}.weight_scale"] = (
+            f"{name}.weight_scales",
+            "e4m3" if fmt == NVFP4_FORMAT else "scales",
+        )
+        if fmt == NVFP4_FORMAT:
+            sources[f"{name}.weight_global_scale"] = (f"{name}.weight_tensor_scale", "global")
         if modules[name]["bias"]:
             sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
     quantized_keys = {key for src, _ in sources.values() for key in [src]}
@@ -330,6 +397,10 @@ def export_saved_compressed_tensors(
                 value = tensors[stored]
                 if how == "codes":
                     value = _ct_codes(value)
+                elif how == "e4m3":  # torq stores the E4M3 bits as bytes
+                    value = value.view(torch.float8_e4m3fn)
+                elif how == "global":  # the loaders divide by it: torq's scale inverted
+                    value = (1.0 / value.to(torch.float32)).reshape(1)
                 elif how == "bf16":
                     value = value.to(torch.bfloat16)
                 shard[key] = value.contiguous()

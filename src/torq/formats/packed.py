@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from torq.formats.config import FormatSpec, as_format
+from torq.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
 from torq.formats.packing import (
     decode_e2m1,
     decode_e4m3,
@@ -28,6 +29,7 @@ from torq.formats.reference import (
     nvfp4_quantize_blocks,
     nvfp4_scale_values,
     nvfp4_tensor_scale,
+    round_to_e2m1,
     tensor_amax,
     to_blocks,
 )
@@ -92,6 +94,78 @@ def _quantize(x: torch.Tensor, spec: FormatSpec) -> PackedTensor:
         codes=pack_nibbles(codes.reshape(*leading, n_blocks * spec.block_size)),
         scales=scales.reshape(*leading, n_blocks),
         tensor_scale=tensor_scale,
+        shape=tuple(x.shape),
+    )
+
+
+def _e4m3_normals() -> torch.Tensor:
+    """Every finite E4M3 value in ``[2**-6, 448]`` (the block scales NVFP4 quantization
+    gives, :func:`torq.formats.reference.nvfp4_quantize_blocks`), ascending, float32."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = values.to(torch.float32)
+    keep = torch.isfinite(values) & (values >= E4M3_MIN_NORMAL)
+    return torch.unique(values[keep])
+
+
+@torch.no_grad()
+def encode_nvfp4_exact(w: torch.Tensor, tensor_scale: torch.Tensor) -> PackedTensor | None:
+    """The packed NVFP4 form of a tensor already on NVFP4's grid with the FP32 tensor scale
+    ``tensor_scale`` (a weight torq quantized, by rounding or by GPTQ, whose block scales
+    were not kept), or ``None`` when no E4M3 block scale reproduces some block exactly.
+
+    Each block ``b`` needs an E4M3 scale ``s`` with ``w = q · fl(g · s)`` bit for bit for
+    E2M1 values ``q`` (the arithmetic of :func:`dequantize` and of the fake quantization).
+    The scale the rounding chose, ``E4M3((amax_b / 6) / g)``, is tried first; a block whose
+    largest code is not 6 (GPTQ's, or one whose scale rounded up past it) is tried against
+    every normal E4M3 value, and keeps the first that reproduces it. Every scale that does
+    gives the same values, so ``dequantize`` of the result equals ``w`` bit for bit.
+    """
+    spec = as_format("nvfp4")
+    x = w.detach().to(torch.float32)
+    if x.numel() == 0 or not bool(torch.isfinite(x).all()):
+        return None
+    g = tensor_scale.to(torch.float32).reshape(())
+    blocks = to_blocks(x, spec.block_size, torch.float32)  # [rows, n_blocks, 16]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    first = ((amax / E2M1_MAX) / g).clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = first.to(torch.float32)
+
+    def fits(s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = g * s
+        q = round_to_e2m1(b / total)
+        return (q * total == b).all(dim=-1, keepdim=True), q
+
+    ok, q = fits(scale, blocks)
+    bad = ~ok.reshape(-1)
+    if bool(bad.any()):
+        flat_b = blocks.reshape(-1, 1, spec.block_size)
+        rest = flat_b[bad]  # [m, 1, 16]
+        candidates = _e4m3_normals().reshape(1, -1, 1)  # [1, c, 1]
+        found = torch.zeros(rest.shape[0], dtype=torch.bool)
+        chosen = torch.zeros(rest.shape[0], 1, 1)
+        for start in range(0, rest.shape[0], 4096):  # [4096, 119, 16] floats at a time
+            part = rest[start : start + 4096]
+            good, _ = fits(candidates, part)  # [m, c, 1]
+            good = good[..., 0]
+            any_good = good.any(dim=1)
+            pick = good.to(torch.int8).argmax(dim=1)
+            found[start : start + 4096] = any_good
+            chosen[start : start + 4096, 0, 0] = candidates[0, pick, 0]
+        if not bool(found.all()):
+            return None
+        flat_s = scale.reshape(-1, 1, 1).clone()
+        flat_s[bad] = chosen
+        scale = flat_s.reshape(scale.shape)
+        ok, q = fits(scale, blocks)
+        if not bool(ok.all()):
+            return None
+    leading = tuple(x.shape[:-1])
+    n_blocks = blocks.shape[1]
+    return PackedTensor(
+        fmt=spec,
+        codes=pack_nibbles(encode_e2m1(q).reshape(*leading, n_blocks * spec.block_size)),
+        scales=encode_e4m3(scale.to(torch.float8_e4m3fn)).reshape(*leading, n_blocks),
+        tensor_scale=g.clone(),
         shape=tuple(x.shape),
     )
 

@@ -510,7 +510,11 @@ def mxfp4_linear(
     inside the pre-pass kernel, elsewhere as its torch module.
     """
     _check_block_transform(block_transform)
-    fusable = isinstance(rotation, BlockRotation) and block_transform is None
+    fusable = (
+        isinstance(rotation, BlockRotation)
+        and block_transform is None
+        and getattr(rotation, "channel_perm", None) is None  # (the pre-pass has no gather)
+    )
     if x.shape[-1] != weight.in_features:
         raise ValueError(
             f"input width {x.shape[-1]} does not match the weight's {weight.in_features} inputs"
@@ -644,6 +648,8 @@ def quantize_activation_torq_i8(
         raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
     if rotation.block_size != BLOCK:
         raise ValueError(f"the fused pre-pass needs blocks of {BLOCK}, got {rotation.block_size}")
+    if getattr(rotation, "channel_perm", None) is not None:
+        raise ValueError("the fused pre-pass has no channel gather: run the permuted transform")
     d = x.shape[1]
     if rotation.n_blocks is not None and d != rotation.n_blocks * BLOCK:
         raise ValueError(

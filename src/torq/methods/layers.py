@@ -22,7 +22,12 @@ from torq.methods.registry import LayerPlan, Method, MethodContext
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_layer
 from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
-from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantLinear
+from torq.surgery.qlinear import (
+    ActivationQuantizer,
+    QuantConfig,
+    QuantLinear,
+    nvfp4_weight_tensor_scale,
+)
 
 _SAME = object()
 
@@ -61,8 +66,11 @@ def quantize_group(
             else fuse_inverse_into_weight(linear.weight, transform)
         )
         quantized = False
+        tensor_scale = None
         if h is not None:
             assert qconfig.weight is not None
+            if qconfig.weight.name == "nvfp4":  # GPTQ's, from the weight it starts from
+                tensor_scale = nvfp4_weight_tensor_scale(weight)
             weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq)
             record[name] = rec
             quantized = True
@@ -70,7 +78,12 @@ def quantize_group(
             parent,
             attr,
             QuantLinear(
-                weight, linear.bias, qconfig, input_quantizer=shared, weight_quantized=quantized
+                weight,
+                linear.bias,
+                qconfig,
+                input_quantizer=shared,
+                weight_quantized=quantized,
+                weight_tensor_scale=tensor_scale,
             ),
         )
         del linear, weight

@@ -21,6 +21,7 @@ errors and what was chosen.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from torq.methods.registry import Method, MethodContext, TransformBuilder, regis
 from torq.rotations.balance import (
     balance_covariance,
     balance_scales,
+    block_mass_permutation,
     channel_energy,
     tied_energies,
 )
@@ -79,10 +81,53 @@ class TorqSettings:
     # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
     # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
     fold: bool = False
+    # the groups that get the calibrated rotations, by the name of a member linear
+    # ("o_proj": attention's output projection only); the others get torq-had32's transform
+    # (the balancing and H₃₂). ``None``: every group (docs/RESULTS.md §10.3)
+    calibrate: tuple[str, ...] | None = None
+    # a channel permutation after the balancing that gives each block an equal share of
+    # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
+    # tokens the intra-block level fits on; intra-block level only (docs/RESULTS.md §10.3)
+    permute: bool = False
 
     def __post_init__(self) -> None:
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
+        if self.calibrate is not None:
+            names = tuple(self.calibrate)
+            if not names or not all(
+                isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names
+            ):
+                raise ValueError(
+                    "calibrate names the linear layers whose input groups get the calibrated "
+                    f"rotations (e.g. o_proj), got {self.calibrate!r}"
+                )
+            self.calibrate = names
+        if self.permute and (self.use_inter or self.balance is None):
+            raise ValueError(
+                "the block-mass permutation needs the balancing and no inter-block rotation "
+                "(which reads per-position covariances a permutation does not keep)"
+            )
+
+    def calibrates(self, group: LinearGroup) -> bool:
+        """Whether ``group`` gets the calibrated rotations (``calibrate``), else the
+        balanced ``H₃₂``."""
+        if self.calibrate is None:
+            return True
+        return any(m.rsplit(".", 1)[-1] in self.calibrate for m in group.members)
+
+    def fixed_hadamard(self) -> TorqSettings:
+        """``torq-had32``'s transform with these settings: the balancing, then Algorithm 2
+        from ``H₃₂`` with no iteration, no inter-block level and no guard."""
+        return replace(
+            self,
+            use_inter=False,
+            use_intra=True,
+            guard=None,
+            calibrate=None,
+            permute=False,
+            intra=replace(self.intra, init="hadamard", max_iter=0),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +140,8 @@ class TorqSettings:
             balance=None,
             guard=None,
             fold=False,
+            calibrate=None,
+            permute=False,
             intra=replace(self.intra, init="identity", k_top=None),
         )
 
@@ -106,7 +153,7 @@ def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 # settings added after keys were kept, at their defaults (``is``: None and False themselves)
-_LATER: dict[str, Any] = {"guard": None, "fold": False}
+_LATER: dict[str, Any] = {"guard": None, "fold": False, "calibrate": None, "permute": False}
 
 
 def build_group_transform(
@@ -150,6 +197,18 @@ def build_group_transform(
         }
     if not (settings.use_inter or settings.use_intra or scales is not None):
         raise ValueError("TORQ settings select no transform (no inter, intra or balancing)")
+    perm = None
+    if settings.permute:
+        if scales is None or weight is None or settings.use_inter:
+            raise ValueError("the block-mass permutation needs the balancing and no inter level")
+        x_rms = (fit_sample.to(torch.float64) / scales).pow(2).mean(0).sqrt()
+        w_norm = (weight.detach().to(torch.float64) * scales).pow(2).sum(0).sqrt()
+        mass = x_rms * w_norm
+        perm = block_mass_permutation(mass, k)
+        record["permutation"] = {
+            "block_mass_sq_before": float(mass.reshape(-1, k).sum(1).pow(2).sum()),
+            "block_mass_sq_after": float(mass[perm].reshape(-1, k).sum(1).pow(2).sum()),
+        }
     r_inter = None
     if settings.use_inter:
         r_inter, info = inter_block_rotations(covariance, settings.inter)
@@ -159,6 +218,8 @@ def build_group_transform(
         sample = fit_sample.to(torch.float64)
         if scales is not None:
             sample = sample / scales
+        if perm is not None:
+            sample = sample[:, perm]
         if r_inter is not None:
             sample = BlockRotation(k, r_inter, None, dtype=torch.float64)(sample)
         result = fit_intra_block_rotation(sample.reshape(-1, k), settings.intra)
@@ -177,6 +238,7 @@ def build_group_transform(
         r_intra,
         dtype=torch.float32,
         channel_scale=None if scales is None else scales.to(torch.float32),
+        channel_perm=perm,
     )
     if held is not None:
         assert weight is not None
@@ -252,9 +314,11 @@ class TorqTransform(TransformBuilder):
         use_intra: bool = True,
         fixed_hadamard: bool = False,
         guard: float | None = None,
+        permute: bool = False,
     ) -> None:
         self.use_inter, self.use_intra, self.fixed_hadamard = use_inter, use_intra, fixed_hadamard
         self.guard = guard  # the method's own held-back fraction, unless the run sets one
+        self.permute = permute
 
     def settings(self, qconfig: QuantConfig, ctx: MethodContext) -> TorqSettings:
         """The run's settings with this method's levels, and the intra-block solver's scale
@@ -262,9 +326,15 @@ class TorqTransform(TransformBuilder):
         base: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
         settings = replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
         if self.fixed_hadamard:
-            settings = replace(settings, intra=replace(settings.intra, init="hadamard", max_iter=0))
+            settings = replace(
+                settings,
+                calibrate=None,
+                intra=replace(settings.intra, init="hadamard", max_iter=0),
+            )
         if self.guard is not None and settings.guard is None:
             settings = replace(settings, guard=self.guard)
+        if self.permute:
+            settings = replace(settings, permute=True)
         act = qconfig.activation
         if act is not None and act.name == "mxfp4" and settings.intra.scale_mode != act.scale_mode:
             settings = replace(settings, intra=replace(settings.intra, scale_mode=act.scale_mode))
@@ -279,6 +349,8 @@ class TorqTransform(TransformBuilder):
         ctx: MethodContext,
     ) -> tuple[nn.Module | None, dict[str, Any]]:
         settings = self.settings(qconfig, ctx)
+        if not settings.calibrates(group):
+            settings = settings.fixed_hadamard()
         ties = None
         if settings.fold and settings.balance is not None and is_o_proj(group):
             ties = o_proj_ties(ctx.model_config)
@@ -313,7 +385,10 @@ class TorqTransform(TransformBuilder):
         return out
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
-        return {"torq": torq_key(run.get("torq") or {})}
+        settings = dict(run.get("torq") or {})
+        if self.fixed_hadamard:
+            settings.pop("calibrate", None)  # every group gets H₃₂ whatever it names
+        return {"torq": torq_key(settings)}
 
     def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         return {"settings": self.settings(qconfig, ctx).to_dict()}
@@ -342,6 +417,17 @@ TORQ_GUARD = register(
         "TORQ, each group's calibrated transform kept only where it lowers the W4A4 output "
         "error on a quarter of the sampled tokens held back, else balancing + H32",
         TorqTransform(guard=0.25),
+    )
+)
+# torq's block-mass permutation (issue 27): balancing, then the channels regrouped so each
+# block carries an equal share of rms(x)·‖w‖, then H32; kept per group only where it lowers
+# the W4A4 output error on held-back tokens (the guard), else torq-had32's transform
+TORQ_PERM = register(
+    Method(
+        "torq-perm",
+        "channel balancing + block-mass permutation + 32-block Hadamard, the permutation kept "
+        "per group where it lowers the W4A4 output error on held-back tokens",
+        TorqTransform(use_inter=False, fixed_hadamard=True, guard=0.25, permute=True),
     )
 )
 # Ablation (ours): TORQ's channel balancing with the fixed 32-block Hadamard in place of the

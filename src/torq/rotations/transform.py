@@ -13,6 +13,11 @@ row ``o`` of ``W'`` is ``T`` applied to row ``o`` of ``W``, so fusion reuses the
 Optionally a per-channel scale ``s`` runs first (``x ↦ R (x ⊘ s)``, torq's balancing
 step, :mod:`torq.rotations.balance`). ``T`` is then no longer orthogonal; the fused weight
 is ``W' = W T⁻¹ = W diag(s) Rᵀ`` (row ``o``: ``R (w_o ⊙ s)``), so still ``W' T x = W x``.
+
+Optionally a channel permutation ``π`` runs after the scale (``x ↦ R P_π (x ⊘ s)``,
+``(P_π x)_i = x_{π(i)}``): which channels share a block (:mod:`torq.rotations.balance`'s
+block-mass balancing). Then ``W' = W diag(s) P_πᵀ Rᵀ``: the columns of ``W diag(s)`` gathered
+by ``π`` before the rotations.
 """
 
 from __future__ import annotations
@@ -34,10 +39,27 @@ class BlockRotation(nn.Module):
         dtype: torch.dtype = torch.float32,
         channel_scale: torch.Tensor | None = None,
         intra_factors: Sequence[torch.Tensor] | None = None,
+        channel_perm: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        if r_inter is None and r_intra is None and channel_scale is None:
+        if r_inter is None and r_intra is None and channel_scale is None and channel_perm is None:
             raise ValueError("BlockRotation needs an inter-block or an intra-block rotation")
+        if channel_perm is not None:
+            n = channel_perm.numel()
+            if (
+                channel_perm.dim() != 1
+                or channel_perm.dtype != torch.int64
+                or n % block_size
+                or not torch.equal(
+                    torch.sort(channel_perm).values, torch.arange(n, device=channel_perm.device)
+                )
+            ):
+                raise ValueError(
+                    f"channel_perm must be an int64 permutation of 0..d-1 with d a multiple of "
+                    f"{block_size}, got {tuple(channel_perm.shape)} {channel_perm.dtype}"
+                )
+            if channel_scale is not None and channel_scale.numel() != n:
+                raise ValueError("channel_perm and channel_scale differ in width")
         if channel_scale is not None:
             if channel_scale.dim() != 1 or channel_scale.numel() % block_size:
                 raise ValueError(
@@ -82,6 +104,12 @@ class BlockRotation(nn.Module):
             "channel_scale",
             None if channel_scale is None else channel_scale.to(dtype).contiguous(),
         )
+        if channel_perm is not None:
+            # registered only when there is one: modules saved before it existed, and
+            # accelerate's offload (which cannot place a None buffer), see none
+            self.register_buffer("channel_perm", channel_perm.contiguous())
+            if self.n_blocks is None:
+                self.n_blocks = channel_perm.numel() // block_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
@@ -91,9 +119,18 @@ class BlockRotation(nn.Module):
                 f"input width {d} does not match the transform's {self.n_blocks}×{k} blocks"
             )
         lead = x.shape[:-1]
+        perm = getattr(self, "channel_perm", None)
+        scaled = False
+        if perm is not None:
+            if self.channel_scale is not None:
+                x = x / self.channel_scale.to(x.dtype)
+            x = x[..., perm]
+            scaled = True
+            if self.r_inter is None and self.r_intra is None:
+                return x
         if self.r_inter is not None:
-            return self._inter_first(x.reshape(-1, d // k, k)).reshape(*lead, d)
-        if self.channel_scale is not None:
+            return self._inter_first(x.reshape(-1, d // k, k), scaled).reshape(*lead, d)
+        if self.channel_scale is not None and not scaled:
             x = x / self.channel_scale.to(x.dtype)
         y = x.reshape(-1, d // k, k)
         # getattr: a module pickled before the factored path existed has no n_factors
@@ -116,7 +153,7 @@ class BlockRotation(nn.Module):
         z = torch.mm(fa.T, yb.view(n, a, b).transpose(0, 1).reshape(a, n * b))
         return z.view(a, n, b).transpose(0, 1).reshape(n, k)
 
-    def _inter_first(self, x: torch.Tensor) -> torch.Tensor:
+    def _inter_first(self, x: torch.Tensor, scaled: bool = False) -> torch.Tensor:
         """``x [t, B, K]`` → ``T x`` as ``[t·B, K]`` (or ``[t, B, K]`` without ``R_intra``) in
         three passes over the activation: one copy to position-major ``[K, t, B]`` (with
         the channel scale divided in on the way), one batched product with the ``R_k``,
@@ -126,7 +163,7 @@ class BlockRotation(nn.Module):
         k, t, b = x.shape[2], x.shape[0], x.shape[1]
         src = x.permute(2, 0, 1)  # [K, t, B], a view
         scale = None
-        if self.channel_scale is not None:
+        if self.channel_scale is not None and not scaled:  # (``scaled``: done already)
             scale = self.channel_scale.to(x.dtype).view(b, k).T[:, None, :]
         if x.requires_grad and torch.is_grad_enabled():
             xc = (src if scale is None else src / scale).contiguous()
@@ -155,6 +192,9 @@ def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> 
         # in place on the float64 copy (the same products; one weight-sized copy fewer)
         own = w64.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
         w64 = w64.mul_(scale) if own else w64 * scale
+    perm = getattr(transform, "channel_perm", None)
+    if perm is not None:
+        w64 = w64[:, perm.to(w64.device)]
     if transform.r_inter is None and transform.r_intra is None:
         return w64.to(weight.dtype)
     t64 = BlockRotation(
@@ -167,10 +207,11 @@ def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> 
 
 
 def without_channel_scale(transform: BlockRotation) -> BlockRotation | None:
-    """``R`` of ``T x = R (x ⊘ s)``: what stays online once ``⊘ s`` is done by the module
-    that produces ``x`` (:mod:`torq.rotations.fold`); ``None`` when ``T`` is the scale
-    alone. The rotations are the same tensors (same dtype, same values)."""
-    if transform.r_inter is None and transform.r_intra is None:
+    """``R`` (with the permutation, if any) of ``T x = R P (x ⊘ s)``: what stays online once
+    ``⊘ s`` is done by the module that produces ``x`` (:mod:`torq.rotations.fold`); ``None``
+    when ``T`` is the scale alone. The rotations are the same tensors (same dtype, same values)."""
+    perm = getattr(transform, "channel_perm", None)
+    if transform.r_inter is None and transform.r_intra is None and perm is None:
         return None
     factors = [getattr(transform, f"intra_factor{i}") for i in range(transform.n_factors)]
     out = BlockRotation(
@@ -179,6 +220,7 @@ def without_channel_scale(transform: BlockRotation) -> BlockRotation | None:
         transform.r_intra,
         dtype=(transform.r_inter if transform.r_inter is not None else transform.r_intra).dtype,
         intra_factors=factors or None,
+        channel_perm=perm,  # stays online with the rotations
     )
     if out.n_blocks is None and transform.n_blocks is not None:
         out.n_blocks = transform.n_blocks  # the width check the scale gave

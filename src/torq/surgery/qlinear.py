@@ -99,6 +99,14 @@ class ActivationQuantizer(nn.Module):
         self._last = None
 
 
+def nvfp4_weight_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The FP32 tensor scale NVFP4 quantization of ``weight`` uses (by rounding, as
+    :func:`torq.formats.fake_quantize`, or by GPTQ): ``amax(weight) / (448 · 6)``."""
+    from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
+
+    return nvfp4_tensor_scale(tensor_amax(weight.detach()))
+
+
 class QuantLinear(nn.Module):
     """A linear layer with fake-quantized weights and on-the-fly fake-quantized inputs.
 
@@ -107,6 +115,12 @@ class QuantLinear(nn.Module):
     applied to the activation before quantization (Appendix A.3, steps 2–4). Layers that
     read the same tensor may share one ``input_quantizer``. ``weight_quantized`` says the
     weight is already on the format's grid (GPTQ), so it is kept as given.
+
+    NVFP4 weights keep their FP32 tensor scale (``weight_tensor_scale``, a buffer outside
+    the state dict): from it the packed form is found again exactly
+    (:func:`torq.formats.packed.encode_nvfp4_exact`) for checkpoints and export. A weight
+    given already quantized brings its own (:func:`nvfp4_weight_tensor_scale` of the weight
+    it was quantized from), or has none.
     """
 
     def __init__(
@@ -117,6 +131,7 @@ class QuantLinear(nn.Module):
         input_transform: nn.Module | None = None,
         input_quantizer: ActivationQuantizer | None = None,
         weight_quantized: bool = False,
+        weight_tensor_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
@@ -136,6 +151,19 @@ class QuantLinear(nn.Module):
             if w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
                 w = w.clone()  # the caller's tensor: kept apart (a new one is used as it is)
             self.weight = nn.Parameter(w, requires_grad=False)
+            nvfp4 = config.weight is not None and config.weight.name == "nvfp4"
+            if nvfp4 and not weight_quantized:
+                weight_tensor_scale = nvfp4_weight_tensor_scale(weight)
+            self.weight_tensor_scale: torch.Tensor | None = None
+            if nvfp4 and weight_tensor_scale is not None:
+                # a buffer (moves with the module), outside the state dict; none at all for
+                # other formats (accelerate's offload cannot place a None buffer)
+                del self.weight_tensor_scale
+                self.register_buffer(
+                    "weight_tensor_scale",
+                    weight_tensor_scale.detach().to(torch.float32).reshape(()).clone(),
+                    persistent=False,
+                )
             self.bias = (
                 nn.Parameter(bias.detach().clone(), requires_grad=False)
                 if bias is not None
