@@ -209,9 +209,8 @@ def export_compressed_tensors(
             target.weight_global_scale.data = (1.0 / packed.tensor_scale).reshape(
                 target.weight_global_scale.shape
             )
-            # the loaders' weight: codes × (s / global scale); compressed-tensors packs the
-            # weight given here with those scales, so it gets torq's codes back
-            weight = dequantize(packed, torch.float32)
+            # compressed-tensors packs the model's weight (torq's, in bf16) with these
+            # scales itself; the codes it writes are checked against torq's below
             expected_codes[name] = _ct_codes(packed.codes)
         else:
             packed = quantize(weight, module.config.weight)

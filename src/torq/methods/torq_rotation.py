@@ -17,6 +17,13 @@ tokens, and the calibrated transform is kept only where it lowers the group's W4
 error ``‖X Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖X Wᵀ‖²`` on the tokens held back; elsewhere the
 group gets ``torq-had32``'s transform (the balancing and ``H₃₂``). Each group records both
 errors and what was chosen.
+
+``calibrate`` (``--torq-calibrate o_proj``): the calibrated rotations for the named groups
+only, ``torq-had32``'s transform for the others. ``permute`` (``torq-perm``): no calibrated
+rotation; after the balancing the channels are regrouped so that every block carries an
+equal share of ``rms(x_j)·‖w_j‖`` (:func:`torq.rotations.balance.block_mass_permutation`),
+then ``H₃₂``, the permutation checked by the guard like a calibrated transform
+(docs/RESULTS.md §10.3).
 """
 
 from __future__ import annotations
