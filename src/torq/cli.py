@@ -60,8 +60,10 @@ def _balance_alpha(value: str) -> float | None:
 
 
 def _linear_names(value: str) -> tuple[str, ...]:
+    from torq.methods.torq_rotation import LINEAR_NAME
+
     names = tuple(n.strip() for n in value.split(",") if n.strip())
-    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+    if not names or not all(LINEAR_NAME.fullmatch(n) for n in names):
         raise argparse.ArgumentTypeError(
             f"expected comma-separated linear layer names such as o_proj, got '{value}'"
         )

@@ -63,6 +63,10 @@ from torq.surgery.qlinear import QuantConfig
 TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 
 
+# a linear layer's own name inside its decoder layer (``o_proj``), as ``calibrate`` takes it
+LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 @dataclass
 class TorqSettings:
     """Every knob of TORQ; recorded verbatim in the result JSON.
@@ -102,9 +106,7 @@ class TorqSettings:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
         if self.calibrate is not None:
             names = tuple(self.calibrate)
-            if not names or not all(
-                isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names
-            ):
+            if not names or not all(isinstance(n, str) and LINEAR_NAME.fullmatch(n) for n in names):
                 raise ValueError(
                     "calibrate names the linear layers whose input groups get the calibrated "
                     f"rotations (e.g. o_proj), got {self.calibrate!r}"

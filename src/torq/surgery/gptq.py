@@ -29,10 +29,10 @@ from torq.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
 from torq.formats.packing import exact_pow2
 from torq.formats.reference import (
     mx_scale_exponent,
-    nvfp4_tensor_scale,
     round_to_e2m1,
     round_to_int4,
 )
+from torq.surgery.qlinear import nvfp4_weight_tensor_scale
 
 SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
 # settings added after results were kept under keys without them: at their defaults they
@@ -89,9 +89,8 @@ class _BlockGrid:
         self.fmt = fmt
         self.search = cfg.scale_search
         self.norm = cfg.mse_norm
-        self.tensor_scale = (
-            nvfp4_tensor_scale(weight.abs().amax().float()) if fmt.name == "nvfp4" else None
-        )
+        # the scale QuantLinear keeps for the weight GPTQ starts from (the same function)
+        self.tensor_scale = nvfp4_weight_tensor_scale(weight) if fmt.name == "nvfp4" else None
 
     def scales(self, block: torch.Tensor) -> torch.Tensor:
         """Per-row scale ``[N, 1]`` (float64) for a block ``[N, width]`` of columns."""

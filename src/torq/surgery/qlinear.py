@@ -154,16 +154,16 @@ class QuantLinear(nn.Module):
             nvfp4 = config.weight is not None and config.weight.name == "nvfp4"
             if nvfp4 and not weight_quantized:
                 weight_tensor_scale = nvfp4_weight_tensor_scale(weight)
-            self.weight_tensor_scale: torch.Tensor | None = None
             if nvfp4 and weight_tensor_scale is not None:
                 # a buffer (moves with the module), outside the state dict; none at all for
                 # other formats (accelerate's offload cannot place a None buffer)
-                del self.weight_tensor_scale
                 self.register_buffer(
                     "weight_tensor_scale",
                     weight_tensor_scale.detach().to(torch.float32).reshape(()).clone(),
                     persistent=False,
                 )
+            else:
+                self.weight_tensor_scale: torch.Tensor | None = None
             self.bias = (
                 nn.Parameter(bias.detach().clone(), requires_grad=False)
                 if bias is not None
