@@ -10,7 +10,12 @@ torq's reservoir of 1024 tokens makes them: SmolLM2-135M's 576- and 1536-wide in
 (18 432 and 49 152 blocks of 32) and, with ``--large``, Llama-3-8B's 4096- and 14336-wide
 ones (131 072 and 458 752). Each row gives the median of ``--repeats`` fits with each solver,
 their ratio, and whether the two found the same rotation bit for bit (they must).
-Writes JSON and a markdown table (``<out>.md``).
+
+    python benchmarks/intra_speed.py --cuda --threads 16 --large --out results/gpu/intra-cuda.json
+
+(``--cuda``, on a GPU machine) times this tree's solver on the CPU against the same solver
+on the GPU (the issue's ``--device cuda``; the largest difference of the two rotations is
+reported, since a GPU may sum in another order). Writes JSON and a markdown table (``<out>.md``).
 """
 
 from __future__ import annotations
@@ -61,24 +66,42 @@ def _sample(blocks: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _fit(solver: ModuleType, x: torch.Tensor, max_iter: int) -> tuple[float, torch.Tensor, int]:
+def _fit(
+    solver: ModuleType, x: torch.Tensor, max_iter: int, device: str = "cpu"
+) -> tuple[float, torch.Tensor, int]:
     cfg = solver.IntraBlockConfig(init="hadamard", k_top=32, max_iter=max_iter)
+    if device != "cpu":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    result = solver.fit_intra_block_rotation(x, cfg)
-    return time.perf_counter() - t0, result.rotation, len(result.loss_history) - 1
+    result = solver.fit_intra_block_rotation(x.to(device), cfg)
+    rotation = result.rotation.cpu()  # (waits for the device)
+    return time.perf_counter() - t0, rotation, len(result.loss_history) - 1
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", required=True, help="the commit whose solver is the reference")
+    ap.add_argument("--before", help="the commit whose solver is the reference")
+    ap.add_argument(
+        "--cuda",
+        action="store_true",
+        help="instead of --before: this tree's solver on the CPU against the same on the GPU",
+    )
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-iter", type=int, default=10)
     ap.add_argument("--large", action="store_true", help="also the 8B shape's two widths")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if (args.before is None) == (not args.cuda):
+        ap.error("give one of --before COMMIT and --cuda")
     shapes = {**SHAPES, **(LARGE if args.large else {})}
-    solvers = {"before": _solver_at(args.before), "after": ib}
+    if args.cuda:  # "before": the CPU, "after": the GPU
+        solvers = {"before": ib, "after": ib}
+        devices = {"before": "cpu", "after": "cuda"}
+        args.before = "CPU"
+    else:
+        solvers = {"before": _solver_at(args.before), "after": ib}
+        devices = {"before": "cpu", "after": "cpu"}
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -90,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 # alternated, so a change in the machine's load falls on both alike
                 for label, solver in solvers.items():
-                    seconds, rotation, iterations = _fit(solver, x, args.max_iter)
+                    seconds, rotation, iterations = _fit(solver, x, args.max_iter, devices[label])
                     times[label].append(seconds)
                     rotations[label] = rotation
             before = statistics.median(times["before"])
@@ -105,12 +128,16 @@ def main(argv: list[str] | None = None) -> None:
                     "seconds_after": after,
                     "speedup": before / after,
                     "same_rotation": torch.equal(rotations["before"], rotations["after"]),
+                    "max_rotation_difference": float(
+                        (rotations["before"] - rotations["after"]).abs().max()
+                    ),
                     "times": times,
                 }
             )
             print(rows[-1])
     lines = [
-        f"| group | blocks | threads | iterations | s, {args.before} | s, this tree "
+        f"| group | blocks | threads | iterations | s, {args.before} "
+        f"| s, {'GPU' if args.cuda else 'this tree'} "
         "| speed-up | same rotation |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]

@@ -492,7 +492,8 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
 def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
     torq adds, at its default, does not rename it (TORQ's guard and fold, GPTQ's scale
-    search, the groups TORQ calibrates, the block-mass permutation)."""
+    search, the groups TORQ calibrates, the block-mass permutation, the experts' shared
+    down_proj transform)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -500,7 +501,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())
-    later = ("guard", "fold", "calibrate", "permute")
+    later = ("guard", "fold", "calibrate", "permute", "expert_down_shared")
     before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__

@@ -353,6 +353,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "(default: every group)",
     )
     t.add_argument(
+        "--expert-down",
+        choices=("per-expert", "shared"),
+        default="per-expert",
+        help="fused MoE experts: one down_proj input transform per expert, fitted on the "
+        "tokens routed to it (default), or one shared, fitted on all experts' inputs pooled",
+    )
+    t.add_argument(
         "--fold-balance",
         action="store_true",
         help="do the channel balancing's division in the module that produces each input "
@@ -455,6 +462,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         guard=args.torq_guard,
         fold=args.fold_balance,
         calibrate=args.torq_calibrate,
+        expert_down_shared=args.expert_down == "shared",
     )
     if args.paper:
         torq_settings = torq_settings.paper()

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from tests.conftest import tiny_model
-from torq.calibration.capture import BlockStatistics, capture_layer_inputs
+from torq.calibration.capture import BlockStatistics, ExpertsStatistics, capture_layer_inputs
 from torq.driver import calibrate_layerwise
 
 
@@ -46,7 +46,13 @@ def test_layerwise_replay_reproduces_the_model(arch: str) -> None:
     def solver(li, layer, groups, stats):
         seen_groups.append([g.name for g in groups])
         for g in groups:
-            assert stats[g.name].count == 3 * 16
+            st = stats[g.name]
+            if isinstance(st, ExpertsStatistics):  # every token in; each its top-k experts
+                k = model.config.num_experts_per_tok
+                assert st.input.count == 3 * 16
+                assert sum(d.count for d in st.down) == st.down_shared.count == 3 * 16 * k
+            else:
+                assert st.count == 3 * 16
         if li == model.config.num_hidden_layers - 1:
             last_layer_cov["qkv"] = stats["q_proj+k_proj+v_proj"].covariance()
         return {}
@@ -57,8 +63,8 @@ def test_layerwise_replay_reproduces_the_model(arch: str) -> None:
     assert len(records) == model.config.num_hidden_layers
     assert times.forward_seconds > 0
     expected = {"q_proj+k_proj+v_proj", "o_proj"}
-    if arch != "qwen3_moe":
-        expected |= {"gate_proj+up_proj", "down_proj"}
+    # fused MoE experts are one group of their own (their input and down_proj inputs)
+    expected |= {"gate_proj+up_proj", "down_proj"} if arch != "qwen3_moe" else {"experts"}
     assert set(seen_groups[0]) == expected
     # The last layer's q/k/v input statistics equal those of an ordinary full forward.
     inputs: list[torch.Tensor] = []

@@ -17,13 +17,6 @@ from torq.rotations.intra_block import IntraBlockConfig
 from torq.surgery import QuantConfig, QuantLinear
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("calib") / "corpus.txt"
-    path.write_text(TINY_TEXT * 30, encoding="utf-8")
-    return str(path)
-
-
 def _ctx(corpus: str, tokenizer) -> MethodContext:
     settings = TorqSettings(
         calibration=CalibrationConfig(corpus=corpus, n_samples=4, seqlen=48),

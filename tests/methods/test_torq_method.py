@@ -8,20 +8,13 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_TEXT, tiny_model
+from tests.conftest import tiny_model
 from torq.calibration.data import CalibrationConfig
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.rotations.transform import BlockRotation
 from torq.surgery import QuantConfig, QuantLinear
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("calib") / "corpus.txt"
-    path.write_text(TINY_TEXT * 30, encoding="utf-8")
-    return str(path)
 
 
 def _settings(corpus: str, **kw) -> TorqSettings:

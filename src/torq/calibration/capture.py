@@ -14,6 +14,12 @@ needed) two statistics are streamed:
 * a bounded uniform random sample of whole token vectors (reservoir sampling), from which
   the intra-block solver (§5.2) draws its blocks after the inter-block rotation.
 
+Fused MoE experts (one 3-D weight per projection, :func:`~torq.surgery.qlinear.
+is_fused_experts`) are an :class:`ExpertsGroup` with :class:`ExpertsStatistics`: the expert
+input (the hidden state every expert reads, all tokens) as one group, and each expert's
+``down_proj`` input (that expert's ``act(gate)·up`` on the tokens routed to it) per expert
+and pooled over the experts.
+
 ``sequential=True`` feeds each layer the outputs of the already-quantized earlier layers;
 ``sequential=False`` feeds it the float model's activations.
 """
@@ -29,6 +35,7 @@ from torch import nn
 
 from torq.calibration.hidden import HiddenStates
 from torq.models.streaming import ModelLayers, embed_windows
+from torq.surgery.qlinear import is_fused_experts
 
 
 @dataclass
@@ -111,6 +118,83 @@ class BlockStatistics:
         return self.xtx / max(self.count, 1)
 
 
+@dataclass
+class ExpertsGroup(LinearGroup):
+    """A fused-experts module (``members``: its one path in the layer); ``width`` is the
+    hidden size its experts read, ``intermediate`` each expert's ``down_proj`` input."""
+
+    num_experts: int = 0
+    intermediate: int = 0
+
+
+class ExpertsStatistics:
+    """The statistics of one :class:`ExpertsGroup` (module doc): ``input`` over all tokens;
+    ``down[e]`` over expert ``e``'s routed tokens and ``down_shared`` over every routed
+    (token, expert) pair; with ``hessian``, ``input_per_expert[e]`` holds ``Σ x xᵀ`` of the
+    tokens routed to ``e`` (GPTQ's Hessian of that expert's ``gate_up_proj``; no sample)."""
+
+    def __init__(
+        self, group: ExpertsGroup, block_size: int, reservoir: int, seed: int, hessian: bool
+    ) -> None:
+        h, i, e = group.width, group.intermediate, group.num_experts
+
+        def child(k: int) -> int:  # a stable seed for each expert's statistics
+            return seed * 1000 + k + 1
+
+        self.input = BlockStatistics(h, block_size, reservoir, seed)
+        self.down_shared = BlockStatistics(i, block_size, reservoir, child(e))
+        self.down = [
+            BlockStatistics(i, block_size, reservoir, child(k), hessian=hessian) for k in range(e)
+        ]
+        self.input_per_expert = (
+            [BlockStatistics(h, block_size, 0, child(e + 1 + k), hessian=True) for k in range(e)]
+            if hessian
+            else None
+        )
+
+    @torch.no_grad()
+    def update(
+        self,
+        experts: nn.Module,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        _top_k_weights: torch.Tensor | None = None,
+    ) -> None:
+        """One call of ``experts(hidden, top_k_index, top_k_weights)``: its input, and each
+        chosen expert's ``down_proj`` input recomputed from the float weights."""
+        x = hidden.reshape(-1, hidden.shape[-1])
+        self.input.update(x)
+        for e in torch.unique(top_k_index).tolist():
+            if e < 0 or e >= len(self.down):
+                continue
+            tokens = torch.where(top_k_index == e)[0]
+            xe = x[tokens]
+            if self.input_per_expert is not None:
+                self.input_per_expert[e].update(xe)
+            gate, up = torch.nn.functional.linear(xe, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = experts.act_fn(gate) * up
+            self.down[e].update(h)
+            self.down_shared.update(h)
+
+
+def discover_experts(layer: nn.Module) -> list[ExpertsGroup]:
+    """The layer's fused-experts modules as groups."""
+    out = []
+    for name, mod in layer.named_modules():
+        if is_fused_experts(mod):
+            e, two_i, h = mod.gate_up_proj.shape
+            out.append(
+                ExpertsGroup(
+                    name=name.rsplit(".", 1)[-1],
+                    members=[name],
+                    width=int(h),
+                    num_experts=int(e),
+                    intermediate=int(two_i) // 2,
+                )
+            )
+    return out
+
+
 def capture_layer_inputs(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 1
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -191,13 +275,15 @@ def capture_layer(
     seed: int = 0,
     hessian: bool = False,
     keep_outputs: bool = True,
-) -> tuple[list[LinearGroup], dict[str, BlockStatistics], Any]:
-    """One layer of the capture: its input groups, their statistics over ``hidden`` (every
+) -> tuple[list[LinearGroup], dict[str, Any], Any]:
+    """One layer of the capture: its input groups (linears, then fused experts), their
+    statistics (:class:`BlockStatistics`; :class:`ExpertsStatistics`) over ``hidden`` (every
     calibration batch) and, with ``keep_outputs``, the layer's outputs (the next layer's
     inputs). Group ``gi`` of layer ``index`` samples its reservoir with the seed
     ``seed·1000 + index·10 + gi``: a stable identity, whatever ran before."""
-    groups = discover_groups(layer, hidden[0], kwargs)
-    stats = {
+    groups: list[LinearGroup] = list(discover_groups(layer, hidden[0], kwargs))
+    experts = discover_experts(layer)
+    stats: dict[str, Any] = {
         g.name: BlockStatistics(
             g.width, block_size, reservoir, seed=seed * 1000 + index * 10 + gi, hessian=hessian
         )
@@ -211,6 +297,16 @@ def capture_layer(
             _s.update(args[0])
 
         handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
+    for gi, g in enumerate(experts, start=len(groups)):
+        stats[g.name] = ExpertsStatistics(
+            g, block_size, reservoir, seed * 1000 + index * 10 + gi, hessian
+        )
+
+        def experts_hook(m: nn.Module, args: tuple, _s: ExpertsStatistics = stats[g.name]) -> None:
+            _s.update(m, *args)
+
+        handles.append(modules[g.members[0]].register_forward_pre_hook(experts_hook))
+    groups += experts
     outputs: Any = hidden.empty_like() if isinstance(hidden, HiddenStates) else []
     try:
         for hs in hidden:

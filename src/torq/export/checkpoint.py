@@ -18,7 +18,9 @@ Tensors in ``model.safetensors``:
   A weight that its format's packing does not reproduce bit for bit (it is kept in float by
   the method, or is not on the format's grid) is stored as ``<name>.weight`` in float, and
   the manifest says so. ``<name>.bias`` in float.
-* fused MoE experts ``<name>``: ``<name>.gate_up_proj_*`` and ``<name>.down_proj_*``, the same way.
+* fused MoE experts ``<name>``: ``<name>.gate_up_proj_*`` and ``<name>.down_proj_*``, the same
+  way; their manifest entry names the expert input's activation quantizer and the
+  ``down_proj`` inputs' (one shared, or one per expert).
 * the online transforms ``T`` (Algorithm 3, steps 2–3; :class:`BlockRotation`), each once
   however many layers read it: ``torq.transforms.<i>.{r_inter, r_intra, channel_scale,
   intra_factor0, intra_factor1}``.
@@ -313,6 +315,12 @@ class _Entries:
                         tensors, f"{name}.gate_up_proj", m.gate_up_proj, m.config.weight
                     ),
                     "down_proj": _store(tensors, f"{name}.down_proj", m.down_proj, m.config.weight),
+                    # the expert input's quantizer and the down_proj inputs' (one or one per
+                    # expert), with their online transforms
+                    "quantizer": self.quantizer_index(m.input_quantizer, tensors),
+                    "down_quantizers": [
+                        self.quantizer_index(q, tensors) for q in m.down_quantizers
+                    ],
                 }
         return modules
 
@@ -763,7 +771,18 @@ def _quantized_module(
         gu = _unpack(tensors, f"{name}.gate_up_proj", entry["gate_up_proj"])
         dn = _unpack(tensors, f"{name}.down_proj", entry["down_proj"])
         cfg = QuantConfig(weight=_spec(entry["gate_up_proj"]["weight"]), activation=act)
-        return QuantExperts.from_quantized(old.act_fn, gu, dn, cfg)
+        # (checkpoints written before experts had transforms name no quantizers: RTN's)
+        q_in = quantizers[entry["quantizer"]] if "quantizer" in entry else None
+        q_down = [quantizers[i] for i in entry.get("down_quantizers", [])] or None
+        experts = QuantExperts.from_quantized(old.act_fn, gu, dn, cfg, q_in, q_down)
+        if packed and all(
+            _packable({**entry[p], "activation": entry["activation"]})
+            for p in ("gate_up_proj", "down_proj")
+        ):
+            from torq.kernels.experts import PackedMXFP4Experts
+
+            return PackedMXFP4Experts.from_quant_experts(experts)
+        return experts
     raise TorqError(f"unknown module kind {entry['kind']!r} for {name} in the manifest")
 
 

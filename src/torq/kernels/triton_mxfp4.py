@@ -13,6 +13,8 @@ Kernels (the launcher and the default choice per token count are in
   scaled once per block and accumulated in float32. Its activation pre-pass
   (:func:`_mx_quantize_i8_kernel`, or :func:`_mx_quantize_torq_i8_kernel` with TORQ's
   online transform fused in) writes ``2·Q(x)`` as int8 once per call.
+  :func:`_mx_gemv_grouped_i8_kernel` is the same for a mixture of experts' decode: every
+  (token, chosen expert) pair in one launch.
 * :func:`_mx_quantize_kernel`, the activation pre-pass: ``x [M, K]`` (any float dtype)
   → optional block-diagonal ``32×32`` transform → packed codes and scale bytes (or their
   dequantized values), with the OCP scale rule of method notes section 1
@@ -342,6 +344,35 @@ def _quantize_twice(xb):
 
 
 @triton.jit
+def _block_dots_i8(words, x_words, q2, USE_ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The exact integer products of one K tile's blocks of 32, float32 ``[BN, BK/32]``:
+    ``words`` the packed weight rows (int32 ``[BN, BK/8]``, eight E2M1 codes a word),
+    ``x_words`` the activation's ``2·Q(x)`` int8 values as int32 words in pairs
+    (``[BK/8, 2]``: one weight word's eight inputs), ``q2`` the same values as integers (any
+    shape of BK elements), read only by the plain-Triton path that replaces ``dp4a``
+    without ``USE_ASM`` (Triton's interpreter)."""
+    if not USE_ASM:
+        nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+        x8 = tl.reshape(q2, (BK // 8, 8))
+        dots = tl.sum(_e2m1_twice(nib) * x8[None, :, :], axis=2)
+    else:
+        x_lo, x_hi = tl.split(x_words)
+        dots = tl.inline_asm_elementwise(
+            asm=_DP4A_E2M1_ASM,
+            constraints="=r,r,r,r",
+            args=[
+                words,
+                tl.broadcast_to(x_lo[None, :], (BN, BK // 8)),
+                tl.broadcast_to(x_hi[None, :], (BN, BK // 8)),
+            ],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return tl.sum(tl.reshape(dots, (BN, BK // 32, 4)), axis=2).to(tl.float32)
+
+
+@triton.jit
 def _mx_gemv_i8_kernel(
     x_ptr,
     xq_ptr,
@@ -438,25 +469,7 @@ def _mx_gemv_i8_kernel(
             x_words = tl.reshape(xw, (BK // 8, 2))
             # the int8 values back, sign-extended (plain-Triton path only)
             q2 = tl.reshape((xw[:, None] << (24 - byte_shift)[None, :]) >> 24, (BK // 32, 32))
-        if not USE_ASM:
-            nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
-            x8 = tl.reshape(q2, (BK // 8, 8))
-            dots = tl.sum(_e2m1_twice(nib) * x8[None, :, :], axis=2)
-        else:
-            x_lo, x_hi = tl.split(x_words)
-            dots = tl.inline_asm_elementwise(
-                asm=_DP4A_E2M1_ASM,
-                constraints="=r,r,r,r",
-                args=[
-                    words,
-                    tl.broadcast_to(x_lo[None, :], (BN, BK // 8)),
-                    tl.broadcast_to(x_hi[None, :], (BN, BK // 8)),
-                ],
-                dtype=tl.int32,
-                is_pure=True,
-                pack=1,
-            )
-        block_dots = tl.sum(tl.reshape(dots, (BN, BK // 32, 4)), axis=2).to(tl.float32)
+        block_dots = _block_dots_i8(words, x_words, q2, USE_ASM, BN, BK)
         w_scale = _e8m0_value(w_sb)
         acc += tl.sum(block_dots * (w_scale * x_scale[None, :]), axis=1)
     if HAS_BIAS:
@@ -610,6 +623,66 @@ def _mx_gemv_rows_i8_kernel(
         out_ptr + rows[:, None] * stride_om + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=r_ok[:, None] & (offs_n[None, :] < N),
+    )
+
+
+@triton.jit
+def _mx_gemv_grouped_i8_kernel(
+    xq_ptr,
+    xs_ptr,
+    rows_ptr,
+    experts_ptr,
+    w_ptr,
+    w_scales_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xq,
+    stride_xs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_out,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    STREAM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Mixture-of-experts decode, every chosen expert in one launch: slot ``s`` (the grid's
+    second axis) computes ``out[s] = Q(x[rows[s]]) · Q(W_{experts[s]})ᵀ`` with the exact
+    integer block products of :func:`_mx_gemv_i8_kernel` (its pre-pass path: ``xq_ptr``
+    int32 words of ``2·Q(x)``, ``xs_ptr`` block scales over four). ``w_ptr`` holds every
+    expert's packed weight as int32 words (``stride_we`` words an expert), ``w_scales_ptr``
+    their scale bytes. One program per (output tile, slot): the experts' weights stream
+    side by side instead of one launch per expert."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    row = tl.load(rows_ptr + slot).to(tl.int64)
+    expert = tl.load(experts_ptr + slot).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n[:, None] < N
+    kp = (K + 31) // 32 * 32
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    byte_shift = 8 * tl.arange(0, 4)
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+    s_rows = w_scales_ptr + expert * stride_wse + offs_n[:, None] * stride_wsn
+    for tile in range(0, tl.cdiv(kp, BK)):
+        k0 = tile * BK
+        offs_s = k0 // 32 + tl.arange(0, BK // 32)
+        words, w_sb = _gemv_weight_tile(w_rows, s_rows, n_ok, tile, kp, EVEN_K, BK, STREAM)
+        offs_xw = k0 // 4 + tl.arange(0, BK // 4)
+        xw = tl.load(xq_ptr + row * stride_xq + offs_xw, mask=(offs_xw < kp // 4) | EVEN_K, other=0)
+        x_scale = tl.load(
+            xs_ptr + row * stride_xs + offs_s, mask=(offs_s < kp // 32) | EVEN_K, other=0.0
+        )
+        # the int8 values back, sign-extended (plain-Triton path only)
+        q2 = (xw[:, None] << (24 - byte_shift)[None, :]) >> 24
+        block_dots = _block_dots_i8(words, tl.reshape(xw, (BK // 8, 2)), q2, USE_ASM, BN, BK)
+        acc += tl.sum(block_dots * (_e8m0_value(w_sb) * x_scale[None, :]), axis=1)
+    tl.store(
+        out_ptr + slot * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N
     )
 
 

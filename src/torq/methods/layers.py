@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torq.calibration.capture import BlockStatistics, LinearGroup
+from torq.calibration.capture import (
+    BlockStatistics,
+    ExpertsGroup,
+    ExpertsStatistics,
+    LinearGroup,
+)
+from torq.formats import fake_quantize
 from torq.methods.registry import LayerPlan, Method, MethodContext
 from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_layer
@@ -25,9 +31,15 @@ from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
 from torq.surgery.qlinear import (
     ActivationQuantizer,
     QuantConfig,
+    QuantExperts,
     QuantLinear,
     nvfp4_weight_tensor_scale,
 )
+
+# An expert whose down_proj input was seen on fewer calibration tokens than this gets the
+# transform fitted on all experts' down_proj inputs pooled (too few tokens for its own
+# balancing and rotations), and GPTQ falls back to RTN for a projection with no token.
+EXPERT_MIN_TOKENS = 64
 
 _SAME = object()
 
@@ -90,6 +102,73 @@ def quantize_group(
     return record
 
 
+def _fused_experts_weight(w: torch.Tensor, transform: nn.Module | None) -> torch.Tensor:
+    """``W' = W T⁻¹`` for a stack of expert weights ``[E, N, K]`` sharing one ``T`` (a new
+    tensor either way: GPTQ writes into it)."""
+    if transform is None:
+        return w.clone()
+    e, n, k = w.shape
+    return fuse_inverse_into_weight(w.reshape(e * n, k), transform).reshape(e, n, k)
+
+
+def quantize_experts(
+    experts: nn.Module,
+    qconfig: QuantConfig,
+    input_transform: nn.Module | None = None,
+    down_transforms: list[nn.Module | None] | None = None,
+    stats: ExpertsStatistics | None = None,
+    gptq: GPTQConfig | None = None,
+) -> tuple[QuantExperts, dict[str, Any]]:
+    """Fused MoE experts in W4A4 (Algorithm 3, option B, on every expert): the expert
+    input's transform ``T`` fused into every ``gate_up_proj`` (``W'_e = W_e Tᵀ``), expert
+    ``e``'s ``down_proj`` transform ``T_e`` (one shared, or one per expert) into its
+    ``down_proj``; then RTN or, with ``gptq``, GPTQ on each expert's Hessians ``T H_e Tᵀ``
+    of the tokens routed to it (RTN for a projection no calibration token reached).
+    With no transform and RTN weights this is :class:`QuantExperts`' own quantization."""
+    down = list(down_transforms) if down_transforms is not None else [None]
+    use_gptq = gptq is not None and qconfig.weight is not None
+    if input_transform is None and all(t is None for t in down) and not use_gptq:
+        return QuantExperts(experts, qconfig), {}
+    gu = _fused_experts_weight(experts.gate_up_proj.detach(), input_transform)
+    dn = experts.down_proj.detach()
+    if len(down) == 1:
+        dn = _fused_experts_weight(dn, down[0])
+    else:
+        dn = torch.stack(
+            [dn[e] if t is None else fuse_inverse_into_weight(dn[e], t) for e, t in enumerate(down)]
+        )
+    record: dict[str, Any] = {}
+    if qconfig.weight is not None:
+        if use_gptq:
+            if stats is None or stats.input_per_expert is None:
+                raise ValueError("GPTQ on experts needs their per-expert Hessians")
+            rtn = []
+            for e in range(gu.shape[0]):
+                for name, w, st, t in (
+                    ("gate_up_proj", gu, stats.input_per_expert[e], input_transform),
+                    ("down_proj", dn, stats.down[e], down[0 if len(down) == 1 else e]),
+                ):
+                    if st.count == 0:
+                        w[e] = fake_quantize(w[e], qconfig.weight)
+                        rtn.append(f"{e}.{name}")
+                        continue
+                    w[e], _ = gptq_quantize(
+                        w[e], transform_hessian(st.hessian(), t), qconfig.weight, gptq
+                    )
+            record["gptq_rtn_fallback"] = rtn
+        else:
+            gu, dn = fake_quantize(gu, qconfig.weight), fake_quantize(dn, qconfig.weight)
+    quantized = QuantExperts.from_quantized(
+        experts.act_fn,
+        gu,
+        dn,
+        qconfig,
+        ActivationQuantizer(qconfig.activation, input_transform),
+        [ActivationQuantizer(qconfig.activation, t) for t in down],
+    )
+    return quantized, record
+
+
 GroupTransform = Callable[
     [LinearGroup, BlockStatistics, torch.Tensor], tuple[nn.Module | None, dict[str, Any]]
 ]
@@ -115,11 +194,13 @@ class GroupSolver:
         index: int,
         layer: nn.Module,
         groups: list[LinearGroup],
-        stats: dict[str, BlockStatistics],
+        stats: dict[str, Any],
     ) -> dict[str, Any]:
         record: dict[str, Any] = {}
         transforms: dict[str, nn.Module | None] = {}
         seconds: dict[str, float] = {}
+        experts = [g for g in groups if isinstance(g, ExpertsGroup)]
+        groups = [g for g in groups if not isinstance(g, ExpertsGroup)]
         # Every group's transform first, from the float layer (a group's transform reads
         # only its own statistics and weights, so the order changes no number), then the
         # fold, which may change the float weights of modules in other groups, then the
@@ -144,7 +225,57 @@ class GroupSolver:
             if gptq_rec:
                 rec["gptq"] = gptq_rec
             rec["seconds"] = seconds[g.name] + time.perf_counter() - t0
+        for g in experts:
+            t0 = time.perf_counter()
+            record[g.name] = self.quantize_experts(layer, g, stats[g.name])
+            record[g.name]["seconds"] = time.perf_counter() - t0
         record["rtn_fallback"] = quantize_layer(layer, self.qconfig)
+        return record
+
+    def expert_down_shared(self) -> bool:
+        """Whether the experts' ``down_proj`` inputs get one transform fitted on all experts'
+        inputs pooled, rather than one per expert (the run's TORQ settings say)."""
+        return False
+
+    def quantize_experts(
+        self, layer: nn.Module, group: ExpertsGroup, stats: ExpertsStatistics
+    ) -> dict[str, Any]:
+        """A fused-experts module's transforms (:meth:`transform` on the expert input, all
+        tokens; on each expert's ``down_proj`` input, its routed tokens, or pooled), then
+        :func:`quantize_experts`; the module is replaced in place."""
+        path = group.members[0]
+        module = layer.get_submodule(path)
+        gu = module.gate_up_proj.detach().cpu()
+        dn = module.down_proj.detach().cpu()
+        h, i = group.width, group.intermediate
+        record: dict[str, Any] = {}
+        t_in, record["gate_up_proj"] = self.transform(
+            LinearGroup(f"{group.name}.gate_up_proj", [f"{path}.gate_up_proj"], h),
+            stats.input,
+            gu.reshape(-1, h),
+        )
+        down_group = LinearGroup(f"{group.name}.down_proj", [f"{path}.down_proj"], i)
+        shared, record["down_proj"] = self.transform(
+            down_group, stats.down_shared, dn.reshape(-1, i)
+        )
+        down: list[nn.Module | None] = [shared]
+        if not self.expert_down_shared():
+            down, own = [], []
+            for e, st in enumerate(stats.down):
+                if st.count < EXPERT_MIN_TOKENS:
+                    down.append(shared)
+                    continue
+                t, rec = self.transform(down_group, st, dn[e])
+                down.append(t)
+                own.append(e)
+                record[f"down_proj.{e}"] = rec
+            record["down_proj_own_transform"] = own
+        record["tokens_per_expert"] = [st.count for st in stats.down]
+        del gu, dn
+        quantized, rec = quantize_experts(module, self.qconfig, t_in, down, stats, self.gptq)
+        record.update(rec)
+        parent_name, _, attr = path.rpartition(".")
+        setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, quantized)
         return record
 
     def fold(
@@ -172,6 +303,9 @@ class _BuilderSolver(GroupSolver):
     ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
         return self.method.transform.fold(layer, groups, transforms, self.qconfig, self.ctx)
 
+    def expert_down_shared(self) -> bool:
+        return bool(getattr(self.ctx.capture_settings(), "expert_down_shared", False))
+
 
 def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
     """``method`` as a :class:`LayerPlan` (module doc)."""
@@ -189,8 +323,14 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
                 linear.weight.data = fuse_inverse_into_weight(linear.weight, transform)
             return transform
 
+        def experts(name: str, module: nn.Module) -> nn.Module:
+            gu, dn = module.gate_up_proj, module.down_proj
+            t_in = builder.fixed(gu.shape[-1], qconfig, ctx)
+            t_down = builder.fixed(dn.shape[-1], qconfig, ctx)
+            return quantize_experts(module, qconfig, t_in, [t_down])[0]
+
         def quantize(li: int, layer: nn.Module, _groups: list, _stats: dict) -> dict[str, Any]:
-            return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory)}
+            return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory, experts)}
 
         return LayerPlan(quantize, record=record, parts=parts)
     gptq = method.gptq_config(ctx) if method.gptq_enabled else None

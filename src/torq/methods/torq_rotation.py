@@ -100,6 +100,9 @@ class TorqSettings:
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
     # tokens the intra-block level fits on; intra-block level only (docs/RESULTS.md §10.3)
     permute: bool = False
+    # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
+    # pooled, instead of one per expert from the tokens routed to it (the cheap variant)
+    expert_down_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.guard is not None and not 0.0 < self.guard < 1.0:
@@ -162,7 +165,13 @@ def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 # settings added after keys were kept, at their defaults (``is``: None and False themselves)
-_LATER: dict[str, Any] = {"guard": None, "fold": False, "calibrate": None, "permute": False}
+_LATER: dict[str, Any] = {
+    "guard": None,
+    "fold": False,
+    "calibrate": None,
+    "permute": False,
+    "expert_down_shared": False,
+}
 
 
 def build_group_transform(

@@ -328,7 +328,7 @@ def select_column_pairs(
     pool = torch.sort(h, descending=True, stable=True).indices[:k_top]
     d_pool = dev[pool]
     score = h[pool, None] + h[None, pool] - lam * (d_pool @ d_pool.T)
-    rows, cols = torch.triu_indices(k_top, k_top, offset=1)
+    rows, cols = torch.triu_indices(k_top, k_top, offset=1, device=score.device)
     order = torch.sort(score[rows, cols], descending=True, stable=True).indices
     used: set[int] = set()
     pairs: list[tuple[int, int]] = []

@@ -15,6 +15,8 @@ from torq.models.architecture import decoder_layers
 from torq.surgery.qlinear import QuantConfig, QuantExperts, QuantLinear, is_fused_experts
 
 TransformFactory = Callable[[str, nn.Linear], nn.Module | None]
+# the quantized replacement of a fused-experts module (its path, the module)
+ExpertsFactory = Callable[[str, nn.Module], nn.Module]
 
 
 def is_router(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
@@ -27,12 +29,15 @@ def quantize_layer(
     config: QuantConfig,
     prefix: str = "",
     input_transforms: TransformFactory | None = None,
+    experts: ExpertsFactory | None = None,
 ) -> dict[str, int]:
     """Replace, in place, each ``nn.Linear`` (and fused MoE experts) of one decoder layer.
 
     ``input_transforms(name, linear)`` may return the online transform ``T`` for that layer
-    (its inverse must already be fused into ``linear.weight``). Linears that are already
-    :class:`QuantLinear` are left as they are. Returns counts of what was replaced.
+    (its inverse must already be fused into ``linear.weight``); ``experts(name, module)``
+    builds the quantized experts (default: RTN, no transform). Linears that are already
+    :class:`QuantLinear` (experts already :class:`QuantExperts`) are left as they are.
+    Returns counts of what was replaced.
     """
     counts = {"linear": 0, "experts": 0, "kept_router": 0}
     named = dict(layer.named_modules())
@@ -49,7 +54,9 @@ def quantize_layer(
             setattr(parent, attr, QuantLinear.from_linear(module, config, t))
             counts["linear"] += 1
         elif is_fused_experts(module) and not isinstance(module, QuantExperts):
-            setattr(parent, attr, QuantExperts(module, config))
+            name_in_model = f"{prefix}{name}"
+            new = experts(name_in_model, module) if experts else QuantExperts(module, config)
+            setattr(parent, attr, new)
             counts["experts"] += 1
     return counts
 

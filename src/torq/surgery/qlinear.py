@@ -209,9 +209,12 @@ def is_fused_experts(module: nn.Module) -> bool:
 class QuantExperts(nn.Module):
     """Fused MoE experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) in W4A4.
 
-    Each expert is two linear layers, so the same rule applies: weights quantized with
-    blocks along their input (last) dimension; the expert input (the shared hidden state)
-    and each expert's ``down_proj`` input are fake-quantized online. Routing stays in float.
+    Each expert is two linear layers, so the same rule applies (Algorithm 3, option B):
+    weights quantized with blocks along their input (last) dimension; the expert input (the
+    hidden state every expert reads) goes through one activation quantizer ``Q_a(T x)``, and
+    each expert's ``down_proj`` input through ``Q_a(T_e h)``, with one quantizer shared by
+    all experts or one per expert (``down_quantizers`` of length 1 or E). The weights hold
+    ``Q_w(W Tᵀ)`` already fused with those transforms. Routing stays in float.
     """
 
     def __init__(self, experts: nn.Module, config: QuantConfig) -> None:
@@ -226,15 +229,38 @@ class QuantExperts(nn.Module):
                 f"fused experts {type(experts).__name__} with {extra or 'transposed weights'} "
                 "are not supported yet"
             )
-        self.config = config
-        self.num_experts = experts.gate_up_proj.shape[0]
-        self.act_fn = experts.act_fn
         with torch.no_grad():
             gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
             if config.weight is not None:
                 gu, dn = fake_quantize(gu, config.weight), fake_quantize(dn, config.weight)
-            self.gate_up_proj = nn.Parameter(gu.clone(), requires_grad=False)
-            self.down_proj = nn.Parameter(dn.clone(), requires_grad=False)
+        self._setup(experts.act_fn, gu, dn, config, None, None)
+
+    def _setup(
+        self,
+        act_fn: nn.Module,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        config: QuantConfig,
+        input_quantizer: ActivationQuantizer | None,
+        down_quantizers: list[ActivationQuantizer] | None,
+    ) -> None:
+        if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+            raise ValueError("fused expert weights are 3-D [experts, out, in]")
+        self.config = config
+        self.num_experts = gate_up_proj.shape[0]
+        self.act_fn = act_fn
+        if input_quantizer is None:
+            input_quantizer = ActivationQuantizer(config.activation)
+        down = down_quantizers or [ActivationQuantizer(config.activation)]
+        if len(down) not in (1, self.num_experts):
+            raise ValueError(
+                f"down_quantizers: one shared or one per expert ({self.num_experts}), "
+                f"got {len(down)}"
+            )
+        self.input_quantizer = input_quantizer.to(gate_up_proj.device)
+        self.down_quantizers = nn.ModuleList(q.to(down_proj.device) for q in down)
+        self.gate_up_proj = nn.Parameter(gate_up_proj.detach().clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_quantized(
@@ -243,35 +269,44 @@ class QuantExperts(nn.Module):
         gate_up_proj: torch.Tensor,
         down_proj: torch.Tensor,
         config: QuantConfig,
+        input_quantizer: ActivationQuantizer | None = None,
+        down_quantizers: list[ActivationQuantizer] | None = None,
     ) -> QuantExperts:
-        """Experts whose weights are already quantized (read back from a checkpoint)."""
+        """Experts whose weights are already quantized (``Q_w(W Tᵀ)``: by a calibrating
+        method, or read back from a checkpoint), read through the given quantizers."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
-            raise ValueError("fused expert weights are 3-D [experts, out, in]")
-        self.config = config
-        self.num_experts = gate_up_proj.shape[0]
-        self.act_fn = act_fn
-        self.gate_up_proj = nn.Parameter(gate_up_proj.detach().clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(down_proj.detach().clone(), requires_grad=False)
+        self._setup(act_fn, gate_up_proj, down_proj, config, input_quantizer, down_quantizers)
         return self
 
-    def _qa(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quantize(x, self.config.activation) if self.config.activation is not None else x
+    @property
+    def input_transform(self) -> nn.Module | None:
+        return self.input_quantizer.transform
+
+    def down_quantizer(self, expert: int) -> ActivationQuantizer:
+        """The quantizer of expert ``expert``'s ``down_proj`` input."""
+        return self.down_quantizers[0 if len(self.down_quantizers) == 1 else expert]
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        # Quantization is per token along the hidden dimension, so quantizing the whole
-        # input once equals quantizing each expert's gathered rows.
-        xq = self._qa(hidden_states)
+        # Transform and quantization act per token along the hidden dimension, so doing
+        # them on the whole input once equals doing them on each expert's gathered rows.
+        xq = self.input_quantizer(hidden_states)
         for e in torch.unique(top_k_index).tolist():
             if e < 0 or e >= self.num_experts:
                 continue
             token_idx, k_pos = torch.where(top_k_index == e)
             gate, up = F.linear(xq[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = self._qa(self.act_fn(gate) * up)
+            h = self.down_quantizer(e)(self.act_fn(gate) * up)
             y = F.linear(h, self.down_proj[e]) * top_k_weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+    def extra_repr(self) -> str:
+        shared = "shared" if len(self.down_quantizers) == 1 else "per expert"
+        return (
+            f"num_experts={self.num_experts}, {self.config.label}, "
+            f"input_transform={self.input_transform is not None}, down_transforms={shared}"
+        )
