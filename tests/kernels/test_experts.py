@@ -131,4 +131,8 @@ def test_packed_size_and_refusals() -> None:
     with pytest.raises(ValueError, match="OCP scale rule"):
         PackedMXFP4Experts.from_quant_experts(qe)
     with pytest.raises(ValueError, match="one shared or one per expert"):
-        PackedMXFP4Experts(qe.gate_up_proj, qe.down_proj, qe.act_fn, None, [None, None])
+        PackedMXFP4Experts(qe.gate_up_proj, qe.down_proj, qe.act_fn, None, [_h32(64), _h32(64)])
+    # one module for every expert is the shared case
+    same = _h32(64)
+    shared = PackedMXFP4Experts(qe.gate_up_proj, qe.down_proj, qe.act_fn, None, [same] * 4)
+    assert len(shared.down_transforms) == 1

@@ -136,6 +136,8 @@ class PackedMXFP4Experts(nn.Module):
                 f"{tuple(down_proj.shape)} are not [E, 2I, H] and [E, H, I]"
             )
         down = list(down_transforms) if down_transforms is not None else [None]
+        if all(t is down[0] for t in down):
+            down = down[:1]  # one module for every expert: shared (the grouped path takes it)
         if len(down) not in (1, e):
             raise ValueError(
                 f"down_transforms: one shared or one per expert ({e}), got {len(down)}"

@@ -237,6 +237,10 @@ class GroupSolver:
         inputs pooled, rather than one per expert (the run's TORQ settings say)."""
         return False
 
+    def calibrates(self) -> bool:
+        """Whether :meth:`transform` reads the statistics (else it is one per width)."""
+        return True
+
     def quantize_experts(
         self, layer: nn.Module, group: ExpertsGroup, stats: ExpertsStatistics
     ) -> dict[str, Any]:
@@ -255,20 +259,21 @@ class GroupSolver:
             gu.reshape(-1, h),
         )
         down_group = LinearGroup(f"{group.name}.down_proj", [f"{path}.down_proj"], i)
-        shared, record["down_proj"] = self.transform(
-            down_group, stats.down_shared, dn.reshape(-1, i)
-        )
+        # one transform per expert only where the method fits it to data (a fixed one is the
+        # same for every expert) and the expert saw enough tokens; the pooled fit otherwise
+        per_expert = self.calibrates() and not self.expert_down_shared()
+        own = [e for e, st in enumerate(stats.down) if per_expert and st.count >= EXPERT_MIN_TOKENS]
+        shared = None
+        if len(own) < len(stats.down):
+            shared, record["down_proj"] = self.transform(
+                down_group, stats.down_shared, dn.reshape(-1, i)
+            )
         down: list[nn.Module | None] = [shared]
-        if not self.expert_down_shared():
-            down, own = [], []
-            for e, st in enumerate(stats.down):
-                if st.count < EXPERT_MIN_TOKENS:
-                    down.append(shared)
-                    continue
-                t, rec = self.transform(down_group, st, dn[e])
-                down.append(t)
-                own.append(e)
-                record[f"down_proj.{e}"] = rec
+        if own:
+            down = [shared] * len(stats.down)
+            for e in own:
+                down[e], record[f"down_proj.{e}"] = self.transform(down_group, stats.down[e], dn[e])
+        if per_expert:
             record["down_proj_own_transform"] = own
         record["tokens_per_expert"] = [st.count for st in stats.down]
         del gu, dn
@@ -305,6 +310,9 @@ class _BuilderSolver(GroupSolver):
 
     def expert_down_shared(self) -> bool:
         return bool(getattr(self.ctx.capture_settings(), "expert_down_shared", False))
+
+    def calibrates(self) -> bool:
+        return self.method.transform.calibrates
 
 
 def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
