@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from tests.methods.conftest import corpus as corpus
 from tests.methods.test_torq_method import _apply, _settings
-from tests.methods.test_torq_method import corpus as corpus
 from torq.errors import TorqError
 from torq.rotations.balance import balance_scales, tied_energies
 from torq.rotations.fold import o_proj_ties
