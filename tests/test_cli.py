@@ -519,3 +519,34 @@ def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) ->
     kept = sorted(p.name for p in (tmp_path / "keep").glob("*/fp-*/ppl-*.json"))
     assert len(kept) == 2 and kept[0] == "ppl-3x64.json"
     assert kept[1].startswith("ppl-wikipedia-en-") and kept[1].endswith("-3x64.json")
+
+
+def test_moe_checkpoint_experts_calibrated(tiny_tokenizer, tiny_data_dir, tmp_path) -> None:
+    """A Qwen3-MoE folder through ``torq run``: TORQ + GPTQ transform and quantize its
+    experts (recorded per layer), ``--expert-down shared`` gives one down_proj transform
+    and is recorded, and the streamed run gives the same numbers."""
+    import json
+
+    from tests.conftest import tiny_model
+
+    folder = tmp_path / "tiny-moe"
+    tiny_model("qwen3_moe").save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    corpus = tmp_path / "calib.txt"
+    corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
+    args = [
+        "run", "--model", str(folder), "--methods", "torq+gptq", "--seqlen", "64",
+        "--max-windows", "2", "--data-dir", str(tiny_data_dir), "--calib-corpus", str(corpus),
+        "--calib-samples", "2", "--calib-seqlen", "32", "--max-iter", "1", "--reservoir", "16",
+        "--expert-down", "shared", "--no-progress",
+    ]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a.json")]) == 0
+    assert main([*args, "--stream", "--out", str(tmp_path / "b.json")]) == 0
+    rows = [json.loads((tmp_path / f"{n}.json").read_text())["rows"][0] for n in ("a", "b")]
+    assert rows[0]["details"]["settings"]["expert_down_shared"] is True
+    layers = [r for r in rows[0]["details"]["layers"] if "experts" in r]
+    assert len(layers) == 2
+    for r in layers:
+        assert "down_proj" in r["experts"] and "down_proj_own_transform" not in r["experts"]
+        assert r["experts"]["gptq_rtn_fallback"] == []
+    assert rows[1]["ppl"] == pytest.approx(rows[0]["ppl"], rel=1e-6)
