@@ -7,7 +7,10 @@ expert's ``gate_up_proj`` and ``down_proj`` run by :func:`torq.kernels.linear.mx
 CPU. The expert input's online transform runs once on all tokens (every expert reads the
 same hidden state), each expert's ``down_proj`` transform on that expert's rows; a plain
 ``32×32`` block transform (the 32-block Hadamard) runs inside the kernels. Routing stays in
-float, as in the model.
+float, as in the model. For decode (up to :data:`GROUPED_MAX_SLOTS` token-expert pairs, one
+``down_proj`` transform for all experts) every pair is a slot of one grouped integer GEMV
+per projection (:func:`grouped_gemv_i8`) instead: a few launches a step, none waiting for
+the host (docs/RESULTS.md §12.3).
 """
 
 from __future__ import annotations
