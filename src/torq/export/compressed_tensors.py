@@ -106,11 +106,7 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
         return None
     if (
         isinstance(t, BlockRotation)
-        and t.block_size == 32
-        and t.r_inter is None
-        and t.channel_scale is None
-        and getattr(t, "channel_perm", None) is None
-        and t.r_intra is not None
+        and t.intra_block_only(32)
         and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
     ):
         if has_bias:

@@ -99,14 +99,7 @@ def _block_part(transform: nn.Module | None) -> tuple[torch.Tensor | None, nn.Mo
     """Split an online transform into what the kernels take: a ``BlockRotation`` that is
     only a shared ``32×32`` intra-block matrix (no channel scale, permutation or inter-block
     rotation) becomes the kernels' block transform; anything else stays a torch module."""
-    if (
-        isinstance(transform, BlockRotation)
-        and transform.block_size == 32
-        and transform.r_inter is None
-        and transform.channel_scale is None
-        and getattr(transform, "channel_perm", None) is None
-        and transform.r_intra is not None
-    ):
+    if isinstance(transform, BlockRotation) and transform.intra_block_only(32):
         # BlockRotation computes Z = Y R_intra on each block row, i.e. z_b = R_intraᵀ y_b
         return transform.r_intra.T.contiguous(), None
     return None, transform

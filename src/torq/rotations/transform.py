@@ -111,6 +111,18 @@ class BlockRotation(nn.Module):
             if self.n_blocks is None:
                 self.n_blocks = channel_perm.numel() // block_size
 
+    def intra_block_only(self, block_size: int = 32) -> bool:
+        """Whether ``T`` is one ``block_size×block_size`` intra-block matrix shared by every
+        block (no channel scale, permutation or inter-block rotation): the form the
+        kernels run inside their pre-pass and compressed-tensors writes as a transform."""
+        return (
+            self.block_size == block_size
+            and self.r_inter is None
+            and self.channel_scale is None
+            and getattr(self, "channel_perm", None) is None
+            and self.r_intra is not None
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
         k = self.block_size
