@@ -10,8 +10,11 @@ Calibrated methods (``torq-had32``, ``+gptq``) calibrate on ``--calib-samples`` 
 validation windows, with torq's balancing folded (``--fold-balance``, so that the 32-block
 Hadamard alone runs online); torq's own rows are the same folded model.
 
-With ``--format nvfp4`` the weights are NVFP4 and the activations stay in float (W4A16, what
-compressed-tensors' NVFP4 export holds); there is no activation rule to compare.
+With ``--format nvfp4`` the weights are NVFP4 and the activations stay in float (W4A16); there
+is no activation rule to compare. With ``--format nvfp4-w4a4`` both are NVFP4: what is exported
+is torq's model with static activation tensor scales calibrated on the ``--calib-samples``
+windows (``act_scale="static"``, compressed-tensors' ``input_global_scale``), set beside
+torq's default, each tensor's own scale at every call (``dynamic``).
 
 For each method the model is quantized by torq (W4A4 MXFP4, activations with the ``nearest``
 scale rule, the rule transformers' compressed-tensors loader quantizes activations with),
@@ -55,9 +58,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument(
         "--format",
-        choices=("mxfp4", "nvfp4"),
+        choices=("mxfp4", "nvfp4", "nvfp4-w4a4"),
         default="mxfp4",
-        help="mxfp4: W4A4; nvfp4: NVFP4 weights, float activations (W4A16, what is exported)",
+        help="mxfp4: W4A4; nvfp4: NVFP4 weights, float activations (W4A16); nvfp4-w4a4: "
+        "NVFP4 W4A4 with static activation scales (exported) and dynamic ones (torq's)",
+    )
+    ap.add_argument(
+        "--exported-rule-only",
+        action="store_true",
+        help="skip torq's default-rule row (one quantization and evaluation less: full-test runs)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -73,18 +82,24 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for method in args.methods.split(","):
         row: dict = {"method": method}
-        nvfp4 = args.format == "nvfp4"
-        row["torq_ocp"] = None  # (NVFP4 weights alone: no activation rule to compare)
-        for mode in ("nearest",) if nvfp4 else ("nearest", "ocp"):
+        # the rule the exported model is quantized with first, then torq's default
+        modes = {
+            "mxfp4": ("nearest", "ocp"),
+            "nvfp4": ("nearest",),  # (NVFP4 weights alone: no activation rule to compare)
+            "nvfp4-w4a4": ("static", "dynamic"),
+        }[args.format]
+        row["torq_ocp"] = None
+        for mode in modes[:1] if args.exported_rule_only else modes:
             model = load(args.model).model
-            qconfig = (
-                QuantConfig.from_names("nvfp4", None)
-                if nvfp4
-                else QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
-            )
+            if args.format == "nvfp4":
+                qconfig = QuantConfig.from_names("nvfp4", None)
+            elif args.format == "nvfp4-w4a4":
+                qconfig = QuantConfig.from_names("nvfp4", "nvfp4", act_scale=mode)
+            else:
+                qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
             get_method(method).apply(model, qconfig, context)
             row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
-            if mode == "nearest":
+            if mode == modes[0]:
                 with tempfile.TemporaryDirectory() as tmp:
                     t0 = time.perf_counter()
                     out = export_compressed_tensors(model, Path(tmp) / "ct", base.tokenizer)
@@ -109,18 +124,27 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "torch": torch.__version__,
     }
+    what = {"mxfp4": "W4A4 MXFP4", "nvfp4": "W4A16 NVFP4", "nvfp4-w4a4": "W4A4 NVFP4"}
+    exported, default = ("static", "dynamic") if args.format == "nvfp4-w4a4" else ("nearest", "ocp")
+    heads = {
+        "nearest": "torq (`nearest` activations)",
+        "ocp": "torq (`ocp`, its default)",
+        "static": "torq (static activation tensor scales, exported)",
+        "dynamic": "torq (dynamic tensor scales, its default)",
+    }
     lines = [
         f"{args.model}, first {windows.shape[0]} WikiText-2 windows of 2048 tokens, "
-        + ("W4A16 NVFP4" if args.format == "nvfp4" else "W4A4 MXFP4"),
+        + what[args.format],
         "",
-        "| method | torq (`nearest` activations) | through transformers (compressed-tensors, bf16) "
-        "| torq (`ocp`, its default) | export MB |",
+        f"| method | {heads[exported]} | through transformers (compressed-tensors, bf16) "
+        f"| {heads[default]} | export MB |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        other = r.get(f"torq_{default}")
         lines.append(
-            f"| {r['method']} | {r['torq_nearest']:.3f} | {r['transformers']:.3f} "
-            f"| {'–' if r['torq_ocp'] is None else format(r['torq_ocp'], '.3f')} "
+            f"| {r['method']} | {r[f'torq_{exported}']:.3f} | {r['transformers']:.3f} "
+            f"| {'–' if other is None else format(other, '.3f')} "
             f"| {r['export_bytes'] / 1e6:.1f} |"
         )
     save(args.out, record, "\n".join(lines) + "\n")

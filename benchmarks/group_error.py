@@ -20,7 +20,13 @@ first half of the sampled tokens and the error
 - ``torq``: TORQ's calibrated rotations (inter-block, then intra-block from ``H₃₂``) as the
   ``torq`` method fits them;
 - ``torq-s4096``: the same with the intra-block solver on 4096 sampled blocks
-  (``--intra-samples 4096``), the speed item's shortcut.
+  (``--intra-samples 4096``), the speed item's shortcut;
+- ``torq-w``: TORQ's calibrated rotations with the group's weights in the intra-block fit
+  (issue 27's "weights included"): the rotation also turns every 32-wide block of the
+  balanced, inter-rotated weight rows (``W T⁻¹`` is rotated as ``T x`` is), so the
+  occupancy loss is fitted on both operands of the product instead of the activations alone.
+
+``--labels`` picks the transforms (``h32`` always).
 
 Writes JSON and a markdown table (``<out>.md``), with the solve seconds of the two TORQ fits.
 """
@@ -115,38 +121,46 @@ def sample_group_inputs(
     }
 
 
-LABELS = ("h32", "perm", "torq", "torq-s4096")
+LABELS = ("h32", "perm", "torq", "torq-s4096", "torq-w")
 
 
 def _change(rows: list[dict[str, Any]], key: str) -> str:
     return f"{sum(r[key] for r in rows) / sum(r['h32'] for r in rows) - 1:+.1%}"
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], labels: tuple[str, ...] = LABELS) -> str:
     """Per group: ``h32``'s error and the others' change from it; then per kind of group
     (the first linear's name): the change of the summed error, the median change, and in how
     many groups each lowers the error."""
+    labels = tuple(k for k in labels if all(k in r for r in rows))
+    solved = tuple(k for k in labels if all(f"{k}_solve_s" in r for r in rows))
     lines = [
-        "| group | width | " + " | ".join(LABELS) + " | torq solve s | s4096 solve s |",
-        "| --- | ---: | " + " | ".join("---:" for _ in LABELS) + " | ---: | ---: |",
+        "| group | width | "
+        + " | ".join(labels)
+        + "".join(f" | {k} solve s" for k in solved)
+        + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in labels + solved) + " |",
     ]
     for r in rows:
-        rel = [f"{r[k]:.3%}" if k == "h32" else f"{r[k] / r['h32'] - 1:+.1%}" for k in LABELS]
+        rel = [f"{r[k]:.3%}" if k == "h32" else f"{r[k] / r['h32'] - 1:+.1%}" for k in labels]
         lines.append(
             f"| {r['group']} | {r['width']} | "
             + " | ".join(rel)
-            + f" | {r['torq_solve_s']:.1f} | {r['torq-s4096_solve_s']:.1f} |"
+            + "".join(f" | {r[f'{k}_solve_s']:.1f}" for k in solved)
+            + " |"
         )
     kinds: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         kinds.setdefault(r["group"].split(".", 1)[1], []).append(r)
     kinds["all"] = rows
-    others = LABELS[1:]
+    others = tuple(k for k in labels if k != "h32")
     lines += [
         "",
         "| groups | n | "
         + " | ".join(f"{k}: sum / median / lower in" for k in others)
-        + " | solve s, torq / s4096 |",
+        + " | solve s, "
+        + " / ".join(solved)
+        + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in others) + " | ---: |",
     ]
     for kind, rs in kinds.items():
@@ -156,10 +170,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             median = statistics.median(rel)
             better = sum(x < 0 for x in rel)
             cells.append(f"{_change(rs, k)} / {median:+.1%} / {better} of {len(rs)}")
-        solve = sum(r["torq_solve_s"] for r in rs), sum(r["torq-s4096_solve_s"] for r in rs)
-        lines.append(
-            f"| {kind} | {len(rs)} | " + " | ".join(cells) + f" | {solve[0]:.0f} / {solve[1]:.0f} |"
-        )
+        solve = " / ".join(f"{sum(r[f'{k}_solve_s'] for r in rs):.0f}" for k in solved)
+        lines.append(f"| {kind} | {len(rs)} | " + " | ".join(cells) + f" | {solve} |")
     return "\n".join(lines)
 
 
@@ -173,8 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/method-value/group-error.json")
+    p.add_argument(
+        "--labels",
+        default=",".join(LABELS[:4]),
+        help=f"transforms to measure besides h32, of {','.join(LABELS)}",
+    )
     p.add_argument("--render", default=None, metavar="JSON", help="print a record's tables again")
     args = p.parse_args(argv)
+    labels = ("h32", *(k for k in args.labels.split(",") if k and k != "h32"))
+    unknown = set(labels) - set(LABELS)
+    if unknown:
+        p.error(f"unknown --labels {sorted(unknown)}; known: {', '.join(LABELS)}")
     if args.render:
         print(markdown(json.loads(Path(args.render).read_text())["rows"]))
         return 0
@@ -196,25 +217,36 @@ def main(argv: list[str] | None = None) -> int:
         row["h32"] = output_error(held.float(), w.float(), h32, fmt, fmt)
         xs, ws = fit / s, w * s
         mass = xs.pow(2).mean(0).sqrt() * ws.pow(2).sum(0).sqrt()
-        perm = block_mass_permutation(mass)
-        row["perm"] = _permuted_error(held, w, s, perm, fmt)
-        row["proxy_h32"] = float(mass.reshape(-1, K).sum(1).pow(2).sum())
-        row["proxy_perm"] = float(mass[perm].reshape(-1, K).sum(1).pow(2).sum())
+        if "perm" in labels:
+            perm = block_mass_permutation(mass)
+            row["perm"] = _permuted_error(held, w, s, perm, fmt)
+            row["proxy_h32"] = float(mass.reshape(-1, K).sum(1).pow(2).sum())
+            row["proxy_perm"] = float(mass[perm].reshape(-1, K).sum(1).pow(2).sum())
         r_inter, _ = inter_block_rotations(_covariance(xs), InterBlockConfig())
-        blocks = BlockRotation(K, r_inter, None, dtype=torch.float64)(xs).reshape(-1, K)
-        for label, cap in (("torq", None), ("torq-s4096", 4096)):
+        inter = BlockRotation(K, r_inter, None, dtype=torch.float64)
+        blocks = inter(xs).reshape(-1, K)
+        fits = {
+            "torq": (blocks, None),
+            "torq-s4096": (blocks, 4096),
+            # the fused weight W T⁻¹ = W Tᵀ: its rows' blocks turn as the activations' do
+            "torq-w": (torch.cat([blocks, inter(ws).reshape(-1, K)]), None),
+        }
+        for label in labels:
+            if label not in fits:
+                continue
+            sample, cap = fits[label]
             start = time.perf_counter()
             cfg = IntraBlockConfig(init="hadamard", k_top=32, max_samples=cap)
-            fitted = fit_intra_block_rotation(blocks, cfg)
+            fitted = fit_intra_block_rotation(sample, cfg)
             row[f"{label}_solve_s"] = time.perf_counter() - start
             t = BlockRotation(K, r_inter, fitted.rotation, channel_scale=s)
             row[label] = output_error(held.float(), w.float(), t, fmt, fmt)
         rows.append(row)
         print(
-            f"{name}: " + ", ".join(f"{k} {row[k]:.4%}" for k in ("h32", "perm", "torq")),
+            f"{name}: " + ", ".join(f"{k} {row[k]:.4%}" for k in labels),
             flush=True,
         )
-    total = {k: sum(r[k] for r in rows) for k in LABELS}
+    total = {k: sum(r[k] for r in rows) for k in labels}
     record = {
         "kind": "group-error",
         "date": now_iso(),
@@ -225,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "total": total,
     }
-    save(args.out, record, markdown(rows))
+    save(args.out, record, markdown(rows, labels))
     return 0
 
 

@@ -1,9 +1,15 @@
-"""HumanEval pass@1 of quantized models (the paper's Table 4): each method quantizes the
-model (W4A4 MXFP4 unless told), lm-eval generates greedy completions offline, and each
-program runs isolated (:mod:`torq.eval.sandbox`).
+"""HumanEval pass@1, or GSM8K exact match, of quantized models (the paper's Table 4): each
+method quantizes the model (W4A4 MXFP4 unless told), lm-eval generates greedy completions
+offline, and each HumanEval program runs isolated (:mod:`torq.eval.sandbox`).
 
     python benchmarks/humaneval.py --model qwen2.5-coder-0.5b \\
         --methods fp,rtn,had32,torq-had32,torq --out results/humaneval/qwen-coder.json
+    python benchmarks/humaneval.py --task gsm8k --n 200 --methods fp,torq-had32 \\
+        --out results/gsm8k/qwen-coder-200.json
+
+GSM8K (``--task gsm8k``): lm-eval's 5-shot task on ``--n`` test problems drawn with
+``--seed`` (:func:`torq.eval.generation.evaluate_gsm8k`; the same problems for every method),
+strict and flexible exact match, each with its standard error.
 
 The record is rewritten after each method, and a method already in ``--out`` is not run
 again (a stopped run goes on with the next method). Generation is slow on a CPU (up to
@@ -25,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
-from torq.eval.generation import MAX_GEN_TOKS, evaluate_humaneval
+from torq.eval.generation import MAX_GEN_TOKS, evaluate_gsm8k, evaluate_humaneval
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
@@ -38,7 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="fp,rtn,had32,torq-had32,torq")
     ap.add_argument("--format", default="mxfp4")
     ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--task", choices=("humaneval", "gsm8k"), default="humaneval")
+    ap.add_argument("--limit", type=int, default=None, help="HumanEval: the first N problems")
+    ap.add_argument("--n", type=int, default=None, help="GSM8K: N problems drawn with --seed")
+    ap.add_argument("--seed", type=int, default=0, help="GSM8K: which problems")
     ap.add_argument("--max-gen-toks", type=int, default=MAX_GEN_TOKS)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
@@ -62,33 +71,63 @@ def main(argv: list[str] | None = None) -> None:
             )
             get_method(method).apply(loaded.model, qconfig, ctx)
         quantize_seconds = time.perf_counter() - t0
-        result = evaluate_humaneval(
-            loaded.model, loaded.tokenizer, args.data_dir, args.limit, args.max_gen_toks
-        )
+        if args.task == "gsm8k":
+            result = evaluate_gsm8k(
+                loaded.model, loaded.tokenizer, args.data_dir, args.n, args.seed
+            )
+            print(method, result["flexible-extract"], flush=True)
+        else:
+            result = evaluate_humaneval(
+                loaded.model, loaded.tokenizer, args.data_dir, args.limit, args.max_gen_toks
+            )
+            print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
-        print(method, result["pass@1"], flush=True)
         record = {
+            "task": args.task,
             "model": args.model,
             "format": args.format,
             "limit": args.limit,
+            "n": args.n,
+            "seed": args.seed,
             "rows": rows,
             "command": command_line(),
             "date": now_iso(),
             "machine": machine_info(),
         }
+        save(out, record, _table(args, rows))
+
+
+def _table(args: argparse.Namespace, rows: list[dict]) -> str:
+    """The markdown table of the rows so far."""
+    if args.task == "gsm8k":
         lines = [
-            f"{args.model}, HumanEval ({args.limit or 164} problems), greedy, pass@1, "
-            f"W4A4 {args.format}",
+            f"{args.model}, GSM8K ({rows[0]['n']} test problems, seed {args.seed}), 5-shot, "
+            f"greedy, exact match, W4A4 {args.format}",
             "",
-            "| method | pass@1 % | problems | generate s |",
-            "| --- | ---: | ---: | ---: |",
+            "| method | strict % | flexible % | problems | s |",
+            "| --- | ---: | ---: | ---: | ---: |",
         ]
         for r in rows:
+            strict, flexible = r["strict-match"], r["flexible-extract"]
             lines.append(
-                f"| {r['method']} | {100 * r['pass@1']:.1f} | {r['problems']} "
-                f"| {r['generate_seconds']:.0f} |"
+                f"| {r['method']} | {100 * strict['exact_match']:.1f} ± "
+                f"{100 * strict['stderr']:.1f} | {100 * flexible['exact_match']:.1f} ± "
+                f"{100 * flexible['stderr']:.1f} | {r['n']} | {r['seconds']:.0f} |"
             )
-        save(out, record, "\n".join(lines) + "\n")
+        return "\n".join(lines) + "\n"
+    lines = [
+        f"{args.model}, HumanEval ({args.limit or 164} problems), greedy, pass@1, "
+        f"W4A4 {args.format}",
+        "",
+        "| method | pass@1 % | problems | generate s |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {100 * r['pass@1']:.1f} | {r['problems']} "
+            f"| {r['generate_seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

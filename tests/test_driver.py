@@ -106,6 +106,27 @@ def test_streamed_methods_match_the_whole_model_path(
     assert all(0 < v <= streamed["peak_memory"]["host_rss_bytes"] for v in peaks)
 
 
+def test_static_activation_scales_stream_as_the_whole_model(
+    tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """NVFP4 W4A4 with static activation tensor scales (``act_scale="static"``): fixed and
+    calibrating methods read the calibration windows, stream bit for bit as the whole-model
+    path, and differ from the dynamic scales' numbers."""
+    folder = _save("qwen3", tmp_path / "m", tiny_tokenizer)
+    methods = ["rtn", "had32", "torq-had32"]
+    nv = {"weight_format": "nvfp4", "act_format": "nvfp4"}
+    whole = run(_config(folder, data_dir, methods, act_scale="static", **nv), progress=False)
+    streamed = run(
+        _config(folder, data_dir, methods, act_scale="static", stream=True, **nv), progress=False
+    )
+    dynamic = run(_config(folder, data_dir, methods, **nv), progress=False)
+    for a, b, c in zip(whole["rows"], streamed["rows"], dynamic["rows"], strict=True):
+        assert a["ppl"] == b["ppl"] != c["ppl"], a["method"]
+        layers = a["details"]["layers"]
+        assert all(layer["activation_scales"]["static"] > 0 for layer in layers)
+    assert whole["quant_config"]["act_scale"] == "static"
+
+
 def test_bf16_checkpoint_streams_as_float32_of_its_values(tmp_path, data_dir, tiny_tokenizer):
     """A bf16 checkpoint is read in bf16 and computed in float32: the same numbers as the
     whole model loaded in float32 from the same folder."""

@@ -172,6 +172,14 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="MXFP4 block scale rule (default ocp; a saved quantized model keeps its own)",
     )
+    run.add_argument(
+        "--act-scale",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="NVFP4 activations' tensor scale: each tensor's own (dynamic, default) or one per "
+        "activation quantizer calibrated on the calibration windows (static: what "
+        "compressed-tensors and vLLM serve; needed to export NVFP4 W4A4)",
+    )
     run.add_argument("--seqlen", type=_positive_int, default=2048, help="perplexity window length")
     run.add_argument(
         "--save-format",
@@ -484,12 +492,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"{', '.join('--' + f.replace('_', '-') for f in given)}. Drop those flags, or "
             "quantize the float model again with them."
         )
+    if args.act_scale == "static":
+        if saved is not None:
+            raise TorqError(
+                f"{args.model} was saved quantized: it keeps its own activation scales; "
+                "drop --act-scale, or quantize the float model again with it"
+            )
+        if (a or "none").lower() != "nvfp4":
+            raise TorqError(
+                "--act-scale static is NVFP4's static activation tensor scale: add "
+                f"--a-format nvfp4 (activations here: {a or 'none'})"
+            )
     config = RunConfig(
         model=args.model,
         methods=[m.strip() for m in methods.split(",") if m.strip()],
         weight_format=w,
         act_format=a,
         scale_mode=scale_mode,
+        act_scale=args.act_scale,
         seqlen=args.seqlen,
         max_windows=args.max_windows,
         eval_corpus=args.eval_corpus,

@@ -27,6 +27,7 @@ capture and loss), so the two give the same numbers bit for bit on a CPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ from torq.models.streaming import (
     give_back_memory,
     head_logits,
 )
+from torq.surgery.qlinear import calibrate_activation_scales
 
 if TYPE_CHECKING:
     from torq.export.checkpoint import CheckpointWriter
@@ -303,7 +305,7 @@ def run_layerwise(
             fwd = solve = 0.0
             groups, stats = [], {}
             outputs: list[torch.Tensor] = []
-            if calib is not None:
+            if calib is not None and plan.capture_stats:
                 assert plan.calibration is not None
                 t0 = time.perf_counter()
                 groups, stats, outputs = capture_layer(
@@ -327,7 +329,19 @@ def run_layerwise(
             rss.restart()
             del stats
             if calib is not None:
-                if plan.sequential:
+                if plan.observe_activations:
+                    # static activation scales from the quantized layer's own inputs; its
+                    # outputs are the next layer's states when the run is sequential (or
+                    # nothing was captured: a fixed transform reads no statistics)
+                    t0 = time.perf_counter()
+                    observed, record["activation_scales"] = calibrate_activation_scales(
+                        layer, functools.partial(layer_outputs, layer, calib, calib_kwargs[li])
+                    )
+                    fwd += time.perf_counter() - t0
+                    if plan.sequential or not plan.capture_stats:
+                        outputs = observed
+                    del observed
+                elif plan.sequential:
                     t0 = time.perf_counter()
                     outputs = layer_outputs(layer, calib, calib_kwargs[li])
                     fwd += time.perf_counter() - t0

@@ -47,6 +47,10 @@ class RunConfig:
     weight_format: str | None = "mxfp4"
     act_format: str | None = "mxfp4"
     scale_mode: str = "ocp"
+    # NVFP4 activations' tensor scale: each tensor's own ("dynamic") or calibrated once per
+    # activation quantizer on the calibration windows ("static": what compressed-tensors
+    # and vLLM serve, :class:`torq.surgery.qlinear.QuantConfig`)
+    act_scale: str = "dynamic"
     seqlen: int = 2048
     max_windows: int | None = None
     batch_size: int = 1
@@ -106,7 +110,9 @@ class RunConfig:
     eval_corpus: str = DEFAULT_EVAL_CORPUS
 
     def quant_config(self) -> QuantConfig:
-        return QuantConfig.from_names(self.weight_format, self.act_format, self.scale_mode)
+        return QuantConfig.from_names(
+            self.weight_format, self.act_format, self.scale_mode, self.act_scale
+        )
 
 
 @dataclass
@@ -388,7 +394,8 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
     intra-block settings against its block size."""
     from torq.methods.torq_rotation import TorqTransform
 
-    calibrates = any(m.calibrates() for m in methods)
+    qconfig = config.quant_config()
+    calibrates = any(m.calibrates(qconfig) for m in methods)
     limit = None if config.allow_long_windows else context_length(config.model)
     if limit is not None:
         lengths = [("--seqlen", config.seqlen)]
@@ -436,8 +443,11 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     act = (config.act_format or "fp").lower()
     act = None if act in ("fp", "none", "float") else act
     if config.weight_format == "nvfp4" and act is not None:
-        raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
-    if config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
+        if act != "nvfp4":
+            raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
+        if config.act_scale != "static":
+            raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
+    elif config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
         raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
     for method in methods:
         if method.quantizes and method.name not in EXPORTABLE_METHODS:
@@ -704,7 +714,7 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
     file in a configured data directory, the zero-shot tasks' files (or the hub)."""
     ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
     for method in methods:
-        calibration = method.calibration(ctx)
+        calibration = method.calibration(ctx, config.quant_config())
         if calibration is None:
             continue
         if config.resume_dir is not None and config.keep_models:

@@ -267,7 +267,11 @@ class _Entries:
                     self._held.append(q.transform)
                 t_index = self.transforms[id(q.transform)]
             self.quantizers[id(q)] = len(self.quantizer_entries)
-            self.quantizer_entries.append({"activation": _spec_dict(q.fmt), "transform": t_index})
+            entry: dict[str, Any] = {"activation": _spec_dict(q.fmt), "transform": t_index}
+            if q.tensor_scale is not None:
+                # a static NVFP4 activation tensor scale (float32: exact as a JSON number)
+                entry["tensor_scale"] = float(q.tensor_scale)
+            self.quantizer_entries.append(entry)
             self._held.append(q)
         return self.quantizers[id(q)]
 
@@ -905,7 +909,9 @@ def load_quantized(
     transforms = _built_transforms(manifest, tensors)
     quantizers = [
         ActivationQuantizer(
-            _spec(q["activation"]), None if q["transform"] is None else transforms[q["transform"]]
+            _spec(q["activation"]),
+            None if q["transform"] is None else transforms[q["transform"]],
+            tensor_scale=q.get("tensor_scale"),
         )
         for q in manifest["quantizers"]
     ]

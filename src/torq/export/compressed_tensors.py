@@ -13,14 +13,18 @@ What the format cannot express is refused, naming what can be exported: TORQ's c
 per-position rotations, its channel balancing done online (``--fold-balance`` folds it into
 the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
 32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, a linear
-with a bias under a transform (vLLM cannot run that combination), NVFP4 activations (the
-format's take a static tensor scale calibrated beforehand, torq's a dynamic one), MXINT4.
+with a bias under a transform (vLLM cannot run that combination), NVFP4 activations with
+torq's dynamic tensor scale (the format's take a static one calibrated beforehand:
+quantize with ``--act-scale static``), MXINT4.
 
 NVFP4 weights (``nvfp4-pack-quantized``: E2M1 codes as MXFP4's, ``weight_scale`` the E4M3
 block scales per 16, ``weight_global_scale`` the reciprocal of torq's FP32 tensor scale, the
 loaders dividing by it) are written from the tensor scale each linear kept
 (:func:`torq.formats.packed.encode_nvfp4_exact`), with float activations (W4A16). The loaders'
-``s / (1/g)`` rounds where torq's ``g · s`` does not, by at most an ulp of float32.
+``s / (1/g)`` rounds where torq's ``g · s`` does not, by at most an ulp of float32. NVFP4
+activations (W4A4, compressed-tensors' ``NVFP4`` scheme) are written when every activation
+quantizer holds a static tensor scale ``g_a`` (``act_scale="static"``): ``input_global_scale``
+is ``1 / g_a``; the E4M3 block scales of the activations stay dynamic, as in torq.
 
 Tensors outside the quantized linears are written in bf16 (transformers loads this format in
 bf16; float32 fails in its decompression): a float32 embedding or norm not exact in bf16 is
@@ -60,7 +64,8 @@ EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-
 FOLDED_METHODS = ("torq-had32", "torq-had32+gptq")
 EXPORTABLE = (
     f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights with MXFP4 or float activations, or NVFP4 "
-    f"weights with float activations; {', '.join(FOLDED_METHODS)} with --fold-balance)"
+    "weights with float activations or NVFP4 ones under --act-scale static; "
+    f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
 )
 _HADAMARD_GROUP = "torq_had32"
 _NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported"
@@ -68,15 +73,21 @@ _NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weigh
 # (input_global_scale) calibrated beforehand; torq's NVFP4 activations take the tensor's own
 # amax at every call, which the format cannot say
 NVFP4_ACTIVATIONS = (
-    "NVFP4 activations are not exported: compressed-tensors quantizes them with a static "
-    "tensor scale calibrated beforehand, torq with each tensor's own; export NVFP4 weights "
-    "with float activations (--a-format none), or MXFP4"
+    "NVFP4 activations with torq's dynamic tensor scale are not exported: compressed-tensors "
+    "quantizes them with a static tensor scale calibrated beforehand; quantize with "
+    "--act-scale static, or export NVFP4 weights with float activations (--a-format none)"
 )
 
 
-def _scheme(weight: dict[str, Any] | None, activation: dict[str, Any] | None, name: str) -> str:
+def _scheme(
+    weight: dict[str, Any] | None,
+    activation: dict[str, Any] | None,
+    name: str,
+    static: bool = False,
+) -> str:
     """The compressed-tensors format for a linear's weight and activation formats
-    (``{"name", "block_size"}``), or a :class:`TorqError` naming what cannot be written."""
+    (``{"name", "block_size"}``; ``static``: its activation quantizer holds a static tensor
+    scale), or a :class:`TorqError` naming what cannot be written."""
     w_name = None if weight is None else (weight["name"], weight["block_size"])
     a_name = None if activation is None else (activation["name"], activation["block_size"])
     if w_name == ("mxfp4", 32):
@@ -84,7 +95,9 @@ def _scheme(weight: dict[str, Any] | None, activation: dict[str, Any] | None, na
             raise TorqError(f"{name}: with MXFP4 weights, activations must be MXFP4 or float")
         return FORMAT
     if w_name == ("nvfp4", 16):
-        if a_name is not None:
+        if a_name not in (None, ("nvfp4", 16)):
+            raise TorqError(f"{name}: with NVFP4 weights, activations must be NVFP4 or float")
+        if a_name is not None and not static:
             raise TorqError(f"{name}: {NVFP4_ACTIVATIONS}")
         return NVFP4_FORMAT
     raise TorqError(f"{name}: {_NOT_EXPORTED_FORMAT}")
@@ -139,7 +152,8 @@ def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, s
         if not isinstance(module, QuantLinear):
             continue
         w, a = module.config.weight, module.config.activation
-        formats.add(_scheme(_format_dict(w), _format_dict(a), name))
+        static = module.input_quantizer.tensor_scale is not None
+        formats.add(_scheme(_format_dict(w), _format_dict(a), name, static))
         kinds.add(_transform_kind(module, name))
         acts.add(a is not None)
         linears[name] = module
@@ -205,6 +219,12 @@ def export_compressed_tensors(
             target.weight_global_scale.data = (1.0 / packed.tensor_scale).reshape(
                 target.weight_global_scale.shape
             )
+            if activations:  # the static activation tensor scale, inverted as the weight's
+                g_a = module.input_quantizer.tensor_scale
+                assert g_a is not None  # _plan refused a dynamic one
+                target.input_global_scale.data = (1.0 / g_a.float().cpu()).reshape(
+                    target.input_global_scale.shape
+                )
             # compressed-tensors packs the model's weight (torq's, in bf16) with these
             # scales itself; the codes it writes are checked against torq's below
             expected_codes[name] = _ct_codes(packed.codes)
@@ -245,13 +265,16 @@ def _apply_schemes(
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP4A16, NVFP4A16
+    from compressed_tensors.quantization.quant_scheme import (
+        MXFP4,
+        MXFP4A16,
+        NVFP4,
+        NVFP4A16,
+    )
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
     if fmt == NVFP4_FORMAT:
-        if activations:
-            raise TorqError(NVFP4_ACTIVATIONS)
-        preset = NVFP4A16
+        preset = NVFP4 if activations else NVFP4A16
     else:
         preset = MXFP4 if activations else MXFP4A16
     scheme = QuantizationScheme(targets=["Linear"], **preset)
@@ -314,7 +337,8 @@ def export_saved_compressed_tensors(
         if entry["kind"] != "linear":
             raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
         w, a = entry["weight"], entry["activation"]
-        formats.add(_scheme(w, a, name))
+        quantizer = manifest["quantizers"][entry["quantizer"]]
+        formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))
         if entry["storage"] != "packed":
             raise TorqError(
                 f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
@@ -332,6 +356,8 @@ def export_saved_compressed_tensors(
     parts_of = ("weight_packed", "weight_scale") + (
         ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
     )
+    if fmt == NVFP4_FORMAT and activations:
+        parts_of += ("input_global_scale",)
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):  # the architecture's module names, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -358,9 +384,11 @@ def export_saved_compressed_tensors(
         )
         if fmt == NVFP4_FORMAT:
             sources[f"{name}.weight_global_scale"] = (f"{name}.weight_tensor_scale", "global")
+            if activations:  # kept in the manifest: the quantizer's static scale
+                sources[f"{name}.input_global_scale"] = (name, "input_global")
         if modules[name]["bias"]:
             sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
-    quantized_keys = {key for src, _ in sources.values() for key in [src]}
+    quantized_keys = {src for src, how in sources.values() if how != "input_global"}
     for key in tensors:
         if key.startswith("torq.transforms.") or key in quantized_keys:
             continue
@@ -389,7 +417,12 @@ def export_saved_compressed_tensors(
             shard: dict[str, torch.Tensor] = {}
             for key in keys:
                 stored, how = sources[key]
-                value = tensors[stored]
+                if how == "input_global":
+                    quantizer = manifest["quantizers"][modules[stored]["quantizer"]]
+                    g_a = torch.tensor(quantizer["tensor_scale"], dtype=torch.float32)
+                    value = (1.0 / g_a).reshape(1)
+                else:
+                    value = tensors[stored]
                 if how == "codes":
                     value = _ct_codes(value)
                 elif how == "e4m3":  # torq stores the E4M3 bits as bytes

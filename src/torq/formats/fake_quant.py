@@ -13,7 +13,9 @@ from torq.formats.reference import check_input, fake_quantize_reference
 _FAST_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def fake_quantize(x: torch.Tensor, fmt: FormatSpec | str) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, fmt: FormatSpec | str, tensor_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quantize ``x`` to ``fmt`` and back along its last dim: the paper's eq. 1
     (Section 4), ``z_hat_b = s_b * Q(z_b / s_b)``, per block of the last dim.
 
@@ -21,6 +23,10 @@ def fake_quantize(x: torch.Tensor, fmt: FormatSpec | str) -> torch.Tensor:
       device; returns a new tensor of the same shape, dtype and device, detached from
       autograd. A width that is not a multiple of the block size is padded internally
       with zeros and the padding dropped on return.
+    * ``tensor_scale`` (NVFP4 only): a static FP32 tensor scale calibrated beforehand
+      (``amax / (448 · 6)`` of calibration activations), used instead of ``x``'s own; values
+      past the calibrated amax then saturate (block scale 448, elements ±6), as in
+      compressed-tensors' NVFP4 activations (``input_global_scale = 1 / tensor_scale``).
     * MXFP4 (method notes, section 1): one E8M0 scale per block of 32 elements,
       ``X = 2^(floor(log2 amax) - 2)`` (``scale_mode="ocp"``, torchao's FLOOR), or
       ``2^floor(log2 amax)`` (``"paper"``) or ``2^ceil(log2(amax / 6))`` (``"rceil"``),
@@ -44,11 +50,13 @@ def fake_quantize(x: torch.Tensor, fmt: FormatSpec | str) -> torch.Tensor:
     """
     spec = as_format(fmt)
     check_input(x)
+    if tensor_scale is not None and spec.name != "nvfp4":
+        raise ValueError(f"a tensor scale is NVFP4's; format {spec.name!r} has none")
     with torch.no_grad():
         x = x.detach()
         if spec.name == "mxfp4" and x.device.type == "cpu" and x.dtype in _FAST_CPU_DTYPES:
             return _mxfp4_cpu(x, spec)
-        return fake_quantize_reference(x, spec)
+        return fake_quantize_reference(x, spec, tensor_scale)
 
 
 def _mxfp4_cpu(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

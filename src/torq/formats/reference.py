@@ -223,14 +223,21 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax().to(torch.float32)
 
 
-def fake_quantize_reference(x: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+def fake_quantize_reference(
+    x: torch.Tensor, fmt: FormatSpec, tensor_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quantize-dequantize ``x`` along its last dim: the paper's eq. 1, ``s_b * Q(z_b / s_b)``.
 
-    The reference for every format and device; see :func:`torq.formats.fake_quantize`.
+    The reference for every format and device; see :func:`torq.formats.fake_quantize`
+    (``tensor_scale``: NVFP4's FP32 tensor scale given instead of taken from ``x``).
     """
     if fmt.name == "nvfp4":
         blocks = to_blocks(x, fmt.block_size, torch.float32)
-        nv = nvfp4_quantize_blocks(blocks, nvfp4_tensor_scale(tensor_amax(x)))
+        if tensor_scale is None:
+            tensor_scale = nvfp4_tensor_scale(tensor_amax(x))
+        else:
+            tensor_scale = tensor_scale.to(device=x.device, dtype=torch.float32).reshape(())
+        nv = nvfp4_quantize_blocks(blocks, tensor_scale)
         y = nv.q * nvfp4_scale_values(nv.block_scale, nv.tensor_scale)
     else:
         blocks = to_blocks(x, fmt.block_size, compute_dtype(x.dtype))

@@ -323,6 +323,10 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
     builder.check(qconfig, ctx)
     record = builder.record(qconfig, ctx)
     parts = builder.residual(ctx)
+    capture = ctx.capture_settings()
+    static = qconfig.static_activations
+    if static:
+        record = {**record, "act_scale": qconfig.act_scale}
     if not method.calibrates():
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
@@ -340,11 +344,20 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         def quantize(li: int, layer: nn.Module, _groups: list, _stats: dict) -> dict[str, Any]:
             return {"replaced": quantize_layer(layer, qconfig, f"layers.{li}.", factory, experts)}
 
-        return LayerPlan(quantize, record=record, parts=parts)
+        if not static:
+            return LayerPlan(quantize, record=record, parts=parts)
+        # the calibration windows only to observe each quantized layer's inputs
+        return LayerPlan(
+            quantize,
+            calibration=capture.calibration,
+            record=record,
+            parts=parts,
+            capture_stats=False,
+            observe_activations=True,
+        )
     gptq = method.gptq_config(ctx) if method.gptq_enabled else None
     if gptq is not None:
         record = {**record, "gptq": gptq.__dict__}
-    capture = ctx.capture_settings()
     return LayerPlan(
         _BuilderSolver(method, qconfig, ctx, gptq),
         calibration=capture.calibration,
@@ -354,4 +367,5 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         hessian=gptq is not None,
         record=record,
         parts=parts,
+        observe_activations=static,
     )

@@ -81,6 +81,13 @@ class LayerPlan:
     # an offline rotation fused into the model's parts as the driver loads each one
     # (QuaRot's residual rotation, :class:`torq.surgery.fusion.ResidualRotation`)
     parts: Any = None
+    # whether ``quantize`` reads the capture's statistics (a fixed transform with static
+    # activation scales needs the calibration windows, not their statistics)
+    capture_stats: bool = True
+    # static NVFP4 activation scales: after ``quantize`` the calibration windows run through
+    # the quantized layer once, each activation quantizer taking the amax it saw
+    # (:func:`torq.surgery.qlinear.calibrate_activation_scales`)
+    observe_activations: bool = False
 
 
 class TransformBuilder:
@@ -184,14 +191,18 @@ class Method:
             raise TorqError(f"method '{self.name}' does not compose with GPTQ")
         return replace(self, name=name or f"{self.name}+gptq", weights="gptq")
 
-    def calibrates(self) -> bool:
-        """Whether the method reads calibration data (its transform or GPTQ does)."""
-        return self.quantizes and (self.transform.calibrates or self.gptq_enabled)
+    def calibrates(self, qconfig: QuantConfig | None = None) -> bool:
+        """Whether the method reads calibration data (its transform or GPTQ does, or, with
+        ``qconfig``'s static activation scales, the quantized layers' inputs)."""
+        static = qconfig is not None and qconfig.static_activations
+        return self.quantizes and (self.transform.calibrates or self.gptq_enabled or static)
 
-    def calibration(self, ctx: MethodContext) -> CalibrationConfig | None:
+    def calibration(
+        self, ctx: MethodContext, qconfig: QuantConfig | None = None
+    ) -> CalibrationConfig | None:
         """The calibration tokens the method reads with these options; ``None`` when it
         needs no data (checked before any work, :func:`torq.pipeline.run`)."""
-        return ctx.capture_settings().calibration if self.calibrates() else None
+        return ctx.capture_settings().calibration if self.calibrates(qconfig) else None
 
     def settings_key(self, run: dict[str, Any]) -> str:
         """What makes two rows of this method the same quantized model: the model, formats
@@ -215,6 +226,12 @@ class Method:
             key["calibration"] = [
                 torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
             ]
+        if run.get("act_scale", "dynamic") != "dynamic":
+            # static activation scales: calibrated on the calibration windows (absent at
+            # the default, so the keys made before stay)
+            key["act_scale"] = run["act_scale"]
+            torq = run.get("torq") or {}
+            key["act_calibration"] = [torq.get(k) for k in ("calibration", "sequential")]
         return json.dumps([self.name, key], sort_keys=True, default=str)
 
     def layer_plan(self, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:

@@ -10,8 +10,9 @@ the computation of the paper's Algorithm 3 (Appendix A.3) with Option B (weight 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +20,47 @@ from torch import nn
 
 from torq.formats import FormatSpec, fake_quantize, get_format
 
+T = TypeVar("T")
+
+
+ACT_SCALES: tuple[str, ...] = ("dynamic", "static")
+
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """What to quantize: weight and activation formats (``None`` keeps that side in float)."""
+    """What to quantize: weight and activation formats (``None`` keeps that side in float).
+
+    ``act_scale`` is where NVFP4 activations take their FP32 tensor scale from: each tensor's
+    own amax at every call (``"dynamic"``, torq's default), or one scale per activation
+    quantizer calibrated beforehand from the calibration windows (``"static"``: the amax of
+    the transformed input over those tokens), the form compressed-tensors and vLLM serve
+    (``input_global_scale``). Only NVFP4 activations have a tensor scale.
+    """
 
     weight: FormatSpec | None
     activation: FormatSpec | None
+    act_scale: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.act_scale not in ACT_SCALES:
+            raise ValueError(f"act_scale must be one of {ACT_SCALES}, got {self.act_scale!r}")
+        if self.static_activations and (self.activation is None or self.activation.name != "nvfp4"):
+            raise ValueError(
+                "a static activation tensor scale is NVFP4's (its FP32 tensor scale); the "
+                f"activations here are {self.activation.name if self.activation else 'float'}"
+            )
+
+    @property
+    def static_activations(self) -> bool:
+        return self.act_scale == "static"
 
     @classmethod
     def from_names(
-        cls, weight: str | None, activation: str | None, scale_mode: str = "ocp"
+        cls,
+        weight: str | None,
+        activation: str | None,
+        scale_mode: str = "ocp",
+        act_scale: str = "dynamic",
     ) -> QuantConfig:
         def spec(name: str | None) -> FormatSpec | None:
             if name is None or name.lower() in ("", "none", "fp", "float"):
@@ -37,7 +68,7 @@ class QuantConfig:
             mode = scale_mode if name.lower() == "mxfp4" else "ocp"
             return get_format(name.lower(), mode)
 
-        return cls(weight=spec(weight), activation=spec(activation))
+        return cls(weight=spec(weight), activation=spec(activation), act_scale=act_scale)
 
     @property
     def label(self) -> str:
@@ -46,10 +77,13 @@ class QuantConfig:
         return f"W[{w}]A[{a}]"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "weight": self.weight.to_dict() if self.weight else None,
             "activation": self.activation.to_dict() if self.activation else None,
         }
+        if self.static_activations:  # absent at the default: records made before stay equal
+            out["act_scale"] = self.act_scale
+        return out
 
 
 class ActivationQuantizer(nn.Module):
@@ -62,19 +96,58 @@ class ActivationQuantizer(nn.Module):
     once every consumer has been served, so no activation outlives the forward pass.
     """
 
-    def __init__(self, fmt: FormatSpec | None, transform: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        fmt: FormatSpec | None,
+        transform: nn.Module | None = None,
+        tensor_scale: torch.Tensor | float | None = None,
+    ) -> None:
         super().__init__()
         self.fmt = fmt
         self.transform = transform
         self.consumers = 0
         self._last: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
         self._pending = 0
+        # while observing (:meth:`observe`): the largest |T x| seen, for a static tensor scale
+        self.observed_amax: torch.Tensor | None = None
+        self._observing = False
+        if tensor_scale is not None:
+            self.set_tensor_scale(tensor_scale)
+
+    @property
+    def tensor_scale(self) -> torch.Tensor | None:
+        """The static NVFP4 tensor scale (0-d float32), or ``None``: each tensor's own."""
+        return getattr(self, "static_tensor_scale", None)
+
+    def set_tensor_scale(self, scale: torch.Tensor | float) -> None:
+        """Quantize from now on with the static NVFP4 tensor scale ``scale``."""
+        if self.fmt is None or self.fmt.name != "nvfp4":
+            raise ValueError("a static tensor scale is NVFP4's; this quantizer's format has none")
+        value = torch.as_tensor(scale, dtype=torch.float32).reshape(()).clone()
+        if not (torch.isfinite(value) and value > 0):
+            raise ValueError(f"a tensor scale must be finite and positive, got {float(value)}")
+        # registered only when there is one (accelerate's offload cannot place a None
+        # buffer); persistent=False: checkpoints keep it in their manifest
+        device = self.tensor_scale.device if self.tensor_scale is not None else None
+        self.register_buffer("static_tensor_scale", value.to(device), persistent=False)
+
+    def observe(self, on: bool = True) -> None:
+        """Start (``on``) or stop recording ``observed_amax``, the largest ``|T x|`` of the
+        inputs seen; the inputs are quantized as before meanwhile. Starting clears it."""
+        if on:
+            self.observed_amax = None
+            self.clear_cache()
+        self._observing = on
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.transform is not None:
             x = self.transform(x)
+        if self._observing and x.numel():
+            amax = x.detach().abs().amax().to(torch.float32).cpu()
+            seen = self.observed_amax
+            self.observed_amax = amax if seen is None else torch.maximum(seen, amax)
         if self.fmt is not None:
-            x = fake_quantize(x, self.fmt)
+            x = fake_quantize(x, self.fmt, self.tensor_scale)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +170,42 @@ class ActivationQuantizer(nn.Module):
 
     def clear_cache(self) -> None:
         self._last = None
+
+
+def calibrate_activation_scales(
+    module: nn.Module, forward: Callable[[], T]
+) -> tuple[T, dict[str, int]]:
+    """Static NVFP4 activation tensor scales (``act_scale="static"``): run ``forward`` (the
+    calibration tokens through ``module``) with every NVFP4 activation quantizer in
+    ``module`` recording the largest ``|T x|`` it quantizes, then give each that saw an input
+    the tensor scale ``amax / (448 · 6)`` (method notes §1, the scale NVFP4 takes from a
+    whole tensor), which it quantizes with from then on. Quantizers shared by several
+    linears are one quantizer. Returns ``forward``'s result and how many quantizers got a
+    scale (``"static"``) and how many saw no token (``"unobserved"``: an expert no
+    calibration token was routed to), which keep each tensor's own."""
+    from torq.formats.reference import nvfp4_tensor_scale
+
+    quantizers = [
+        m
+        for m in module.modules()
+        if isinstance(m, ActivationQuantizer) and m.fmt is not None and m.fmt.name == "nvfp4"
+    ]
+    for q in quantizers:
+        q.observe(True)
+    try:
+        out = forward()
+    finally:
+        for q in quantizers:
+            q.observe(False)
+    counts = {"static": 0, "unobserved": 0}
+    for q in quantizers:
+        if q.observed_amax is None:
+            counts["unobserved"] += 1
+            continue
+        q.set_tensor_scale(nvfp4_tensor_scale(q.observed_amax))
+        q.observed_amax = None
+        counts["static"] += 1
+    return out, counts
 
 
 def nvfp4_weight_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
