@@ -368,6 +368,39 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_static_activation_scales_match_cpu(tiny_checkpoint, tiny_data_dir) -> None:
+    """NVFP4 W4A4 with static activation tensor scales on the GPU: observed there (the
+    amax taken off the device), the perplexities the CPU gives."""
+    from torq.calibration.data import CalibrationConfig
+    from torq.methods.torq_rotation import TorqSettings
+    from torq.pipeline import RunConfig, run
+
+    corpus = tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw"
+    settings = TorqSettings(
+        calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
+        reservoir_tokens=16,
+    )
+    rows = {}
+    for device in ("cpu", "cuda"):
+        cfg = RunConfig(
+            model=str(tiny_checkpoint),
+            methods=["rtn", "had32", "torq-had32"],
+            weight_format="nvfp4",
+            act_format="nvfp4",
+            act_scale="static",
+            seqlen=64,
+            max_windows=2,
+            data_dir=str(tiny_data_dir),
+            torq=settings,
+            device=device,
+        )
+        rows[device] = {r["method"]: r["ppl"] for r in run(cfg, progress=False)["rows"]}
+    for method, ppl in rows["cpu"].items():
+        assert math.isfinite(rows["cuda"][method])
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+
+
 def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
     """``--resume-dir``: a second identical run reuses every kept window per method."""
     import json
