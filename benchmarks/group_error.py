@@ -28,7 +28,7 @@ first half of the sampled tokens and the error
 
 ``--labels`` picks the transforms (``h32`` always).
 
-Writes JSON and a markdown table (``<out>.md``), with the solve seconds of the two TORQ fits.
+Writes JSON and a markdown table (``<out>.md``), with the solve seconds of each TORQ fit.
 """
 
 from __future__ import annotations
