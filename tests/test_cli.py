@@ -338,15 +338,16 @@ def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
     assert resolve_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
-    """The same comparison on the GPU and on the CPU: every method's transforms move with
-    the model (calibration forward on the GPU, solvers on the CPU), same perplexities."""
+def _cpu_and_gpu_perplexities(
+    checkpoint: Path, data_dir: Path, methods: list[str], **formats: str
+) -> dict[str, dict[str, float]]:
+    """Each method's perplexity from the same run on the CPU and on the GPU (small
+    calibration, two windows)."""
     from torq.calibration.data import CalibrationConfig
     from torq.methods.torq_rotation import TorqSettings
     from torq.pipeline import RunConfig, run
 
-    corpus = tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw"
+    corpus = data_dir / "wikitext-2-raw" / "wiki.test.raw"
     settings = TorqSettings(
         calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
         reservoir_tokens=16,
@@ -354,15 +355,25 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
     rows = {}
     for device in ("cpu", "cuda"):
         cfg = RunConfig(
-            model=str(tiny_checkpoint),
-            methods=["fp", "rtn", "had32", "quarot+gptq", "torq", "torq+gptq"],
+            model=str(checkpoint),
+            methods=methods,
             seqlen=64,
             max_windows=2,
-            data_dir=str(tiny_data_dir),
+            data_dir=str(data_dir),
             torq=settings,
             device=device,
+            **formats,
         )
         rows[device] = {r["method"]: r["ppl"] for r in run(cfg, progress=False)["rows"]}
+    return rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
+    """The same comparison on the GPU and on the CPU: every method's transforms move with
+    the model (calibration forward on the GPU, solvers on the CPU), same perplexities."""
+    methods = ["fp", "rtn", "had32", "quarot+gptq", "torq", "torq+gptq"]
+    rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods)
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
@@ -372,30 +383,14 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
 def test_gpu_static_activation_scales_match_cpu(tiny_checkpoint, tiny_data_dir) -> None:
     """NVFP4 W4A4 with static activation tensor scales on the GPU: observed there (the
     amax taken off the device), the perplexities the CPU gives."""
-    from torq.calibration.data import CalibrationConfig
-    from torq.methods.torq_rotation import TorqSettings
-    from torq.pipeline import RunConfig, run
-
-    corpus = tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw"
-    settings = TorqSettings(
-        calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
-        reservoir_tokens=16,
+    rows = _cpu_and_gpu_perplexities(
+        tiny_checkpoint,
+        tiny_data_dir,
+        ["rtn", "had32", "torq-had32"],
+        weight_format="nvfp4",
+        act_format="nvfp4",
+        act_scale="static",
     )
-    rows = {}
-    for device in ("cpu", "cuda"):
-        cfg = RunConfig(
-            model=str(tiny_checkpoint),
-            methods=["rtn", "had32", "torq-had32"],
-            weight_format="nvfp4",
-            act_format="nvfp4",
-            act_scale="static",
-            seqlen=64,
-            max_windows=2,
-            data_dir=str(tiny_data_dir),
-            torq=settings,
-            device=device,
-        )
-        rows[device] = {r["method"]: r["ppl"] for r in run(cfg, progress=False)["rows"]}
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
