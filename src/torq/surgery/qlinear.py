@@ -147,7 +147,12 @@ class ActivationQuantizer(nn.Module):
             seen = self.observed_amax
             self.observed_amax = amax if seen is None else torch.maximum(seen, amax)
         if self.fmt is not None:
-            x = fake_quantize(x, self.fmt, self.tensor_scale)
+            scale = self.tensor_scale
+            if scale is not None and scale.device != x.device:
+                # set on the CPU after the module moved (calibration, a checkpoint's
+                # manifest): moved once, not copied to the device at every call
+                scale = self.static_tensor_scale = scale.to(x.device)
+            x = fake_quantize(x, self.fmt, scale)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
