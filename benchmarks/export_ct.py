@@ -44,6 +44,7 @@ from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
+from torq.pipeline import resolve_device
 from torq.results import command_line, machine_info, now_iso
 from torq.surgery import QuantConfig
 
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="rtn,had32")
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where both models are quantized and evaluated (cpu, cuda); the export is "
+        "written from the CPU",
+    )
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument(
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     base = load(args.model)
     text = load_wikitext2_test(args.data_dir)
     windows = windows_from_text(text, base.tokenizer, 2048, args.max_windows)
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         }[args.format]
         row["torq_ocp"] = None
         for mode in modes[:1] if args.exported_rule_only else modes:
-            model = load(args.model).model
+            model = load(args.model).model.to(device)
             if args.format == "nvfp4":
                 qconfig = QuantConfig.from_names("nvfp4", None)
             elif args.format == "nvfp4-w4a4":
@@ -102,11 +110,11 @@ def main(argv: list[str] | None = None) -> None:
             if mode == modes[0]:
                 with tempfile.TemporaryDirectory() as tmp:
                     t0 = time.perf_counter()
-                    out = export_compressed_tensors(model, Path(tmp) / "ct", base.tokenizer)
+                    out = export_compressed_tensors(model.cpu(), Path(tmp) / "ct", base.tokenizer)
                     row["export_seconds"] = time.perf_counter() - t0
                     row["export_bytes"] = sum(f.stat().st_size for f in out.iterdir())
                     del model
-                    loaded = load_compressed_tensors(out)
+                    loaded = load_compressed_tensors(out).to(device)
                     row["transformers"] = perplexity(loaded, windows, progress=False).ppl
                     del loaded
             else:
@@ -123,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": now_iso(),
         "machine": machine_info(),
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     what = {"mxfp4": "W4A4 MXFP4", "nvfp4": "W4A16 NVFP4", "nvfp4-w4a4": "W4A4 NVFP4"}
     exported, default = ("static", "dynamic") if args.format == "nvfp4-w4a4" else ("nearest", "ocp")

@@ -339,10 +339,10 @@ def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
 
 
 def _cpu_and_gpu_perplexities(
-    checkpoint: Path, data_dir: Path, methods: list[str], **formats: str
+    checkpoint: Path, data_dir: Path, methods: list[str], fold: bool = False, **formats: str
 ) -> dict[str, dict[str, float]]:
     """Each method's perplexity from the same run on the CPU and on the GPU (small
-    calibration, two windows)."""
+    calibration, two windows; ``fold``: torq's balancing folded into the producers)."""
     from torq.calibration.data import CalibrationConfig
     from torq.methods.torq_rotation import TorqSettings
     from torq.pipeline import RunConfig, run
@@ -351,6 +351,7 @@ def _cpu_and_gpu_perplexities(
     settings = TorqSettings(
         calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
         reservoir_tokens=16,
+        fold=fold,
     )
     rows = {}
     for device in ("cpu", "cuda"):
@@ -390,6 +391,18 @@ def test_gpu_static_activation_scales_match_cpu(tiny_checkpoint, tiny_data_dir) 
         weight_format="nvfp4",
         act_format="nvfp4",
         act_scale="static",
+    )
+    for method, ppl in rows["cpu"].items():
+        assert math.isfinite(rows["cuda"][method])
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_folded_balance_matches_cpu(tiny_checkpoint, tiny_data_dir) -> None:
+    """``--fold-balance`` on the GPU: the balancing scales (computed on the CPU) are folded
+    into the norms and rows of layers that live on the GPU, giving the CPU's perplexities."""
+    rows = _cpu_and_gpu_perplexities(
+        tiny_checkpoint, tiny_data_dir, ["torq-had32", "torq-had32+gptq"], fold=True
     )
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])

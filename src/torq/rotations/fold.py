@@ -116,7 +116,7 @@ def fold_scales(
     before the producer is quantized. Returns a record of what was divided."""
     where = producer_of(group, model_config)
     target = layer.get_submodule(where.module)
-    s = scales.to(torch.float64)
+    s = scales.detach().to("cpu", torch.float64)
     if where.kind == "rows" and is_o_proj(group):
         ties = o_proj_ties(model_config)
         per_value = torch.zeros(int(ties.max()) + 1, dtype=torch.float64)
@@ -125,6 +125,7 @@ def fold_scales(
             raise TorqError("o_proj's scales differ within a value head: they cannot be folded")
         s = per_value
     weight = target.weight
+    s = s.to(weight.device)  # the scales are computed on the CPU; the layer may be on a GPU
     if where.kind == "norm":
         if weight.shape != s.shape:
             raise TorqError(f"{where.module} has {weight.numel()} weights, not {s.numel()}")
