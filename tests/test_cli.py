@@ -409,6 +409,32 @@ def test_gpu_folded_balance_matches_cpu(tiny_checkpoint, tiny_data_dir) -> None:
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
 
 
+def test_default_methods_are_fp_and_the_default_recipe(
+    tiny_checkpoint, tiny_calibration_data_dir, tmp_path, capsys
+) -> None:
+    """Without ``--methods`` a float model is evaluated in FP and quantized with torq's
+    default recipe (issue 27: the best measured one, ``torq+gptq``); ``torq methods`` names
+    it first."""
+    from torq.methods import DEFAULT_METHOD, get_method
+
+    assert DEFAULT_METHOD == "torq+gptq" and get_method(DEFAULT_METHOD).gptq_enabled
+    out = tmp_path / "res.json"
+    argv = [
+        "run", "--model", str(tiny_checkpoint), "--seqlen", "64", "--max-windows", "2",
+        "--calib-samples", "2", "--calib-seqlen", "32", "--data-dir",
+        str(tiny_calibration_data_dir), "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    code, _, _ = _run(argv, capsys)
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["fp", DEFAULT_METHOD]
+    assert math.isfinite(rows[1]["ppl"]) and rows[1]["ppl"] != rows[0]["ppl"]
+    code, listing, _ = _run(["methods"], capsys)
+    first = listing.splitlines()[0].split("\t")
+    assert code == 0 and first[:2] == [DEFAULT_METHOD, "(default)"]
+    assert first[2].endswith("GPTQ weights") and "RTN" not in first[2]
+
+
 def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
     """``--resume-dir``: a second identical run reuses every kept window per method."""
     import json

@@ -144,8 +144,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods (see 'torq methods'); default fp,rtn, or for a model "
-        "saved quantized by --save-dir the method it was saved with",
+        help="comma-separated methods (see 'torq methods'); default fp and torq's default "
+        "recipe (torq+gptq: 'torq methods' marks it), or for a model saved quantized by "
+        "--save-dir the method it was saved with",
     )
     run.add_argument(
         "--format",
@@ -479,7 +480,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     saved = saved_manifest(args.model)
     methods = args.methods
     if methods is None:
-        methods = "fp,rtn" if saved is None else (saved.get("method") or "saved")
+        from torq.methods import DEFAULT_METHOD
+
+        methods = f"fp,{DEFAULT_METHOD}" if saved is None else (saved.get("method") or "saved")
     given = [f for f in ("format", "w_format", "a_format", "scale_mode") if hasattr(args, f)]
     formats = None if saved is None else saved_formats(saved)
     # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
@@ -600,8 +603,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torq: wrote {out} ({args.to})")
             return 0
         if args.command == "methods":
-            from torq.methods import METHODS, get_method
+            from torq.methods import DEFAULT_METHOD, METHODS, get_method
 
+            default = get_method(DEFAULT_METHOD)
+            print(f"{default.name}\t(default)\t{default.description}")
             for name, method in sorted(METHODS.items()):
                 notes = []
                 if method.supports_gptq:

@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 
 from torq.methods.registry import (
+    DEFAULT_METHOD,
     METHODS,
     LayerPlan,
     Method,
@@ -23,6 +24,7 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
+    "DEFAULT_METHOD",
     "METHODS",
     "LayerPlan",
     "Method",

@@ -189,7 +189,13 @@ class Method:
         """The same transform with GPTQ weights (``<name>+gptq``)."""
         if not self.supports_gptq:
             raise TorqError(f"method '{self.name}' does not compose with GPTQ")
-        return replace(self, name=name or f"{self.name}+gptq", weights="gptq")
+        what = self.description.replace("(RTN weights)", "").rstrip()
+        return replace(
+            self,
+            name=name or f"{self.name}+gptq",
+            description=f"{what}, GPTQ weights",
+            weights="gptq",
+        )
 
     def calibrates(self, qconfig: QuantConfig | None = None) -> bool:
         """Whether the method reads calibration data (its transform or GPTQ does, or, with
@@ -284,6 +290,13 @@ def register(method: Method) -> Method:
 
 
 GPTQ_SUFFIX = "+gptq"
+
+# What ``torq run`` and ``torq eval`` quantize with when no method is named, and what
+# ``make demo`` shows (issue 27's fallback): TORQ's rotations after torq's balancing, with GPTQ
+# weights, the best row measured on both models' perplexity (full WikiText-2 test, held-out
+# Wikipedia text, two calibration seeds) and on SmolLM2's zero-shot average
+# (docs/RESULTS.md §10.5). ``torq`` alone is the paper's rotations with RTN weights.
+DEFAULT_METHOD = "torq+gptq"
 
 
 def get_method(name: str) -> Method:
