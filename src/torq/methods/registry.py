@@ -295,7 +295,7 @@ GPTQ_SUFFIX = "+gptq"
 # ``make demo`` shows (issue 27's fallback): TORQ's rotations after torq's balancing, with GPTQ
 # weights, the best row measured on both models' perplexity (full WikiText-2 test, held-out
 # Wikipedia text, two calibration seeds) and on SmolLM2's zero-shot average
-# (docs/RESULTS.md §10.5). ``torq`` alone is the paper's rotations with RTN weights.
+# (docs/RESULTS.md §10.5). ``torq`` alone is the same transform with RTN weights.
 DEFAULT_METHOD = "torq+gptq"
 
 
