@@ -416,6 +416,7 @@ def _peak_growth(folder: Path, method: str) -> int:
 def test_resident_peak_sees_a_step_and_restarts() -> None:
     """A step that holds 256 MiB for a moment has a peak at least that far above where it
     began; after a restart, a step that holds nothing has not."""
+    import mmap
     import threading
 
     from torq.models.streaming import ResidentPeak
@@ -434,9 +435,15 @@ def test_resident_peak_sees_a_step_and_restarts() -> None:
     try:
         rss.restart()
         before = rss.peak()
-        held = torch.ones(64, 2**20)  # 256 MiB, touched
+        # an anonymous mapping, touched and unmapped: its pages leave the resident set at
+        # close, whatever the allocator would keep (in CI a freed 256 MiB tensor once
+        # stayed resident, so the quiet stretch began as high as the step)
+        held = mmap.mmap(-1, 256 * 2**20)
+        page = b"\x01" * 2**20
+        for _ in range(256):
+            held.write(page)
         time.sleep(0.1)  # the watcher has sampled it
-        del held
+        held.close()
         step = rss.peak()
         rss.restart()
         time.sleep(0.1)  # the watcher's pending sample (taken while it was held) comes in
