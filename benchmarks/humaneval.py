@@ -13,13 +13,18 @@ strict and flexible exact match, each with its standard error.
 
 The record is rewritten after each method, and a method already in ``--out`` is not run
 again (a stopped run goes on with the next method). Generation is slow on a CPU (up to
-1024 new tokens for each of 164 problems): ``--limit N`` takes the first N problems.
+1024 new tokens for each of 164 problems): ``--limit N`` takes the first N problems. With
+``--resume-dir DIR`` each method's quantized model is kept in ``DIR`` once it is made, and
+each answer as it is generated, so a run stopped in the middle of a method goes on where it
+stopped (the same command again: no calibration, only the answers not yet generated;
+:mod:`torq.eval.resume` checks that the directory holds this model).
 Writes JSON and a markdown table (``<out>.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -32,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save
 from torq.calibration.data import CalibrationConfig
 from torq.eval.generation import MAX_GEN_TOKS, evaluate_gsm8k, evaluate_humaneval
+from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
+from torq.seeding import method_rng
 from torq.surgery import QuantConfig
 
 
@@ -52,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--resume-dir",
+        default=None,
+        help="keep each method's quantized model and its answers here as they come; "
+        "the same command again goes on where a stopped run stopped",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -62,23 +75,51 @@ def main(argv: list[str] | None = None) -> None:
         if method in done:
             continue
         loaded = load(args.model)
-        t0 = time.perf_counter()
-        if method != "fp":
+        model, quantize_seconds = loaded.model, 0.0
+        identity = _identity(args, method)
+        resume = None
+        if args.resume_dir is not None:
+            digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
+            resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
+        kept = None
+        if resume is not None and method != "fp":
+            kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer))
+        if kept is not None:
+            # the calibration ran in an earlier session; the row reports what it cost then
+            model, info = kept
+            quantize_seconds = float(info["quantize_seconds"])
+        elif method != "fp":
+            t0 = time.perf_counter()
             qconfig = QuantConfig.from_names(args.format, args.format)
             ctx = MethodContext(
                 tokenizer=loaded.tokenizer,
                 options={"progress": False, "torq_settings": settings, "data_dir": args.data_dir},
             )
-            get_method(method).apply(loaded.model, qconfig, ctx)
-        quantize_seconds = time.perf_counter() - t0
+            # a method's draws depend on its own settings, never on what ran before it
+            with method_rng(0, identity):
+                get_method(method).apply(model, qconfig, ctx)
+            quantize_seconds = time.perf_counter() - t0
+            if resume is not None:
+                keep_model(
+                    resume,
+                    model,
+                    fingerprint_ids(loaded.tokenizer),
+                    {"method": method, "identity": identity, "quantize_seconds": quantize_seconds},
+                )
+        cache = None if resume is None else resume / "answers"
         if args.task == "gsm8k":
             result = evaluate_gsm8k(
-                loaded.model, loaded.tokenizer, args.data_dir, args.n, args.seed
+                model, loaded.tokenizer, args.data_dir, args.n, args.seed, request_cache=cache
             )
             print(method, result["flexible-extract"], flush=True)
         else:
             result = evaluate_humaneval(
-                loaded.model, loaded.tokenizer, args.data_dir, args.limit, args.max_gen_toks
+                model,
+                loaded.tokenizer,
+                args.data_dir,
+                args.limit,
+                args.max_gen_toks,
+                request_cache=cache,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
@@ -95,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
             "machine": machine_info(),
         }
         save(out, record, _table(args, rows))
+
+
+def _identity(args: argparse.Namespace, method: str) -> str:
+    """What makes one method's quantized model and answers the same across sessions."""
+    keys = ("task", "model", "format", "calib_samples", "max_gen_toks")
+    return json.dumps({"method": method, **{k: getattr(args, k) for k in keys}}, sort_keys=True)
 
 
 def _table(args: argparse.Namespace, rows: list[dict]) -> str:

@@ -247,6 +247,21 @@ def test_console_script_module_entry() -> None:
     assert proc.returncode == 0 and "run" in proc.stdout
 
 
+def test_a_closed_pipe_ends_quietly() -> None:
+    """`torq methods | head`: when the reader has gone, torq stops without a traceback and
+    reports what a process ended by SIGPIPE does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torq.cli", "methods"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before torq writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 @pytest.mark.slow
 def test_real_model_fp_and_rtn(shared_data, tmp_path, capsys) -> None:
     """SmolLM2-135M, one 512-token window: FP equals its own loss; W4A4 RTN is worse."""

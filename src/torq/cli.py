@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -582,6 +583,20 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``torq`` command: parse ``argv`` and run it; the exit status."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+        return status
+    except BrokenPipeError:
+        # the reader went away (`torq methods | head`): stop quietly, as Unix tools do, and
+        # point stdout at /dev/null so that the interpreter's last flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="torq: %(message)s")

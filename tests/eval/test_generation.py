@@ -61,3 +61,53 @@ def test_gsm8k_runs_offline_on_a_seeded_subset(tiny_tokenizer, monkeypatch) -> N
     right = evaluate_gsm8k(model, tiny_tokenizer, str(SHARED_DATA), n=3)
     assert right["strict-match"]["exact_match"] == 1.0
     assert right["flexible-extract"]["exact_match"] == 1.0
+
+
+def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path, monkeypatch):
+    """With a request cache each completion is kept as it is generated: a run stopped after
+    its first answer keeps it, the same call again generates only the rest, and the
+    completions are those of a run that never stopped. The directory belongs to its model:
+    another model is refused."""
+    import pytest
+    from lm_eval.models.huggingface import HFLM
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.errors import TorqError
+    from torq.eval.generation import generate_humaneval
+
+    model = tiny_model("llama")
+    whole, none = generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6)
+    assert none is None and len(whole) == 3
+
+    real = HFLM._model_generate
+    calls: list[int] = []
+
+    def stops_at_the_second(self, *args, **kwargs):
+        if calls:
+            raise RuntimeError("stopped")
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    cache = tmp_path / "answers"
+    monkeypatch.setattr(HFLM, "_model_generate", stops_at_the_second)
+    with pytest.raises(RuntimeError, match="stopped"):
+        generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    calls.clear()
+    monkeypatch.setattr(HFLM, "_model_generate", counted)
+    again, info = generate_humaneval(
+        model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
+    )
+    assert again == whole
+    assert len(calls) == 2  # the answer kept before the stop was not generated again
+    assert info is not None and info["entries_before"] == 1 and info["entries_after"] == 3
+    assert len(info["sessions"]) == 2
+
+    with pytest.raises(TorqError, match="another model"):
+        generate_humaneval(
+            tiny_model("llama", seed=1), tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
+        )

@@ -22,7 +22,8 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,12 +287,6 @@ def evaluate_zeroshot(
 
             wrapper = type(f"Seeded{base.__name__}", (SeededAnswers, base), {"seeds": seeds})
         lm = in_process_lm(wrapper, model, tokenizer, batch_size)
-        cache_info = None
-        cache_db = None
-        if request_cache is not None:
-            cache_info = open_request_cache(Path(request_cache), model, tokenizer)
-            cache_db = str(Path(request_cache) / CACHE_STEM)
-        t0 = time.perf_counter()
         export = None
         if portable is not None:
             from torq.eval.portable import export_portable
@@ -299,13 +294,11 @@ def evaluate_zeroshot(
             def export() -> None:
                 export_portable(Path(request_cache), Path(portable))  # type: ignore[arg-type]
 
-        heartbeat = (
-            None if request_cache is None else _Heartbeat(Path(request_cache), t0, on_beat=export)
-        )
-        try:
+        with answers_cached_in(request_cache, model, tokenizer, lm, on_beat=export) as cache:
+            t0 = time.perf_counter()
             out = simple_evaluate(
                 model=lm,
-                use_cache=cache_db,
+                use_cache=cache.use_cache,
                 tasks=list(run_names.values()),
                 task_manager=manager,
                 limit=limit,
@@ -314,18 +307,11 @@ def evaluate_zeroshot(
                 bootstrap_iters=1000,
                 verbosity="WARNING" if not progress else "INFO",
             )
-        finally:
-            if heartbeat is not None:
-                heartbeat.stop()
-            # lm-eval's CachingLM leaves its SQLite writer thread open; close it here
-            db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
-            if db is not None:
-                db.close()
+            if out is None:
+                raise TorqError("lm-eval returned no results")
         seconds = time.perf_counter() - t0
-    if out is None:
-        raise TorqError("lm-eval returned no results")
+    cache_info = cache.info
     if cache_info is not None:
-        cache_info = close_request_cache(Path(request_cache), cache_info, seconds)  # type: ignore[arg-type]
         cache_info["seeded_answers"] = int(getattr(lm, "seeded_answers", 0))
         if export is not None:
             export()
@@ -425,3 +411,43 @@ def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dic
     meta["sessions"][-1].update(finished=now_iso(), seconds=seconds, entries_after=after)
     write_json_atomic(meta_path, meta)
     return {**info, "entries_after": after, "sessions": meta["sessions"]}
+
+
+@dataclass
+class CachedAnswers:
+    """What :func:`answers_cached_in` gives the ``with`` body and leaves after it."""
+
+    use_cache: str | None  # for ``simple_evaluate(use_cache=...)``; None: no cache
+    info: dict[str, Any] | None = None  # the record's summary, set when the body finished
+
+
+@contextmanager
+def answers_cached_in(
+    root: str | Path | None,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    lm: Any,
+    on_beat: Callable[[], None] | None = None,
+) -> Iterator[CachedAnswers]:
+    """An lm-eval run whose answers are kept in ``root`` as they come (lm-eval's
+    ``CachingLM``; ``None``: not kept): the directory is checked (or claimed) for ``model``
+    by its logits fingerprint, a heartbeat logs the session in ``meta.json``, lm-eval's
+    SQLite writer (on ``lm``'s cache hook) is closed after the run, and when the body
+    finished, ``info`` summarises the cache for the record."""
+    if root is None:
+        yield CachedAnswers(None)
+        return
+    root = Path(root)
+    opened = open_request_cache(root, model, tokenizer)
+    t0 = time.perf_counter()
+    cache = CachedAnswers(str(root / CACHE_STEM))
+    heartbeat = _Heartbeat(root, t0, on_beat=on_beat)
+    try:
+        yield cache
+    finally:
+        heartbeat.stop()
+        # lm-eval's CachingLM leaves its SQLite writer thread open; close it here
+        db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
+        if db is not None:
+            db.close()
+    cache.info = close_request_cache(root, opened, time.perf_counter() - t0)
