@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="fp,rtn,had32,torq-had32,torq")
     ap.add_argument("--format", default="mxfp4")
     ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument(
+        "--calib-corpus",
+        default="wikitext2-valid",
+        help="calibration corpus (as 'torq run --calib-corpus'; the paper's Table 5)",
+    )
     ap.add_argument("--task", choices=("humaneval", "gsm8k"), default="humaneval")
     ap.add_argument("--limit", type=int, default=None, help="HumanEval: the first N problems")
     ap.add_argument("--n", type=int, default=None, help="GSM8K: N problems drawn with --seed")
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     done = {r["method"] for r in rows}
-    settings = TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples))
+    calibration = CalibrationConfig(n_samples=args.calib_samples, corpus=args.calib_corpus)
+    settings = TorqSettings(calibration=calibration)
     for method in args.methods.split(","):
         if method in done:
             continue
@@ -127,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
             "task": args.task,
             "model": args.model,
             "format": args.format,
+            "calib_samples": args.calib_samples,
+            "calib_corpus": args.calib_corpus,
             "limit": args.limit,
             "n": args.n,
             "seed": args.seed,
@@ -141,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
 def _identity(args: argparse.Namespace, method: str) -> str:
     """What makes one method's quantized model and answers the same across sessions."""
     keys = ("task", "model", "format", "calib_samples", "max_gen_toks")
-    return json.dumps({"method": method, **{k: getattr(args, k) for k in keys}}, sort_keys=True)
+    identity = {"method": method, **{k: getattr(args, k) for k in keys}}
+    if args.calib_corpus != "wikitext2-valid":  # the default is left out: the directories
+        identity["calib_corpus"] = args.calib_corpus  # of runs before the option still match
+    return json.dumps(identity, sort_keys=True)
 
 
 def _table(args: argparse.Namespace, rows: list[dict]) -> str:
@@ -164,7 +175,7 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
         return "\n".join(lines) + "\n"
     lines = [
         f"{args.model}, HumanEval ({args.limit or 164} problems), greedy, pass@1, "
-        f"W4A4 {args.format}",
+        f"W4A4 {args.format}, calibrated on {args.calib_corpus}",
         "",
         "| method | pass@1 % | problems | generate s |",
         "| --- | ---: | ---: | ---: |",
