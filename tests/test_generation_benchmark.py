@@ -41,3 +41,40 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     assert first["request_cache"]["entries_after"] == 2
     assert again["request_cache"]["entries_before"] == 2  # nothing generated again
     assert again["answers"] == first["answers"]
+
+
+def _record(path: Path, method: str, passed: list[int]) -> Path:
+    tasks = {f"HumanEval/{i}": {"pass@1": float(p)} for i, p in enumerate(passed)}
+    row = {"method": method, "pass@1": sum(passed) / len(passed), "problems": len(passed)}
+    record = {"task": "humaneval", "model": "m", "rows": [{**row, "tasks": tasks}]}
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_humaneval_rows_are_compared_problem_by_problem(tmp_path: Path) -> None:
+    """Each row against the reference (FP) on the same problems: the paired difference,
+    the problems only one of the two solves and McNemar's p; a method in two records is
+    refused."""
+    fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 0, 1, 0])
+    q = _record(tmp_path / "q.json", "q", [1, 0, 0, 0, 1, 1])
+    out = tmp_path / "paired.json"
+    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    done = subprocess.run(
+        [sys.executable, script, str(fp), str(q), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (pair,) = json.loads(out.read_text())["pairs"]
+    assert (pair["a"], pair["b"], pair["n"]) == ("q", "fp", 6)
+    assert (pair["only_a"], pair["only_b"]) == (1, 2)
+    assert abs(pair["diff"] - (3 / 6 - 4 / 6)) < 1e-12
+    assert abs(pair["p_mcnemar"] - 1.0) < 1e-12  # 1 against 2: binomial, two-sided
+    twice = subprocess.run(
+        [sys.executable, script, str(fp), str(fp), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert twice.returncode != 0 and "more than one record" in twice.stderr
