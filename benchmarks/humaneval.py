@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
                 tokenizer=loaded.tokenizer,
                 options={"progress": False, "torq_settings": settings, "data_dir": args.data_dir},
             )
-            # a method's draws depend on its own settings, never on what ran before it
-            with method_rng(0, identity):
+            # a method's draws depend on its own quantization settings, never on what ran
+            # before it nor on the task it is scored on
+            with method_rng(0, _quantization_identity(args, method)):
                 get_method(method).apply(model, qconfig, ctx)
             quantize_seconds = time.perf_counter() - t0
             if resume is not None:
@@ -146,8 +147,15 @@ def main(argv: list[str] | None = None) -> None:
         save(out, record, _table(args, rows))
 
 
+def _quantization_identity(args: argparse.Namespace, method: str) -> str:
+    """What makes one method's quantized model the same, whichever task scores it."""
+    keys = ("model", "format", "calib_samples", "calib_corpus")
+    return json.dumps({"method": method, **{k: getattr(args, k) for k in keys}}, sort_keys=True)
+
+
 def _identity(args: argparse.Namespace, method: str) -> str:
-    """What makes one method's quantized model and answers the same across sessions."""
+    """What makes one method's quantized model and answers the same across sessions (the
+    name of its resume directory)."""
     keys = ("task", "model", "format", "calib_samples", "max_gen_toks")
     identity = {"method": method, **{k: getattr(args, k) for k in keys}}
     if args.calib_corpus != "wikitext2-valid":  # the default is left out: the directories
