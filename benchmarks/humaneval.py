@@ -41,11 +41,13 @@ from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
+from torq.rotations.intra_block import IntraBlockConfig
 from torq.seeding import method_rng
 from torq.surgery import QuantConfig
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--methods", default="fp,rtn,had32,torq-had32,torq")
@@ -55,6 +57,13 @@ def main(argv: list[str] | None = None) -> None:
         "--calib-corpus",
         default="wikitext2-valid",
         help="calibration corpus (as 'torq run --calib-corpus'; the paper's Table 5)",
+    )
+    ap.add_argument(
+        "--calib-seed",
+        type=int,
+        default=0,
+        help="seed of the calibration windows, each group's token sample and the solver's "
+        "draws (as 'torq run --calib-seed'): a second seed of the same row",
     )
     ap.add_argument("--task", choices=("humaneval", "gsm8k"), default="humaneval")
     ap.add_argument("--limit", type=int, default=None, help="HumanEval: the first N problems")
@@ -70,13 +79,19 @@ def main(argv: list[str] | None = None) -> None:
         help="keep each method's quantized model and its answers here as they come; "
         "the same command again goes on where a stopped run stopped",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     done = {r["method"] for r in rows}
-    calibration = CalibrationConfig(n_samples=args.calib_samples, corpus=args.calib_corpus)
-    settings = TorqSettings(calibration=calibration)
+    if args.calib_seed < 0:
+        ap.error(f"--calib-seed must be 0 or more, not {args.calib_seed}")
+    settings = torq_settings(args)
     for method in args.methods.split(","):
         if method in done:
             continue
@@ -136,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             "format": args.format,
             "calib_samples": args.calib_samples,
             "calib_corpus": args.calib_corpus,
+            "calib_seed": args.calib_seed,
             "limit": args.limit,
             "n": args.n,
             "seed": args.seed,
@@ -147,10 +163,23 @@ def main(argv: list[str] | None = None) -> None:
         save(out, record, _table(args, rows))
 
 
+def torq_settings(args: argparse.Namespace) -> TorqSettings:
+    """The calibrated methods' settings: the calibration windows, and the seed of their
+    draws (as ``torq run --calib-seed``: the windows, each group's token sample, the
+    intra-block solver's)."""
+    calibration = CalibrationConfig(
+        n_samples=args.calib_samples, corpus=args.calib_corpus, seed=args.calib_seed
+    )
+    return TorqSettings(calibration=calibration, intra=IntraBlockConfig(seed=args.calib_seed))
+
+
 def _quantization_identity(args: argparse.Namespace, method: str) -> str:
     """What makes one method's quantized model the same, whichever task scores it."""
     keys = ("model", "format", "calib_samples", "calib_corpus")
-    return json.dumps({"method": method, **{k: getattr(args, k) for k in keys}}, sort_keys=True)
+    identity = {"method": method, **{k: getattr(args, k) for k in keys}}
+    if args.calib_seed != 0:  # left out at 0: the rows measured before the option draw as then
+        identity["calib_seed"] = args.calib_seed
+    return json.dumps(identity, sort_keys=True)
 
 
 def _identity(args: argparse.Namespace, method: str) -> str:
@@ -160,6 +189,8 @@ def _identity(args: argparse.Namespace, method: str) -> str:
     identity = {"method": method, **{k: getattr(args, k) for k in keys}}
     if args.calib_corpus != "wikitext2-valid":  # the default is left out: the directories
         identity["calib_corpus"] = args.calib_corpus  # of runs before the option still match
+    if args.calib_seed != 0:
+        identity["calib_seed"] = args.calib_seed
     return json.dumps(identity, sort_keys=True)
 
 
@@ -183,7 +214,7 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
         return "\n".join(lines) + "\n"
     lines = [
         f"{args.model}, HumanEval ({args.limit or 164} problems), greedy, pass@1, "
-        f"W4A4 {args.format}, calibrated on {args.calib_corpus}",
+        f"W4A4 {args.format}, calibrated on {args.calib_corpus} (seed {args.calib_seed})",
         "",
         "| method | pass@1 % | problems | generate s |",
         "| --- | ---: | ---: | ---: |",

@@ -7,8 +7,10 @@ standard error, how many problems only one of the two solves, and the exact McNe
         results/humaneval/qwen-coder-torq-had32.json results/humaneval/qwen-coder-torq.json \\
         --out results/humaneval/qwen-coder-paired.json
 
-Rows of one model and one problem set compare; a method found in two records is refused
-(say which record to take). Writes JSON and a markdown table (``<out>.md``).
+Rows of one model and one problem set compare. A row is named by its method, with its
+calibration corpus and seed where they are not the defaults (``torq (seed 1)``); a name
+found in two records is refused (say which record to take). Writes JSON and a markdown
+table (``<out>.md``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ def problem_scores(row: dict) -> dict[int, float]:
     return {int(t.split("/")[-1]): float(rec["pass@1"]) for t, rec in row["tasks"].items()}
 
 
+def row_name(record: dict, row: dict) -> str:
+    """A row's name in the comparison: its method, with the calibration corpus and seed
+    where they are not the defaults (a second seed or another corpus of one method is
+    another row)."""
+    calibrated_on = []
+    if record.get("calib_corpus", "wikitext2-valid") != "wikitext2-valid":
+        calibrated_on.append(record["calib_corpus"])
+    if record.get("calib_seed", 0) != 0:
+        calibrated_on.append(f"seed {record['calib_seed']}")
+    if row["method"] == "fp" or not calibrated_on:
+        return row["method"]
+    return f"{row['method']} ({', '.join(calibrated_on)})"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="+", help="records written by benchmarks/humaneval.py")
@@ -46,9 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             raise TorqError(f"{path} is not a HumanEval record")
         models.add(record["model"])
         for row in record["rows"]:
-            if row["method"] in rows:
-                raise TorqError(f"{row['method']} is in more than one record")
-            rows[row["method"]] = {**row, "record": str(path)}
+            name = row_name(record, row)
+            if name in rows:
+                raise TorqError(f"{name} is in more than one record")
+            rows[name] = {**row, "record": str(path)}
     if len(models) > 1:
         raise TorqError(f"records of different models: {', '.join(sorted(models))}")
     if args.reference not in rows:

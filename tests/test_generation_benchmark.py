@@ -3,14 +3,20 @@ kept, so the same command again neither calibrates nor generates what it already
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 from tests.conftest import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 
 def test_the_same_command_again_reuses_the_kept_model_and_answers(
@@ -43,10 +49,11 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     assert again["answers"] == first["answers"]
 
 
-def _record(path: Path, method: str, passed: list[int]) -> Path:
+def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> Path:
     tasks = {f"HumanEval/{i}": {"pass@1": float(p)} for i, p in enumerate(passed)}
     row = {"method": method, "pass@1": sum(passed) / len(passed), "problems": len(passed)}
     record = {"task": "humaneval", "model": "m", "rows": [{**row, "tasks": tasks}]}
+    record["calib_seed"] = calib_seed
     path.write_text(json.dumps(record))
     return path
 
@@ -78,3 +85,46 @@ def test_humaneval_rows_are_compared_problem_by_problem(tmp_path: Path) -> None:
         timeout=300,
     )
     assert twice.returncode != 0 and "more than one record" in twice.stderr
+    # a second calibration seed of one method is another row, named by its seed
+    again = _record(tmp_path / "q-seed1.json", "q", [0, 0, 0, 0, 1, 1], calib_seed=1)
+    seeds = subprocess.run(
+        [sys.executable, script, str(fp), str(q), str(again), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert seeds.returncode == 0, seeds.stderr[-2000:]
+    pairs = {(p["a"], p["b"]): p for p in json.loads(out.read_text())["pairs"]}
+    assert set(pairs) == {("q", "fp"), ("q (seed 1)", "fp"), ("q", "q (seed 1)")}
+    assert (pairs["q", "q (seed 1)"]["only_a"], pairs["q", "q (seed 1)"]["only_b"]) == (1, 0)
+
+
+def _benchmark(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("humaneval_bench", BENCH / "humaneval.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports its neighbour ``common``
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--calib-seed`` seeds the calibration windows and the solver, as ``torq run``'s does,
+    and a second seed is kept apart from the first; seed 0 names the directories the rows
+    measured before the option was added (RTN's partial row on Qwen resumes from one)."""
+    bench = _benchmark(monkeypatch)
+    base = ["--model", "qwen2.5-coder-0.5b", "--calib-samples", "16", "--out", "x.json"]
+    first = bench.parser().parse_args(base)
+    second = bench.parser().parse_args([*base, "--calib-seed", "1"])
+    settings = bench.torq_settings(second)
+    assert (settings.calibration.seed, settings.intra.seed) == (1, 1)
+    settings = bench.torq_settings(first)
+    assert (settings.calibration.seed, settings.intra.seed) == (0, 0)
+    digest = hashlib.sha1(bench._identity(first, "rtn").encode()).hexdigest()[:10]
+    assert digest == "e79dfe421a"  # the directory of the partial RTN row measured before
+    assert bench._identity(second, "rtn") != bench._identity(first, "rtn")
+    assert bench._quantization_identity(second, "torq") != bench._quantization_identity(
+        first, "torq"
+    )
