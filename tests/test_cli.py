@@ -448,6 +448,12 @@ def test_default_methods_are_fp_and_the_default_recipe(
     first = listing.splitlines()[0].split("\t")
     assert code == 0 and first[:2] == [DEFAULT_METHOD, "(default)"]
     assert first[2].endswith("GPTQ weights") and "RTN" not in first[2]
+    # the help names the recipe literally (the parser does not import the methods): keep it so
+    from torq.cli import build_parser
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    (methods,) = [a for a in run._actions if "--methods" in a.option_strings]
+    assert f"({DEFAULT_METHOD}:" in methods.help
 
 
 def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
