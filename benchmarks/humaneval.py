@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
-from torq.eval.generation import MAX_GEN_TOKS, evaluate_gsm8k, evaluate_humaneval
+from torq.eval.generation import MAX_GEN_TOKS, PROMPTS, evaluate_gsm8k, evaluate_humaneval
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -66,6 +66,14 @@ def parser() -> argparse.ArgumentParser:
         "draws (as 'torq run --calib-seed'): a second seed of the same row",
     )
     ap.add_argument("--task", choices=("humaneval", "gsm8k"), default="humaneval")
+    ap.add_argument(
+        "--prompt",
+        choices=PROMPTS,
+        default="completion",
+        help="HumanEval: the prompt continued as plain text (lm-eval's humaneval), or put "
+        "in the model's chat template (its humaneval_instruct, as instruct models are "
+        "reported)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="HumanEval: the first N problems")
     ap.add_argument("--n", type=int, default=None, help="GSM8K: N problems drawn with --seed")
     ap.add_argument("--seed", type=int, default=0, help="GSM8K: which problems")
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     done = {r["method"] for r in rows}
     if args.calib_seed < 0:
         ap.error(f"--calib-seed must be 0 or more, not {args.calib_seed}")
+    if args.task != "humaneval" and args.prompt != "completion":
+        ap.error("--prompt applies to HumanEval only")
     settings = torq_settings(args)
     for method in args.methods.split(","):
         if method in done:
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.limit,
                 args.max_gen_toks,
                 request_cache=cache,
+                prompt=args.prompt,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
@@ -152,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             "calib_samples": args.calib_samples,
             "calib_corpus": args.calib_corpus,
             "calib_seed": args.calib_seed,
+            "prompt": args.prompt,
             "limit": args.limit,
             "n": args.n,
             "seed": args.seed,
@@ -191,6 +203,8 @@ def _identity(args: argparse.Namespace, method: str) -> str:
         identity["calib_corpus"] = args.calib_corpus  # of runs before the option still match
     if args.calib_seed != 0:
         identity["calib_seed"] = args.calib_seed
+    if args.prompt != "completion":
+        identity["prompt"] = args.prompt
     return json.dumps(identity, sort_keys=True)
 
 
@@ -213,7 +227,8 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
             )
         return "\n".join(lines) + "\n"
     lines = [
-        f"{args.model}, HumanEval ({args.limit or 164} problems), greedy, pass@1, "
+        f"{args.model}, HumanEval ({args.limit or 164} problems, {args.prompt} prompt), "
+        "greedy, pass@1, "
         f"W4A4 {args.format}, calibrated on {args.calib_corpus} (seed {args.calib_seed})",
         "",
         "| method | pass@1 % | problems | generate s |",

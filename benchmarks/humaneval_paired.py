@@ -35,17 +35,18 @@ def problem_scores(row: dict) -> dict[int, float]:
 
 
 def row_name(record: dict, row: dict) -> str:
-    """A row's name in the comparison: its method, with the calibration corpus and seed
-    where they are not the defaults (a second seed or another corpus of one method is
-    another row)."""
-    calibrated_on = []
-    if record.get("calib_corpus", "wikitext2-valid") != "wikitext2-valid":
-        calibrated_on.append(record["calib_corpus"])
-    if record.get("calib_seed", 0) != 0:
-        calibrated_on.append(f"seed {record['calib_seed']}")
-    if row["method"] == "fp" or not calibrated_on:
-        return row["method"]
-    return f"{row['method']} ({', '.join(calibrated_on)})"
+    """A row's name in the comparison: its method, with the calibration corpus, seed and
+    prompt where they are not the defaults (a second seed, another corpus or another
+    prompt of one method is another row)."""
+    parts = []
+    if row["method"] != "fp":  # FP is not calibrated: one row, whatever the records say
+        if record.get("calib_corpus", "wikitext2-valid") != "wikitext2-valid":
+            parts.append(record["calib_corpus"])
+        if record.get("calib_seed", 0) != 0:
+            parts.append(f"seed {record['calib_seed']}")
+    if record.get("prompt", "completion") != "completion":
+        parts.append(f"{record['prompt']} prompt")
+    return row["method"] + (f" ({', '.join(parts)})" if parts else "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,10 +58,13 @@ def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> 
     return path
 
 
-def test_humaneval_rows_are_compared_problem_by_problem(tmp_path: Path) -> None:
+def test_humaneval_rows_are_compared_problem_by_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each row against the reference (FP) on the same problems: the paired difference,
     the problems only one of the two solves and McNemar's p; a method in two records is
     refused."""
+    bench_paired = _benchmark(monkeypatch, "humaneval_paired")
     fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 0, 1, 0])
     q = _record(tmp_path / "q.json", "q", [1, 0, 0, 0, 1, 1])
     out = tmp_path / "paired.json"
@@ -97,10 +100,26 @@ def test_humaneval_rows_are_compared_problem_by_problem(tmp_path: Path) -> None:
     pairs = {(p["a"], p["b"]): p for p in json.loads(out.read_text())["pairs"]}
     assert set(pairs) == {("q", "fp"), ("q (seed 1)", "fp"), ("q", "q (seed 1)")}
     assert (pairs["q", "q (seed 1)"]["only_a"], pairs["q", "q (seed 1)"]["only_b"]) == (1, 0)
+    names = [
+        bench_paired.row_name(record, {"method": method})
+        for method, record in (
+            ("torq", {"calib_seed": 1, "calib_corpus": "python-stdlib"}),
+            ("fp", {"calib_seed": 1, "prompt": "instruct"}),
+            ("torq", {"prompt": "instruct", "calib_corpus": "wikitext2-valid"}),
+            ("torq", {}),
+        )
+    ]
+    assert names == [
+        "torq (python-stdlib, seed 1)",
+        "fp (instruct prompt)",
+        "torq (instruct prompt)",
+        "torq",
+    ]
 
 
-def _benchmark(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("humaneval_bench", BENCH / "humaneval.py")
+def _benchmark(monkeypatch: pytest.MonkeyPatch, name: str = "humaneval") -> ModuleType:
+    """One of the benchmark scripts, imported as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.syspath_prepend(str(BENCH))  # the script imports its neighbour ``common``
@@ -126,5 +145,11 @@ def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
     assert digest == "e79dfe421a"  # the directory of the partial RTN row measured before
     assert bench._identity(second, "rtn") != bench._identity(first, "rtn")
     assert bench._quantization_identity(second, "torq") != bench._quantization_identity(
+        first, "torq"
+    )
+    instruct = bench.parser().parse_args([*base, "--prompt", "instruct"])
+    assert bench._identity(instruct, "fp") != bench._identity(first, "fp")
+    # the prompt does not change how a method quantizes: the same draws
+    assert bench._quantization_identity(instruct, "torq") == bench._quantization_identity(
         first, "torq"
     )

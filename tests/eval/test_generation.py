@@ -111,3 +111,72 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
         generate_humaneval(
             tiny_model("llama", seed=1), tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
         )
+
+
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
+)
+
+
+@needs_isolation
+def test_the_instruct_prompt_asks_in_the_chat_template_and_cuts_at_the_fence(
+    tiny_tokenizer, monkeypatch
+) -> None:
+    """``prompt="instruct"`` (lm-eval's ``humaneval_instruct``): the request goes through the
+    tokenizer's chat template, the answer begins with the problem's prompt in a code fence,
+    and the completion is the model's greedy continuation of that, cut at the task's stop
+    sequences and at the closing fence. A program answered in a fence with prose after it
+    passes with this prompt and fails as a plain completion; a tokenizer without a chat
+    template is refused before any generation."""
+    import copy
+
+    import pytest
+    from lm_eval.models.huggingface import HFLM
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.errors import TorqError
+    from torq.eval.generation import (
+        INSTRUCT_PREFIX,
+        INSTRUCT_REQUEST,
+        STOP,
+        evaluate_humaneval,
+        generate_humaneval,
+    )
+    from torq.eval.humaneval import load_humaneval
+
+    model = tiny_model("llama")
+    with pytest.raises(TorqError, match="chat template"):
+        generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 1, 4, prompt="instruct")
+    chat = copy.deepcopy(tiny_tokenizer)
+    chat.chat_template = CHAT
+    got, _ = generate_humaneval(model, chat, str(SHARED_DATA), 2, 8, prompt="instruct")
+    for problem in load_humaneval(SHARED_DATA)[:2]:
+        messages = [
+            {"role": "user", "content": INSTRUCT_REQUEST.format(prompt=problem.prompt)},
+            {"role": "assistant", "content": INSTRUCT_PREFIX.format(prompt=problem.prompt)},
+        ]
+        context = chat.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert context.startswith("<|user|>\nWrite a solution") and problem.prompt in context
+        assert "<|assistant|>\nHere is the completed function:\n```python\n" in context
+        ids = chat(context, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        text = chat.decode(out[0, ids.shape[1] :])
+        for stop in [*STOP, "```"]:
+            text = text.split(stop)[0]
+        assert got[problem.task_id] == text
+
+    first = load_humaneval(SHARED_DATA)[0]
+
+    def fenced(self, requests, disable_tqdm=False):
+        return [first.canonical_solution + "```\nThis returns the answer." for _ in requests]
+
+    monkeypatch.setattr(HFLM, "generate_until", fenced)
+    instruct = evaluate_humaneval(model, chat, str(SHARED_DATA), 1, 8, prompt="instruct")
+    plain = evaluate_humaneval(model, chat, str(SHARED_DATA), 1, 8)
+    assert (instruct["pass@1"], plain["pass@1"]) == (1.0, 0.0)
+    assert (instruct["prompt"], plain["prompt"]) == ("instruct", "completion")
