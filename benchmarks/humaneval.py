@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         if method in done:
             continue
         loaded = load(args.model)
+        if args.prompt == "instruct" and not getattr(loaded.tokenizer, "chat_template", None):
+            ap.error(f"--prompt instruct: {args.model}'s tokenizer has no chat template")
         model, quantize_seconds = loaded.model, 0.0
         identity = _identity(args, method)
         resume = None

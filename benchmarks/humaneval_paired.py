@@ -8,8 +8,8 @@ standard error, how many problems only one of the two solves, and the exact McNe
         --out results/humaneval/qwen-coder-paired.json
 
 Rows of one model and one problem set compare. A row is named by its method, with its
-calibration corpus and seed where they are not the defaults (``torq (seed 1)``); a name
-found in two records is refused (say which record to take). Writes JSON and a markdown
+calibration corpus, seed and prompt where they are not the defaults (``torq (seed 1)``); a
+name found in two records is refused (say which record to take). Writes JSON and a markdown
 table (``<out>.md``).
 """
 

@@ -153,3 +153,23 @@ def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
     assert bench._quantization_identity(instruct, "torq") == bench._quantization_identity(
         first, "torq"
     )
+
+
+def test_the_instruct_prompt_is_refused_before_any_work(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """``--prompt instruct`` without a chat template, or on GSM8K: one line, before any
+    quantization or generation, and no record written."""
+    out = tmp_path / "he.json"
+    base = [str(BENCH / "humaneval.py"), "--model", str(tiny_checkpoint), "--out", str(out)]
+    cases = (
+        (["--methods", "rtn", "--prompt", "instruct", "--data-dir", str(SHARED_DATA)],
+         "no chat template"),
+        (["--task", "gsm8k", "--prompt", "instruct"], "HumanEval only"),
+    )  # fmt: skip
+    for extra, needle in cases:
+        done = subprocess.run(
+            [sys.executable, *base, *extra], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 2 and needle in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and not out.exists()

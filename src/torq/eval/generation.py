@@ -29,8 +29,9 @@ STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 MAX_GEN_TOKS = 1024
 # How the problem is put to the model: "completion" is lm-eval's ``humaneval`` (the prompt
 # continued as plain text); "instruct" is its ``humaneval_instruct`` (0.4.13), the request
-# in the model's chat template and the answer begun with the prompt in a code fence, as an
-# instruct model's makers measure it. Both keep the task's stop sequences.
+# in the model's chat template and the answer begun with the prompt in a code fence, as
+# instruct models are usually reported. Both keep the task's stop sequences (the instruct
+# prompt also stops at the closing fence).
 PROMPTS = ("completion", "instruct")
 INSTRUCT_REQUEST = (
     "Write a solution to the following problem and make sure that it passes the tests:\n"
