@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
-from torq.eval.generation import MAX_GEN_TOKS, PROMPTS, evaluate_gsm8k, evaluate_humaneval
+from torq.errors import TorqError
+from torq.eval.generation import (
+    MAX_GEN_TOKS,
+    PROMPTS,
+    check_prompt,
+    evaluate_gsm8k,
+    evaluate_humaneval,
+)
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -106,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         if method in done:
             continue
         loaded = load(args.model)
-        if args.prompt == "instruct" and not getattr(loaded.tokenizer, "chat_template", None):
-            ap.error(f"--prompt instruct: {args.model}'s tokenizer has no chat template")
+        try:  # before any quantization
+            check_prompt(loaded.tokenizer, args.prompt)
+        except TorqError as exc:
+            ap.error(f"--prompt {args.prompt}: {args.model}: {exc}")
         model, quantize_seconds = loaded.model, 0.0
         identity = _identity(args, method)
         resume = None

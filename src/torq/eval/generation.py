@@ -88,6 +88,13 @@ def _yaml_string(text: str) -> str:
     return '"' + escaped.replace("{prompt}", "{{prompt}}") + '"'
 
 
+def check_prompt(tokenizer: Any, prompt: str) -> None:
+    """Raise unless ``tokenizer`` can put ``prompt``: the instruct prompt needs a chat
+    template (checked before any work)."""
+    if prompt == "instruct" and not getattr(tokenizer, "chat_template", None):
+        raise TorqError("the instruct HumanEval prompt: the tokenizer has no chat template")
+
+
 def humaneval_task_yaml(
     data_file: Path, max_gen_toks: int = MAX_GEN_TOKS, prompt: str = "completion"
 ) -> str:
@@ -146,10 +153,9 @@ def generate_humaneval(
     root = resolve_data_dir(data_dir)
     if root is None or not (root / HUMANEVAL).is_file():
         raise TorqError(f"HumanEval file not found: expected <data-dir>/{HUMANEVAL}")
+    check_prompt(tokenizer, prompt)
     task_yaml = humaneval_task_yaml((root / HUMANEVAL).resolve(), max_gen_toks, prompt)
     instruct = prompt == "instruct"
-    if instruct and not getattr(tokenizer, "chat_template", None):
-        raise TorqError("the instruct HumanEval prompt needs a tokenizer with a chat template")
     out = _run_task(
         TASK,
         task_yaml,
