@@ -40,8 +40,10 @@ demo: setup
 		--max-windows $(DEMO_WINDOWS) --calib-samples $(DEMO_CALIB) \
 		--out results/demo-smollm2-135m.json
 
+# One pytest-xdist worker per core, at most 4 (each may hold a real model).
+TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

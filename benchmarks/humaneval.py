@@ -219,12 +219,27 @@ def _identity(args: argparse.Namespace, method: str) -> str:
     return json.dumps(identity, sort_keys=True)
 
 
+def _setting(args: argparse.Namespace, rows: list[dict]) -> str:
+    """The quantization the rows share, for the table's title: the format only where a row
+    quantizes, the calibration corpus and seed only where one calibrates (an FP-only record
+    has neither)."""
+    from torq.methods import get_method
+
+    methods = [get_method(r["method"]) for r in rows]
+    if not any(m.quantizes for m in methods):
+        return ", float weights and activations"
+    text = f", W4A4 {args.format}"
+    if any(m.calibrates() for m in methods):
+        text += f", calibrated on {args.calib_corpus} (seed {args.calib_seed})"
+    return text
+
+
 def _table(args: argparse.Namespace, rows: list[dict]) -> str:
     """The markdown table of the rows so far."""
     if args.task == "gsm8k":
         lines = [
             f"{args.model}, GSM8K ({rows[0]['n']} test problems, seed {args.seed}), 5-shot, "
-            f"greedy, exact match, W4A4 {args.format}",
+            f"greedy, exact match{_setting(args, rows)}",
             "",
             "| method | strict % | flexible % | problems | s |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -239,8 +254,7 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
         return "\n".join(lines) + "\n"
     lines = [
         f"{args.model}, HumanEval ({args.limit or 164} problems, {args.prompt} prompt), "
-        "greedy, pass@1, "
-        f"W4A4 {args.format}, calibrated on {args.calib_corpus} (seed {args.calib_seed})",
+        f"greedy, pass@1{_setting(args, rows)}",
         "",
         "| method | pass@1 % | problems | generate s |",
         "| --- | ---: | ---: | ---: |",

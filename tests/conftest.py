@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite on pytest-xdist workers, one per core: each worker takes its
+# share of the cores, since torch's default (every core in every process) would have the
+# workers' threads fight over them. A test that needs more threads sets them itself.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -173,3 +173,25 @@ def test_the_instruct_prompt_is_refused_before_any_work(
         )
         assert done.returncode == 2 and needle in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_the_table_title_names_only_the_quantization_its_rows_have(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An FP-only record's title names no format and no calibration; a record of
+    uncalibrated methods names the format only; a calibrated method adds the corpus and
+    seed."""
+    bench = _benchmark(monkeypatch)
+    args = bench.parser().parse_args(
+        ["--model", "m", "--out", "x.json", "--format", "nvfp4", "--calib-seed", "1"]
+    )
+    row = {"pass@1": 0.5, "problems": 2, "generate_seconds": 1.0}
+
+    def title(*methods: str) -> str:
+        return bench._table(args, [{**row, "method": m} for m in methods]).splitlines()[0]
+
+    assert title("fp").endswith("pass@1, float weights and activations")
+    assert "nvfp4" not in title("fp") and "calibrated" not in title("fp")
+    assert title("fp", "rtn").endswith("pass@1, W4A4 nvfp4")
+    assert title("rtn", "torq").endswith("W4A4 nvfp4, calibrated on wikitext2-valid (seed 1)")
+    assert "calibrated on" in title("rtn+gptq")  # GPTQ reads calibration data too

@@ -51,6 +51,7 @@ from torq.models.streaming import (
     LayerSource,
     ModelLayers,
     ResidentPeak,
+    collecting_new_objects_only,
     embed_windows,
     give_back_memory,
     head_logits,
@@ -165,6 +166,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
+@collecting_new_objects_only
 def run_layerwise(
     source: LayerSource,
     plan: LayerPlan,

@@ -3,7 +3,10 @@ and the file modes of what it writes."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -47,3 +50,30 @@ def check_destination(path: str | os.PathLike[str], *, folder: bool, what: str) 
         raise TorqError(f"{what} {path} cannot be created: {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise TorqError(f"{what} {path} cannot be created: {parent} is not writable")
+
+
+@contextlib.contextmanager
+def exclusive(target: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock for building ``target`` (a cache entry) in the block.
+
+    Two processes that build the same entry at once (two runs on one machine, the test
+    suite's workers) would each spend minutes on it, and the second to finish would replace
+    the folder the first is already reading; under this lock the second waits and finds the
+    entry done. The lock file lives in ``<cache>/locks`` (named by the target's path), not
+    beside the entry, so the entry's folder holds only what was built. Where ``fcntl`` is
+    missing (Windows) nothing is locked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    name = hashlib.sha256(str(Path(target).resolve()).encode()).hexdigest()[:24]
+    lock_path = cache_dir() / "locks" / f"{name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

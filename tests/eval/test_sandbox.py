@@ -4,29 +4,22 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
+import tempfile
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from torq.errors import TorqError
-from torq.eval.sandbox import SandboxLimits, isolation_problem, run_untrusted
+from torq.eval.sandbox import SandboxLimits, isolation_problem, processes_in, run_untrusted
 
 PROBLEM = isolation_problem()
 needs_isolation = pytest.mark.skipif(
     PROBLEM is not None, reason=f"the sandbox cannot isolate here: {PROBLEM}"
 )
 QUICK = SandboxLimits(wall_seconds=4.0, cpu_seconds=2, processes=8)
-
-
-def _nobody_processes() -> list[str]:
-    out = subprocess.run(["ps", "-u", "65534", "-o", "pid="], capture_output=True, text=True)
-    return out.stdout.split()
-
-
-def _sandboxes() -> set[str]:
-    return {p.name for p in Path("/tmp").glob("torq-sandbox-*")}
 
 
 @needs_isolation
@@ -50,7 +43,7 @@ def test_a_correct_program_passes_and_a_failing_one_does_not() -> None:
         ),
         ("unbounded memory", "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 26))\n"),
         ("a socket", "import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=2)\n"),
-        ("the user's home", "print(open('HOME/.torq-sandbox-secret').read())\n"),
+        ("the user's home", "print(open('SECRET').read())\n"),
         ("writing outside", "open('OUTSIDE/written-by-the-sandbox', 'w').write('x')\n"),
         ("deleting outside", "import os\nos.remove('OUTSIDE/canary')\n"),
         ("the environment", "import os\nassert 'TORQ_SANDBOX_SECRET' in os.environ\n"),
@@ -60,8 +53,8 @@ def test_hostile_programs_are_contained(name, program, tmp_path, monkeypatch) ->
     """Each program fails within its limits, leaves no process behind, touches nothing
     outside its scratch directory (removed afterwards), reaches no network and reads
     nothing of root's home or of the caller's environment."""
-    home = Path(os.path.expanduser("~"))
-    secret = home / ".torq-sandbox-secret"
+    # a file of this test's own: the test suite's workers run these tests side by side
+    secret = Path(os.path.expanduser("~")) / f".torq-sandbox-secret-{uuid.uuid4().hex}"
     secret.write_text("secret")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -73,10 +66,9 @@ def test_hostile_programs_are_contained(name, program, tmp_path, monkeypatch) ->
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     port = server.getsockname()[1]
-    before, others = _sandboxes(), set(_nobody_processes())  # (a service may run as nobody)
     source = (
         program.replace("PORT", str(port))
-        .replace("HOME", str(home))
+        .replace("SECRET", str(secret))
         .replace("OUTSIDE", str(outside))
     )
     try:
@@ -91,9 +83,29 @@ def test_hostile_programs_are_contained(name, program, tmp_path, monkeypatch) ->
     assert "secret" not in result.stdout
     assert (outside / "canary").read_text() == "still here"
     assert sorted(p.name for p in outside.iterdir()) == ["canary"]
-    assert _sandboxes() == before  # the scratch directory is gone
-    # run_untrusted waits for its namespace to empty: nothing of the program is left
-    assert set(_nobody_processes()) <= others, name
+    # this run's own scratch directory is gone and its PID namespace is empty (a process
+    # cannot leave its PID namespace, so nothing of the program is left anywhere); checked
+    # for this run alone, since other sandboxes may run on the machine meanwhile
+    assert result.scratch.startswith(tempfile.gettempdir()) and not Path(result.scratch).exists()
+    assert result.namespace is not None and processes_in(result.namespace) == [], name
+
+
+@needs_isolation
+def test_sandboxes_side_by_side_each_clean_up_their_own() -> None:
+    """Two sandboxes at once (the test suite's workers, two benchmark rows): each has its
+    own scratch directory and PID namespace, and ends its own processes only."""
+    with ThreadPoolExecutor(2) as pool:
+        sleeper = pool.submit(run_untrusted, "import time\ntime.sleep(60)\n", QUICK)
+        time.sleep(0.5)  # the second starts while the first runs
+        fine = pool.submit(run_untrusted, "print('fine')\n", QUICK)
+        sleeper_result, fine_result = sleeper.result(), fine.result()
+    assert fine_result.passed and fine_result.stdout == "fine\n"
+    assert sleeper_result.timed_out and not sleeper_result.passed
+    assert fine_result.scratch != sleeper_result.scratch
+    assert fine_result.namespace != sleeper_result.namespace
+    for r in (sleeper_result, fine_result):
+        assert not Path(r.scratch).exists()
+        assert r.namespace is not None and processes_in(r.namespace) == []
 
 
 @needs_isolation

@@ -71,6 +71,43 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch) -> None:
     assert list((tmp_path / "cache").iterdir()) == [live]
 
 
+def test_two_processes_converting_at_once_convert_once(tmp_path, monkeypatch) -> None:
+    """Two conversions of the same checkpoint started together (two runs, the test suite's
+    workers): the second waits for the first and finds the folder done, rather than
+    converting again and replacing the folder the first is already reading."""
+    import threading
+    import time
+
+    import torq.models.gguf as gguf_mod
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls: list[int] = []
+
+    def slow_conversion(gguf_path, out, *args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)  # long enough for the other caller to arrive while this one writes
+        (out / "model.safetensors").write_bytes(b"weights")
+        return {"shards": 1}
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf_tensorwise", slow_conversion)
+    out = tmp_path / "cache" / "m"
+    # each thread opens the lock file itself: flock excludes them as it would two processes
+    results: list = []
+    threads = [
+        threading.Thread(target=lambda: results.append(loading_mod.convert_gguf(gguf, out)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [out, out]
+    assert len(calls) == 1
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+    assert list(out.parent.glob(".m.tmp-*")) == []
+
+
 def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsys) -> None:
     """The first megabyte of a real GGUF: one line that names the file, no traceback."""
     from torq.cli import main
@@ -161,5 +198,7 @@ def test_split_checkpoint_with_bad_magic_keeps_nothing(tmp_path, monkeypatch) ->
     _fake_parts(tmp_path, monkeypatch, [b"NOPE", b"1", b"2", b"3", b"4", b"5"])
     with pytest.raises(TorqError, match="bad magic"):
         loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
-    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    cache = tmp_path / "cache"
+    # (the empty lock file the assembly held, in <cache>/locks, is not an entry)
+    leftovers = [p for p in cache.rglob("*") if p.is_file() and p.parent != cache / "locks"]
     assert leftovers == []

@@ -78,6 +78,11 @@ class SandboxResult:
     seconds: float
     stdout: str
     stderr: str
+    # where it ran (removed before the call returned) and its PID namespace (empty of
+    # processes when the call returned): for checks of this run alone, whatever other
+    # sandboxes run on the machine at the same time
+    scratch: str = ""
+    namespace: str | None = None
 
     @property
     def reason(self) -> str:
@@ -154,6 +159,8 @@ def run_untrusted(program: str, limits: SandboxLimits | None = None) -> SandboxR
             seconds=seconds,
             stdout=_tail(out),
             stderr=_tail(err),
+            scratch=str(scratch),
+            namespace=namespace,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -181,19 +188,26 @@ def _wait_until_gone(namespace: str | None, wait_s: float = 10.0) -> None:
         return
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        alive = False
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.readlink(entry / "ns" / "pid") == namespace:
-                        alive = True
-                        break
-                except OSError:
-                    continue
-        if not alive:
+        if not processes_in(namespace, first_only=True):
             return
         time.sleep(0.02)
     raise TorqError(f"the sandbox's processes ({namespace}) did not end")
+
+
+def processes_in(namespace: str, first_only: bool = False) -> list[int]:
+    """The pids of the processes in the PID namespace ``namespace`` (as
+    :attr:`SandboxResult.namespace` names it); with ``first_only`` at most one."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "ns" / "pid") == namespace:
+                    found.append(int(entry.name))
+                    if first_only:
+                        break
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+    return found
 
 
 def _tail(path: Path, chars: int = 4000) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError, first_line
-from torq.paths import cache_dir, usual_permissions
+from torq.paths import cache_dir, exclusive, usual_permissions
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,13 @@ def assemble_parts(entry: EmbeddedModel) -> Path:
     out = cache_dir() / "gguf" / f"{entry.name}-{key[:16]}" / entry.gguf_relpath
     if out.is_file():
         return out
+    with exclusive(out):
+        if not out.is_file():  # another process may have written it while this one waited
+            _write_parts(entry, paths, out)
+    return out
+
+
+def _write_parts(entry: EmbeddedModel, paths: list[Path], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
     tmp = Path(tmp_name)
@@ -167,7 +174,6 @@ def assemble_parts(entry: EmbeddedModel) -> Path:
     finally:
         if tmp.exists():
             tmp.unlink()
-    return out
 
 
 def resolve_embedded_gguf(name: str) -> Path:
@@ -203,7 +209,7 @@ def convert_gguf(
     The folder is written under a temporary name inside the cache and renamed into place
     only when complete, so an interrupted conversion never leaves a broken cache entry.
     """
-    from torq.models.gguf import GGUF_DTYPES, convert_gguf_tensorwise
+    from torq.models.gguf import GGUF_DTYPES
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -221,6 +227,18 @@ def convert_gguf(
     if marker.is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(out_dir):
+        if not marker.is_file():  # another process may have converted it meanwhile
+            _convert_into(gguf_path, out_dir, dtype, dtype_name, progress)
+    return out_dir
+
+
+def _convert_into(
+    gguf_path: Path, out_dir: Path, dtype: torch.dtype, dtype_name: str, progress: bool
+) -> None:
+    """:func:`convert_gguf`'s work, under its lock: write a temporary folder, then rename."""
+    from torq.models.gguf import convert_gguf_tensorwise
+
     _remove_stale_partials(out_dir)
     # the writer's pid in the name: a later start can tell a dead writer's folder from a
     # live one's
@@ -241,13 +259,12 @@ def convert_gguf(
             json.dumps({"gguf": str(gguf_path.resolve()), "dtype": dtype_name, **written}, indent=2)
         )
         usual_permissions(tmp)
-        if out_dir.exists():
+        if out_dir.exists():  # a folder without its marker: an older torq's broken entry
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def _remove_stale_partials(out_dir: Path) -> None:
