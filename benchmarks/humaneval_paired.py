@@ -11,6 +11,15 @@ Rows of one model and one problem set compare. A row is named by its method, wit
 calibration corpus, seed and prompt where they are not the defaults (``torq (seed 1)``); a
 name found in two records is refused (say which record to take). Writes JSON and a markdown
 table (``<out>.md``).
+
+With ``--seed-means`` the rows of one method (and corpus and prompt) measured with several
+calibration seeds are replaced by one row, ``torq (mean of seeds 0, 1)``: its score on each
+problem is the mean over the seeds, so the comparison is between methods rather than between
+one calibration draw of each (on Qwen2.5-Coder-0.5B a second seed moved one method by 6
+points, docs/RESULTS.md §12.1). The paired standard error is still over problems: it does
+not cover a shift that a seed gives every problem alike, so each such row also lists its
+seeds' own pass@1 (their spread is that shift, seen directly); its "only a / only b" count
+problems where one row's mean is higher, and its p is then the exact sign test over them.
 """
 
 from __future__ import annotations
@@ -34,25 +43,66 @@ def problem_scores(row: dict) -> dict[int, float]:
     return {int(t.split("/")[-1]): float(rec["pass@1"]) for t, rec in row["tasks"].items()}
 
 
-def row_name(record: dict, row: dict) -> str:
+def row_name(record: dict, row: dict, seed: bool = True) -> str:
     """A row's name in the comparison: its method, with the calibration corpus, seed and
     prompt where they are not the defaults (a second seed, another corpus or another
-    prompt of one method is another row)."""
+    prompt of one method is another row); ``seed=False``: the name without the seed (what
+    the rows of one method's seeds share)."""
     parts = []
     if row["method"] != "fp":  # FP is not calibrated: one row, whatever the records say
         if record.get("calib_corpus", "wikitext2-valid") != "wikitext2-valid":
             parts.append(record["calib_corpus"])
-        if record.get("calib_seed", 0) != 0:
+        if seed and record.get("calib_seed", 0) != 0:
             parts.append(f"seed {record['calib_seed']}")
     if record.get("prompt", "completion") != "completion":
         parts.append(f"{record['prompt']} prompt")
     return row["method"] + (f" ({', '.join(parts)})" if parts else "")
 
 
+def seed_means(
+    rows: dict[str, dict], scores: dict[str, dict[int, float]]
+) -> tuple[dict[str, dict], dict[str, dict[int, float]]]:
+    """The rows and scores with the rows that share a name but for their calibration seed
+    (two or more seeds) replaced by one row, where the first of them stood, whose score per
+    problem is the mean over the seeds, on the problems every seed has (module doc)."""
+    groups: dict[str, list[str]] = {}
+    for name, row in rows.items():
+        groups.setdefault(row["seedless"], []).append(name)
+    new_rows: dict[str, dict] = {}
+    new_scores: dict[str, dict[int, float]] = {}
+    for base, names in groups.items():
+        if len(names) < 2:
+            (name,) = names
+            new_rows[name], new_scores[name] = rows[name], scores[name]
+            continue
+        names.sort(key=lambda n: rows[n]["calib_seed"])
+        seeds = ", ".join(str(rows[n]["calib_seed"]) for n in names)
+        shared = sorted(set.intersection(*(set(scores[n]) for n in names)))
+        mean = {q: sum(scores[n][q] for n in names) / len(names) for q in shared}
+        # ``torq`` → ``torq (mean of seeds 0, 1)``; ``torq (python-stdlib)`` →
+        # ``torq (python-stdlib, mean of seeds 0, 1)``
+        name = f"{base[:-1]}, mean of seeds {seeds})" if base.endswith(")") else None
+        name = name or f"{base} (mean of seeds {seeds})"
+        new_rows[name] = {
+            "method": rows[names[0]]["method"],
+            "pass@1": sum(mean.values()) / len(mean),
+            "problems": len(mean),
+            "record": [rows[n]["record"] for n in names],
+            "seeds": {str(rows[n]["calib_seed"]): rows[n]["pass@1"] for n in names},
+        }
+        new_scores[name] = mean
+    return new_rows, new_scores
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="+", help="records written by benchmarks/humaneval.py")
     ap.add_argument("--reference", default="fp", help="the row every other is compared with")
+    ap.add_argument(
+        "--seed-means",
+        action="store_true",
+        help="one row per method for its calibration seeds: the mean over seeds per problem",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rows: dict[str, dict] = {}
@@ -66,12 +116,19 @@ def main(argv: list[str] | None = None) -> None:
             name = row_name(record, row)
             if name in rows:
                 raise TorqError(f"{name} is in more than one record")
-            rows[name] = {**row, "record": str(path)}
+            rows[name] = {
+                **row,
+                "record": str(path),
+                "seedless": row_name(record, row, seed=False),
+                "calib_seed": record.get("calib_seed", 0) if row["method"] != "fp" else 0,
+            }
     if len(models) > 1:
         raise TorqError(f"records of different models: {', '.join(sorted(models))}")
+    scores = {m: problem_scores(r) for m, r in rows.items()}
+    if args.seed_means:
+        rows, scores = seed_means(rows, scores)
     if args.reference not in rows:
         raise TorqError(f"no row named {args.reference} in the records")
-    scores = {m: problem_scores(r) for m, r in rows.items()}
     pairs = []
     names = list(rows)
     for i, a in enumerate(names):
@@ -82,8 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "model": models.pop(),
         "reference": args.reference,
+        "seed_means": args.seed_means,
         "rows": {
-            m: {"pass@1": r["pass@1"], "problems": r["problems"], "record": r["record"]}
+            m: {
+                "pass@1": r["pass@1"],
+                "problems": r["problems"],
+                "record": r["record"],
+                **({"seeds": r["seeds"]} if "seeds" in r else {}),
+            }
             for m, r in rows.items()
         },
         "pairs": pairs,
@@ -95,10 +158,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(record: dict) -> str:
-    lines = [
-        f"{record['model']}, HumanEval pass@1, rows compared problem by problem",
-        "",
-        "| a | b | problems | a % | b % | a − b (points) | only a / only b | McNemar p |",
+    title = f"{record['model']}, HumanEval pass@1, rows compared problem by problem"
+    if record["seed_means"]:
+        title += "; a method's calibration seeds averaged per problem"
+    lines = [title, ""]
+    seeded = {m: r["seeds"] for m, r in record["rows"].items() if "seeds" in r}
+    for m, seeds in seeded.items():
+        each = ", ".join(f"seed {s} {100 * v:.1f} %" for s, v in seeds.items())
+        lines.append(f"- {m}: {100 * record['rows'][m]['pass@1']:.1f} % ({each})")
+    if seeded:
+        lines.append("")
+    test = "McNemar or sign-test p" if record["seed_means"] else "McNemar p"
+    lines += [
+        f"| a | b | problems | a % | b % | a − b (points) | only a / only b | {test} |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in record["pairs"]:

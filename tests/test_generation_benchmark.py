@@ -117,6 +117,37 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     ]
 
 
+def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path) -> None:
+    """``--seed-means``: a method's seeds become one row scored per problem by their mean,
+    its seeds' own pass@1 listed; a method with one seed stays as it is."""
+    fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 0, 1, 0])
+    q0 = _record(tmp_path / "q0.json", "q", [1, 0, 0, 0, 1, 1])
+    q1 = _record(tmp_path / "q1.json", "q", [0, 0, 1, 0, 1, 1], calib_seed=1)
+    r0 = _record(tmp_path / "r0.json", "r", [1, 1, 0, 0, 0, 0])
+    out = tmp_path / "means.json"
+    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    done = subprocess.run(
+        [sys.executable, script, str(fp), str(q1), str(q0), str(r0), "--seed-means",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    mean = "q (mean of seeds 0, 1)"
+    assert set(record["rows"]) == {"fp", mean, "r"}
+    assert record["rows"][mean]["seeds"] == {"0": 0.5, "1": 0.5}
+    assert record["rows"][mean]["pass@1"] == 0.5 and record["rows"][mean]["problems"] == 6
+    pairs = {(p["a"], p["b"]): p for p in record["pairs"]}
+    assert set(pairs) == {(mean, "fp"), ("r", "fp"), (mean, "r")}
+    # per problem q's mean is 0.5, 0, 0.5, 0, 1, 1 against r's 1, 1, 0, 0, 0, 0
+    against_r = pairs[mean, "r"]
+    assert abs(against_r["diff"] - (3 / 6 - 2 / 6)) < 1e-12
+    assert (against_r["only_a"], against_r["only_b"]) == (3, 2)
+    table = out.with_suffix(".md").read_text()
+    assert f"- {mean}: 50.0 % (seed 0 50.0 %, seed 1 50.0 %)" in table
+    assert "sign-test p" in table
+
+
 def _benchmark(monkeypatch: pytest.MonkeyPatch, name: str = "humaneval") -> ModuleType:
     """One of the benchmark scripts, imported as a module."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
