@@ -4,7 +4,8 @@ layer-by-layer pass starts frozen out of the collector's sight).
 
 The same ``torq run`` settings in one process, alternately in the two modes, ``--repeats``
 times each; per run the wall time, the number of ``gc.collect`` calls and the seconds spent
-in them, and the perplexity (which must not change). Run it as
+in them, the peak resident set (the largest of the runs) and the perplexity (which must
+not change). Run it as
 ``python benchmarks/gc_passes.py --model smollm2-135m --methods rtn,torq-had32 --out F``.
 """
 
@@ -26,6 +27,7 @@ from common import save
 from torq.calibration.data import CalibrationConfig
 from torq.methods.torq_rotation import TorqSettings
 from torq.models import load
+from torq.models.streaming import ResidentPeak
 from torq.pipeline import RunConfig, run
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stream", action="store_true", help="the streamed path (torq run --stream)")
     ap.add_argument("--data-dir", default=os.environ.get("TORQ_DATA_DIR"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -67,30 +70,36 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load(args.model)
+    loaded = None if args.stream else load(args.model)
     config = RunConfig(
         model=args.model,
         methods=args.methods.split(","),
         max_windows=args.max_windows,
         data_dir=args.data_dir,
+        stream=args.stream,
         torq=TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples)),
     )
     tracked = len(gc.get_objects())
+    rss = ResidentPeak()
     runs: list[dict[str, Any]] = []
     for i in range(args.repeats * 2):
         frozen = i % 2 == 1
         # a depth above zero makes every pass see itself as nested: nothing is frozen
         streaming._FROZEN_DEPTH = 0 if frozen else 1
+        gc.collect()
+        rss.restart()
         with _TimedCollections() as timed:
             t0 = time.perf_counter()
             rows = run(config, loaded=loaded, progress=False)["rows"]
             wall = time.perf_counter() - t0
+        peak = rss.peak()
         runs.append(
             {
                 "frozen": frozen,
                 "wall_s": wall,
                 "collections": timed.calls,
                 "collect_s": timed.seconds,
+                "peak_rss_gib": None if peak is None else peak / 2**30,
                 "ppl": {r["method"]: r["ppl"] for r in rows},
             }
         )
@@ -98,11 +107,13 @@ def main() -> None:
     streaming._FROZEN_DEPTH = 0
     lines = [
         f"{args.model}, methods {args.methods}, {args.max_windows} windows, "
-        f"{args.calib_samples} calibration windows, {torch.get_num_threads()} threads; "
+        f"{args.calib_samples} calibration windows, {torch.get_num_threads()} threads, "
+        f"{'streamed' if args.stream else 'whole model'}; "
         f"{tracked} objects tracked by the collector at the start; median of {args.repeats}",
         "",
-        "| objects alive at a pass's start | wall s | collections | s in collections | PPL |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| objects alive at a pass's start | wall s | collections | s in collections "
+        "| peak RSS GiB | PPL |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for frozen in (False, True):
         mine = [r for r in runs if r["frozen"] == frozen]
@@ -111,7 +122,8 @@ def main() -> None:
             f"| {'frozen (torq)' if frozen else 'walked by every collection'} "
             f"| {statistics.median(r['wall_s'] for r in mine):.1f} "
             f"| {mine[0]['collections']} "
-            f"| {statistics.median(r['collect_s'] for r in mine):.1f} | {ppl} |"
+            f"| {statistics.median(r['collect_s'] for r in mine):.1f} "
+            f"| {max(r['peak_rss_gib'] or 0 for r in mine):.2f} | {ppl} |"
         )
     same = all(r["ppl"] == runs[0]["ppl"] for r in runs)
     lines.append("")

@@ -61,7 +61,7 @@ def exclusive(target: Path) -> Iterator[None]:
     the folder the first is already reading; under this lock the second waits and finds the
     entry done. The lock file lives in ``<cache>/locks`` (named by the target's path), not
     beside the entry, so the entry's folder holds only what was built. Where ``fcntl`` is
-    missing (Windows) nothing is locked.
+    missing (Windows) or the lock file cannot be created, nothing is locked.
     """
     try:
         import fcntl
@@ -70,8 +70,13 @@ def exclusive(target: Path) -> Iterator[None]:
         return
     name = hashlib.sha256(str(Path(target).resolve()).encode()).hexdigest()[:24]
     lock_path = cache_dir() / "locks" / f"{name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as f:
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock_path, "a")  # noqa: SIM115 - held across the yield
+    except OSError:  # a cache this user cannot write: build unlocked, as before the lock
+        yield
+        return
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

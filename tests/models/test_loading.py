@@ -202,3 +202,23 @@ def test_split_checkpoint_with_bad_magic_keeps_nothing(tmp_path, monkeypatch) ->
     # (the empty lock file the assembly held, in <cache>/locks, is not an entry)
     leftovers = [p for p in cache.rglob("*") if p.is_file() and p.parent != cache / "locks"]
     assert leftovers == []
+
+
+def test_a_cache_that_cannot_hold_the_lock_still_converts(tmp_path, monkeypatch) -> None:
+    """Where the cache cannot be written (here a file stands where its folder would be),
+    a conversion into a folder of the caller's choosing goes on unlocked, as before."""
+    import torq.models.gguf as gguf_mod
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("x")
+    monkeypatch.setenv("TORQ_CACHE", str(blocked))
+
+    def conversion(gguf_path, out, *args, **kwargs):
+        (out / "model.safetensors").write_bytes(b"weights")
+        return {"shards": 1}
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf_tensorwise", conversion)
+    out = loading_mod.convert_gguf(gguf, tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == b"weights"

@@ -207,7 +207,9 @@ def convert_gguf(
     model in memory), in float32 (transformers' own values, bit for bit) or bfloat16.
 
     The folder is written under a temporary name inside the cache and renamed into place
-    only when complete, so an interrupted conversion never leaves a broken cache entry.
+    only when complete, so an interrupted conversion never leaves a broken cache entry;
+    two processes converting the same file at once convert it once
+    (:func:`torq.paths.exclusive`).
     """
     from torq.models.gguf import GGUF_DTYPES
 
