@@ -81,8 +81,10 @@ def seed_means(
         mean = {q: sum(scores[n][q] for n in names) / len(names) for q in shared}
         # ``torq`` → ``torq (mean of seeds 0, 1)``; ``torq (python-stdlib)`` →
         # ``torq (python-stdlib, mean of seeds 0, 1)``
-        name = f"{base[:-1]}, mean of seeds {seeds})" if base.endswith(")") else None
-        name = name or f"{base} (mean of seeds {seeds})"
+        if base.endswith(")"):
+            name = f"{base[:-1]}, mean of seeds {seeds})"
+        else:
+            name = f"{base} (mean of seeds {seeds})"
         new_rows[name] = {
             "method": rows[names[0]]["method"],
             "pass@1": sum(mean.values()) / len(mean),
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                 **row,
                 "record": str(path),
                 "seedless": row_name(record, row, seed=False),
-                "calib_seed": record.get("calib_seed", 0) if row["method"] != "fp" else 0,
+                "calib_seed": record.get("calib_seed", 0),
             }
     if len(models) > 1:
         raise TorqError(f"records of different models: {', '.join(sorted(models))}")
