@@ -3,12 +3,13 @@ zero-shot tasks (lm-eval, 0-shot) for every method, plus the Figure-1-style PNG.
 
 python benchmarks/zeroshot_table.py --model smollm2-135m --methods fp,rtn,had32,torq \
     --calib-samples 32 --ppl-from results/full/*.json --out results/zeroshot/smollm2.json
-python benchmarks/zeroshot_table.py --limit 50 ...   # a subset (the table says so)
+python benchmarks/zeroshot_table.py --limit 50 ...   # the first 50 of each task (the table says so)
+python benchmarks/zeroshot_table.py --subset 300 --subset-seed 0 ...   # 300 drawn at random
 
 Methods run one at a time and the record is rewritten after each; with ``--resume-dir``
 (default ``<out>-requests/``) every answer is kept as it is scored, so a stopped run loses
 nothing. Run the same command again and the methods already in ``--out`` (same tasks,
-limit, formats and settings) are kept, not re-run; ``--merge-from`` takes rows from the
+limit or subset, formats and settings) are kept, not re-run; ``--merge-from`` takes rows from the
 records of other runs the same way (one process per method on a machine with more cores,
 then one table).
 
@@ -64,7 +65,12 @@ def main() -> None:
     p.add_argument("--methods", default="fp,rtn,had32,gptq,torq")
     p.add_argument("--format", default="mxfp4")
     p.add_argument("--tasks", default="all")
-    p.add_argument("--limit", type=int, default=None, help="first N examples per task")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--limit", type=int, default=None, help="first N examples per task")
+    which.add_argument(
+        "--subset", type=int, default=None, help="N questions per task drawn with --subset-seed"
+    )
+    p.add_argument("--subset-seed", type=int, default=0)
     p.add_argument("--max-windows", type=int, default=None, help="WikiText-2 windows")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--task-batch-size", type=int, default=8)
@@ -110,6 +116,8 @@ def main() -> None:
         torq=TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples)),
         tasks=parse_tasks(args.tasks),
         task_limit=args.limit,
+        task_subset=args.subset,
+        task_subset_seed=args.subset_seed,
         task_batch_size=args.task_batch_size,
         shared_context=not args.no_shared_context,
         device=args.device,
@@ -117,6 +125,7 @@ def main() -> None:
         portable_dir=args.portable_dir,
     )
     base_dict = asdict(base)
+    subset = None if args.subset is None else {"n": args.subset, "seed": args.subset_seed}
     earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}
     out = Path(args.out)
     check_destination(out, folder=False, what="--out")
@@ -132,6 +141,7 @@ def main() -> None:
         same = (
             other["eval"]["zeroshot_tasks"] == base.tasks
             and other["eval"]["zeroshot_limit"] == base.task_limit
+            and other["eval"].get("zeroshot_subset") == subset
             and other["config"]["max_windows"] == base.max_windows
         )
         kept = []

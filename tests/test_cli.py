@@ -205,6 +205,7 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
         "seqlen": 64,
         "zeroshot_tasks": [],
         "zeroshot_limit": None,
+        "zeroshot_subset": None,
     }
     assert res["config"]["methods"] == ["fp", "rtn"] and res["config"]["max_windows"] == 3
     for key in ("command", "versions", "machine", "wall_seconds", "date", "quant_config"):

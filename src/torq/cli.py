@@ -103,8 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: arc_challenge, arc_easy, hellaswag, lambada_openai, piqa, "
         "winogrande, or 'all' (read from <data-dir>/zeroshot/, hub fallback)",
     )
-    ev.add_argument(
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument(
         "--limit", type=_positive_int, default=None, help="first N examples of each task"
+    )
+    which.add_argument(
+        "--subset",
+        type=_positive_int,
+        default=None,
+        help="N questions of each task drawn at random with --subset-seed (the same ones for "
+        "every method: rows compare question by question); needs the local task files",
+    )
+    ev.add_argument(
+        "--subset-seed", type=int, default=0, help="which questions --subset draws (default 0)"
     )
     ev.add_argument("--task-batch-size", type=_positive_int, default=8, help="lm-eval batch size")
     ev.add_argument("--skip-ppl", action="store_true", help="zero-shot tasks only")
@@ -542,6 +553,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         config.tasks = parse_tasks(args.tasks)
         config.task_limit = args.limit
+        config.task_subset = args.subset
+        config.task_subset_seed = args.subset_seed
         config.task_batch_size = args.task_batch_size
         config.skip_ppl = args.skip_ppl
         config.shared_context = not args.no_shared_context

@@ -61,6 +61,9 @@ class RunConfig:
     # zero-shot tasks through lm-eval (``torq eval``); empty: perplexity only
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None
+    # a seeded subset of each task's questions instead (:func:`torq.eval.zeroshot.seeded_subset`)
+    task_subset: int | None = None
+    task_subset_seed: int = 0
     task_batch_size: int = 8
     # choices of a question share one forward pass of their context (same scores, faster)
     shared_context: bool = True
@@ -221,6 +224,10 @@ def _run(
         )
     if config.skip_ppl and not config.tasks:
         raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    if config.task_subset is not None and config.task_limit is not None:
+        raise TorqError("give either --limit (the first questions) or --subset, not both")
+    if config.task_subset is not None and config.task_subset < 1:
+        raise TorqError(f"--subset must be a positive number of questions: {config.task_subset}")
     if config.portable_dir is not None and config.resume_dir is None:
         raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
     # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
@@ -686,13 +693,15 @@ def _zeroshot(
         config.tasks,
         data_dir=config.data_dir,
         limit=config.task_limit,
+        subset=config.task_subset,
+        subset_seed=config.task_subset_seed,
         batch_size=config.task_batch_size,
         shared_context=config.shared_context,
         progress=progress,
         **cache,
     )
     details["lm_eval"] = zs["lm_eval"]
-    keys = ("seconds", "limit", "shared_context", "request_cache")
+    keys = ("seconds", "limit", "subset", "shared_context", "request_cache")
     return {**zs["scores"], **{k: zs[k] for k in keys}}
 
 
@@ -728,9 +737,13 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
     if not config.skip_ppl:
         eval_text_path(config.eval_corpus, config.data_dir)
     if config.tasks:
-        from torq.eval.zeroshot import task_data_files
+        from torq.eval.zeroshot import seeded_subset, task_data_files
 
-        task_data_files(config.tasks, config.data_dir)
+        if config.task_subset is not None:  # also draws it: needs every task's local file
+            subset = (config.task_subset, config.task_subset_seed)
+            seeded_subset(config.tasks, *subset, config.data_dir)
+        else:
+            task_data_files(config.tasks, config.data_dir)
 
 
 def saved_manifest(model: str) -> dict[str, Any] | None:
@@ -947,6 +960,9 @@ def _record(
             "seqlen": config.seqlen,
             "zeroshot_tasks": list(config.tasks),
             "zeroshot_limit": config.task_limit,
+            "zeroshot_subset": None
+            if config.task_subset is None
+            else {"n": config.task_subset, "seed": config.task_subset_seed},
         },
         "rows": [asdict(r) for r in rows],
         "wall_seconds": time.perf_counter() - t_start,
@@ -994,11 +1010,15 @@ def markdown_table(result: dict[str, Any]) -> str:
         notes.append(f"{ev['dataset']}, {ev['n_windows']} windows × {ev['seqlen']} tokens")
     if tasks:
         limit = ev.get("zeroshot_limit")
-        notes.append(
-            "zero-shot (lm-eval, 0-shot, acc_norm where defined, else acc; "
-            + (f"first {limit} examples per task" if limit else "full tasks")
-            + ")"
+        subset = ev.get("zeroshot_subset")
+        which = (
+            f"{subset['n']} questions per task drawn with seed {subset['seed']}"
+            if subset
+            else f"first {limit} examples per task"
+            if limit
+            else "full tasks"
         )
+        notes.append(f"zero-shot (lm-eval, 0-shot, acc_norm where defined, else acc; {which})")
     peak = (result.get("peak_memory") or {}).get("host_rss_bytes")
     if peak:
         notes.append(f"peak RSS {peak / 2**30:.2f} GiB")

@@ -136,3 +136,41 @@ def test_carried_answers_are_scored_as_lm_eval_scores_them(
         [*cmd[:5], "fp,absent", *cmd[6:]], capture_output=True, text=True, cwd=tmp_path
     )
     assert bad.returncode != 0 and "no carried answers for 'absent'" in bad.stderr
+
+
+def test_a_seeded_subset_scores_the_drawn_questions_and_pairs_with_a_full_row(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """``subset=`` scores exactly the questions :func:`seeded_subset` draws (found again from
+    the carried answers), its task means are the mean over those questions, and a full row
+    of the same model pairs with it on them alone, with no difference."""
+    from torq.models import load
+
+    data = _zeroshot_dir(tiny_data_dir)
+    lm = load(str(tiny_checkpoint))
+    tasks = ["arc_easy", "piqa"]
+    drawn = zs.seeded_subset(tasks, 3, 5, str(data))
+    part_file = tmp_path / "part.npz"
+    part = zs.evaluate_zeroshot(
+        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, subset=3,
+        subset_seed=5, request_cache=tmp_path / "part", portable=part_file,
+    )  # fmt: skip
+    assert part["subset"] == {"n": 3, "seed": 5, "questions": {"arc_easy": 3, "piqa": 3}}
+    assert part["request_cache"]["entries_after"] == 3 * 4 + 3 * 2
+    questions = build_questions(tasks, str(data))
+    scores, missing = question_scores(load_portable(part_file)["answers"], questions)
+    assert {t: sorted(s) for t, s in scores.items()} == drawn
+    assert missing == {"arc_easy": 3, "piqa": 3}
+    for t in tasks:
+        mean = sum(scores[t].values()) / 3
+        assert mean == pytest.approx(part["scores"]["tasks"][t]["value"])
+
+    full_file = tmp_path / "full.npz"
+    zs.evaluate_zeroshot(
+        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False,
+        request_cache=tmp_path / "full", portable=full_file,
+    )  # fmt: skip
+    full, _ = question_scores(load_portable(full_file)["answers"], questions)
+    cmp = compare_rows(full, scores)
+    assert {t: p["n"] for t, p in cmp["tasks"].items()} == {"arc_easy": 3, "piqa": 3}
+    assert all(p["diff"] == 0 for p in cmp["tasks"].values())

@@ -222,3 +222,44 @@ def test_eval_command_keeps_one_cache_per_method(tiny_checkpoint, tiny_data_dir,
     assert main(args) == 0  # again: everything from the cache
     rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
     assert [r["zeroshot"]["request_cache"]["entries_before"] for r in rows] == [4, 4]
+
+
+def test_seeded_subset_draws_the_same_questions_for_a_seed(tiny_data_dir, monkeypatch) -> None:
+    """The same seed draws the same sorted questions of each task, another seed others; a
+    subset larger than a task takes all of it; a task without its local file, or a size
+    under one, is a clear error."""
+    data = str(_zeroshot_dir(tiny_data_dir))
+    first = zs.seeded_subset(["arc_easy", "piqa"], 3, 0, data)
+    assert first == zs.seeded_subset(["arc_easy", "piqa"], 3, 0, data)
+    for ids in first.values():
+        assert len(ids) == 3 and ids == sorted(set(ids)) and all(0 <= i < 6 for i in ids)
+    assert any(zs.seeded_subset(["arc_easy"], 3, s, data) != {"arc_easy": first["arc_easy"]}
+               for s in range(1, 6))  # fmt: skip
+    assert zs.seeded_subset(["piqa"], 50, 0, data) == {"piqa": list(range(6))}
+    with pytest.raises(TorqError, match="at least one question"):
+        zs.seeded_subset(["piqa"], 0, 0, data)
+    monkeypatch.setattr(zs, "hub_reachable", lambda timeout=3.0: True)  # the hub copy's size
+    with pytest.raises(TorqError, match="needs its local file"):
+        zs.seeded_subset(["hellaswag"], 3, 0, data)
+
+
+def test_eval_command_with_a_seeded_subset(tiny_checkpoint, tiny_data_dir, tmp_path, capsys):
+    """``torq eval --subset N --subset-seed S``: N drawn questions per task, recorded and
+    named under the table; with ``--limit`` it is refused before any model is loaded."""
+    _zeroshot_dir(tiny_data_dir)
+    out = tmp_path / "zs.json"
+    args = [
+        "eval", "--model", str(tiny_checkpoint), "--methods", "fp", "--tasks", "arc_easy,piqa",
+        "--seqlen", "64", "--max-windows", "1", "--skip-ppl", "--data-dir", str(tiny_data_dir),
+        "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    assert main([*args, "--subset", "4", "--subset-seed", "2"]) == 0
+    assert "4 questions per task drawn with seed 2" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["eval"]["zeroshot_subset"] == {"n": 4, "seed": 2}
+    row = res["rows"][0]
+    assert row["zeroshot"]["subset"]["questions"] == {"arc_easy": 4, "piqa": 4}
+    assert row["details"]["lm_eval"]["n-samples"]["torq_piqa"]["effective"] == 4
+    with pytest.raises(SystemExit):  # argparse: --limit and --subset exclude each other
+        main([*args, "--subset", "4", "--limit", "2"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -33,7 +33,14 @@ def accuracy_perplexity_figure(result: dict[str, Any], path: str | Path) -> Path
     ax.set_ylabel("average zero-shot accuracy, % (higher is better)")
     cfg = result.get("config", {})
     limit = result.get("eval", {}).get("zeroshot_limit")
-    subset = f", first {limit} per task" if limit else ""
+    drawn = result.get("eval", {}).get("zeroshot_subset")
+    subset = (
+        f", {drawn['n']} per task (seed {drawn['seed']})"
+        if drawn
+        else f", first {limit} per task"
+        if limit
+        else ""
+    )
     ax.set_title(f"{cfg.get('model', '')}, W4A4 {cfg.get('weight_format', '')}{subset}", fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -196,6 +196,32 @@ def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> d
     return run_names
 
 
+def seeded_subset(
+    names: list[str], n: int, seed: int, data_dir: str | None
+) -> dict[str, list[int]]:
+    """``n`` questions of each task in ``names`` drawn with ``seed`` (sorted doc ids, all of
+    a task that has fewer): the same questions for every method of a seed, so two rows pair
+    question by question (:mod:`torq.eval.paired`), and each row's standard error is that
+    of ``n`` questions, not of the first ``n`` (which follow the file's order). The draw is
+    :func:`torq.eval.generation.evaluate_gsm8k`'s: the first ``n`` of
+    ``torch.randperm(total, seed)``. Needs each task's local file (its lines are the docs,
+    in lm-eval's order); raises :class:`TorqError` naming the file otherwise."""
+    if n < 1:
+        raise TorqError(f"a seeded subset needs at least one question per task, got {n}")
+    chosen: dict[str, list[int]] = {}
+    for name, data_file in task_data_files(names, data_dir).items():
+        if data_file is None:
+            raise TorqError(
+                f"a seeded subset of {name} needs its local file "
+                f"<data-dir>/{TASKS[name].local_file} (the hub copy's size is not known here)"
+            )
+        with data_file.open(encoding="utf-8") as f:
+            total = sum(1 for line in f if line.strip())
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+        chosen[name] = sorted(order[:n].tolist())
+    return chosen
+
+
 def headline_scores(results: dict[str, Any], run_names: dict[str, str]) -> dict[str, Any]:
     """``acc_norm`` where the task has it, else ``acc`` (as the paper), and their average."""
     scores: dict[str, Any] = {}
@@ -246,8 +272,13 @@ def evaluate_zeroshot(
     request_cache: str | Path | None = None,
     seeds: dict[int, tuple[float, bool]] | None = None,
     portable: str | Path | None = None,
+    subset: int | None = None,
+    subset_seed: int = 0,
 ) -> dict[str, Any]:
     """Score ``model`` (in process) on the paper's zero-shot tasks through lm-eval.
+
+    ``limit`` scores the first questions of each task; ``subset`` scores ``subset``
+    questions of each drawn with ``subset_seed`` (:func:`seeded_subset`) instead.
 
     With ``shared_context`` (the default) the choices of a question share one forward pass
     of their common context (:class:`torq.eval.shared_context.SharedContextHFLM`, same
@@ -263,8 +294,8 @@ def evaluate_zeroshot(
     (:func:`torq.eval.portable.export_portable`).
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
-    versions>, "seconds": wall time, "limit": limit, "shared_context": shared_context,
-    "request_cache": {...} or None}``.
+    versions>, "seconds": wall time, "limit": limit, "subset": {"n", "seed", "questions"}
+    or None, "shared_context": shared_context, "request_cache": {...} or None}``.
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -272,7 +303,10 @@ def evaluate_zeroshot(
 
     if portable is not None and request_cache is None:
         raise TorqError("a portable copy needs a request cache (a resume directory)")
+    if subset is not None and limit is not None:
+        raise TorqError("give either a limit (the first questions) or a seeded subset, not both")
     names = [parse_tasks(t)[0] for t in tasks] if tasks else list(PAPER_TASKS)
+    drawn = None if subset is None else seeded_subset(names, subset, subset_seed, data_dir)
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
         manager = TaskManager(include_path=tmp)
@@ -302,6 +336,7 @@ def evaluate_zeroshot(
                 tasks=list(run_names.values()),
                 task_manager=manager,
                 limit=limit,
+                samples=None if drawn is None else {run_names[t]: ids for t, ids in drawn.items()},
                 num_fewshot=0,
                 log_samples=False,
                 bootstrap_iters=1000,
@@ -322,6 +357,9 @@ def evaluate_zeroshot(
         ),
         "seconds": seconds,
         "limit": limit,
+        "subset": None
+        if drawn is None
+        else {"n": subset, "seed": subset_seed, "questions": {t: len(i) for t, i in drawn.items()}},
         "shared_context": shared_context,
         "request_cache": cache_info,
     }
