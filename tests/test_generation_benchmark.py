@@ -226,3 +226,33 @@ def test_the_table_title_names_only_the_quantization_its_rows_have(
     assert title("fp", "rtn").endswith("pass@1, W4A4 nvfp4")
     assert title("rtn", "torq").endswith("W4A4 nvfp4, calibrated on wikitext2-valid (seed 1)")
     assert "calibrated on" in title("rtn+gptq")  # GPTQ reads calibration data too
+
+
+def test_batched_generation_gives_the_answers_of_one_at_a_time(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """``benchmarks/generation_batch.py``: a W4A4 model with online transforms (``had32``)
+    generates with several problems per batch (left padding through the quantized layers)
+    and the record counts the answers identical to one-at-a-time generation: on the tiny
+    model all of them (a quantizer that mixed the rows of a batch, or read the padding,
+    would change them)."""
+    out = tmp_path / "batch.json"
+    args = [
+        str(BENCH / "generation_batch.py"),
+        "--task", "gsm8k", "--n", "3",
+        "--model", str(tiny_checkpoint),
+        "--method", "had32",
+        "--batch-sizes", "1,3",
+        "--data-dir", str(SHARED_DATA),
+        "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    one, three = record["runs"]
+    assert (one["batch_size"], three["batch_size"], record["problems"]) == (1, 3, 3)
+    assert set(one["texts"]) == set(three["texts"]) and len(one["texts"]) == 3
+    same = sum(one["texts"][k] == three["texts"][k] for k in one["texts"])
+    assert (one["identical"], three["identical"]) == (3, same)
+    assert same == 3
+    assert out.with_suffix(".md").read_text().startswith("`generation_batch.py")
