@@ -191,9 +191,14 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
         str(out),
         "--no-progress",
     ]
-    code, stdout, _ = _run(argv, capsys)
+    code, stdout, stderr = _run(argv, capsys)
     assert code == 0
     assert "| fp |" in stdout and "| rtn |" in stdout
+    # --no-progress: no bars, transformers' loading bar included, and only for the command
+    from transformers.utils import logging as hf_logging
+
+    assert "Loading weights" not in stderr and "it/s]" not in stderr
+    assert hf_logging.is_progress_bar_enabled()
     res = json.loads(out.read_text())
     assert [r["method"] for r in res["rows"]] == ["fp", "rtn"]
     fp, rtn = res["rows"]

@@ -8,11 +8,12 @@ torq models
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
@@ -573,7 +574,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         out.with_suffix(".md").write_text(f"`{record['command']}`\n\n{table}{status}\n")
         return table
 
-    result = run(config, progress=not args.no_progress, on_row=save)
+    with _library_bars(not args.no_progress):
+        result = run(config, progress=not args.no_progress, on_row=save)
     table = save(result)
     print(table)
     if config.tasks and not config.skip_ppl:
@@ -587,6 +589,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # libraries' messages that are not the user's business on the command line: torchao's
 # optional GPU extensions that a CPU machine cannot load, torch's notes to library authors
 _QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _library_bars(shown: bool) -> Iterator[None]:
+    """``--no-progress`` also hides transformers' own bars (loading and writing weights),
+    for the command only: the switch is process-wide, so it is put back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not shown:
+            hf_logging.enable_progress_bar()
 
 
 def _quiet_libraries() -> None:
