@@ -69,11 +69,11 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
     completions are those of a run that never stopped. The directory belongs to its model:
     another model is refused."""
     import pytest
-    from lm_eval.models.huggingface import HFLM
 
     from tests.conftest import SHARED_DATA, tiny_model
     from torq.errors import TorqError
     from torq.eval.generation import generate_humaneval
+    from torq.eval.stopping import StopEachSequenceHFLM as HFLM  # the class torq generates with
 
     model = tiny_model("llama")
     whole, none = generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6)

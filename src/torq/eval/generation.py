@@ -57,10 +57,13 @@ def _run_task(
     (:func:`torq.eval.zeroshot.answers_cached_in`); the cache's summary is returned as
     ``"request_cache"``."""
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm = in_process_lm(HFLM, model, tokenizer, batch_size)
+    from torq.eval.stopping import StopEachSequenceHFLM
+
+    # each answer of a batch stops at its own stop string (lm-eval's HFLM runs a batch on
+    # until every answer holds the same one); one problem at a time it is HFLM exactly
+    lm = in_process_lm(StopEachSequenceHFLM, model, tokenizer, batch_size)
     with (
         tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp,
         answers_cached_in(request_cache, model, tokenizer, lm) as cache,
