@@ -15,6 +15,7 @@ The first batch size is the reference; each time is of this process, measured in
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-gen-toks", type=int, default=1024)
     ap.add_argument("--batch-sizes", default="1,8", help="the first is the reference")
+    ap.add_argument(
+        "--reference-record",
+        default=None,
+        help="a benchmarks/humaneval.py record with this method's row: each run's answers are "
+        "also compared with the completions kept there (generated one at a time, earlier)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", required=True)
@@ -93,11 +100,18 @@ def main(argv: list[str] | None = None) -> None:
         texts = answers(args, model, loaded.tokenizer, batch)
         runs.append({"batch_size": batch, "seconds": time.perf_counter() - t0, "texts": texts})
     reference = runs[0]
+    kept = None
+    if args.reference_record is not None:
+        rows = json.loads(Path(args.reference_record).read_text())["rows"]
+        row = next(r for r in rows if r["method"] == args.method)
+        kept = {t: rec["completion"] for t, rec in row["tasks"].items()}
     if args.task == "humaneval":
         problems = [p for p in load_humaneval(args.data_dir) if p.task_id in reference["texts"]]
     for run in runs:
         run["identical"] = sum(run["texts"][k] == v for k, v in reference["texts"].items())
         run["speedup"] = reference["seconds"] / run["seconds"]
+        if kept is not None:
+            run["identical_to_record"] = sum(kept.get(k) == v for k, v in run["texts"].items())
         if args.task == "humaneval":
             scored = score(problems, {t: [c] for t, c in run["texts"].items()}, k=1)
             run["pass@1"] = scored["pass@1"]
@@ -109,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "problems": len(reference["texts"]),
         "max_gen_toks": args.max_gen_toks,
         "runs": runs,
+        "reference_record": args.reference_record,
         "command": command_line(),
         "date": now_iso(),
         "machine": machine_info(),
@@ -139,6 +154,11 @@ def markdown(record: dict[str, Any]) -> str:
             f"{r['identical']}/{record['problems']} |"
         )
         lines.append(row + (f" {100 * r['pass@1']:.1f} % |" if humaneval else ""))
+    if record.get("reference_record"):
+        same = ", ".join(
+            f"batch {r['batch_size']}: {r['identical_to_record']}" for r in record["runs"]
+        )
+        lines += ["", f"identical to the answers kept in `{record['reference_record']}`: {same}"]
     return "\n".join(lines)
 
 
