@@ -85,6 +85,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=None, help="GSM8K: N problems drawn with --seed")
     ap.add_argument("--seed", type=int, default=0, help="GSM8K: which problems")
     ap.add_argument("--max-gen-toks", type=int, default=MAX_GEN_TOKS)
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="problems generated together (each answer stops at its own stop string; the "
+        "answers may differ from one-at-a-time where two tokens are nearly tied: "
+        "benchmarks/generation_batch.py measures both); not part of a row's identity",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", required=True)
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     done = {r["method"] for r in rows}
     if args.calib_seed < 0:
         ap.error(f"--calib-seed must be 0 or more, not {args.calib_seed}")
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be 1 or more, not {args.batch_size}")
     if args.task != "humaneval" and args.prompt != "completion":
         ap.error("--prompt applies to HumanEval only")
     settings = torq_settings(args)
@@ -152,8 +162,15 @@ def main(argv: list[str] | None = None) -> None:
         cache = None if resume is None else resume / "answers"
         if args.task == "gsm8k":
             result = evaluate_gsm8k(
-                model, loaded.tokenizer, args.data_dir, args.n, args.seed, request_cache=cache
+                model,
+                loaded.tokenizer,
+                args.data_dir,
+                args.n,
+                args.seed,
+                batch_size=args.batch_size,
+                request_cache=cache,
             )
+            result["batch_size"] = args.batch_size
             print(method, result["flexible-extract"], flush=True)
         else:
             result = evaluate_humaneval(
@@ -164,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.max_gen_toks,
                 request_cache=cache,
                 prompt=args.prompt,
+                batch_size=args.batch_size,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})

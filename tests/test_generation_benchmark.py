@@ -30,6 +30,7 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
         "--methods", "rtn",
         "--data-dir", str(SHARED_DATA),
         "--resume-dir", str(resume),
+        "--batch-size", "2",
         "--out", str(out),
     ]  # fmt: skip
     rows = []
@@ -47,6 +48,9 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     assert first["request_cache"]["entries_after"] == 2
     assert again["request_cache"]["entries_before"] == 2  # nothing generated again
     assert again["answers"] == first["answers"]
+    # the two problems were generated together; the session says so
+    assert first["batch_size"] == 2
+    assert [s["batch_size"] for s in again["request_cache"]["sessions"]] == [2, 2]
 
 
 def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> Path:

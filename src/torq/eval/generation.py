@@ -187,12 +187,14 @@ def evaluate_humaneval(
     limits: SandboxLimits | None = None,
     request_cache: str | Path | None = None,
     prompt: str = "completion",
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """pass@1 of ``model`` on HumanEval's first ``limit`` problems (all 164 by default):
     greedy completions through lm-eval, each program run isolated. Returns the score, each
     problem's completion and outcome, and the seconds each part took. With
     ``request_cache`` the completions are kept as they come and a stopped run goes on
-    where it stopped (:func:`_run_task`); ``prompt`` as :func:`generate_humaneval`."""
+    where it stopped (:func:`_run_task`); ``prompt`` and ``batch_size`` (problems generated
+    together) as :func:`generate_humaneval`."""
     t0 = time.perf_counter()
     completions, cache_info = generate_humaneval(
         model,
@@ -200,6 +202,7 @@ def evaluate_humaneval(
         data_dir,
         limit,
         max_gen_toks,
+        batch_size=batch_size,
         request_cache=request_cache,
         prompt=prompt,
     )
@@ -212,6 +215,7 @@ def evaluate_humaneval(
     result["score_seconds"] = time.perf_counter() - t0 - t_gen
     result["max_gen_toks"] = max_gen_toks
     result["prompt"] = prompt
+    result["batch_size"] = batch_size
     result["request_cache"] = cache_info
     return result
 

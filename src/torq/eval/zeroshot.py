@@ -387,9 +387,12 @@ def _cache_entries(db: Path) -> int:
         con.close()
 
 
-def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+def open_request_cache(
+    root: Path, model: torch.nn.Module, tokenizer: Any, batch_size: Any = None
+) -> dict[str, Any]:
     """Check (or claim) ``root`` for ``model`` (:mod:`torq.eval.resume`); log the session's
-    start in ``meta.json``."""
+    start in ``meta.json``, with the batch size its answers are made in where given (a
+    generated answer may depend on it)."""
     root.mkdir(parents=True, exist_ok=True)
     meta_path = root / "meta.json"
     fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
@@ -398,7 +401,10 @@ def open_request_cache(root: Path, model: torch.nn.Module, tokenizer: Any) -> di
         meta = json.loads(meta_path.read_text())
         check_fingerprint(meta["fingerprint"], fingerprint, root)
     before = _cache_entries(_answers_db(root))
-    meta["sessions"].append({"started": now_iso(), "entries_before": before})
+    session: dict[str, Any] = {"started": now_iso(), "entries_before": before}
+    if batch_size is not None:
+        session["batch_size"] = batch_size
+    meta["sessions"].append(session)
     write_json_atomic(meta_path, meta)
     return {"dir": str(root), "entries_before": before}
 
@@ -476,7 +482,7 @@ def answers_cached_in(
         yield CachedAnswers(None)
         return
     root = Path(root)
-    opened = open_request_cache(root, model, tokenizer)
+    opened = open_request_cache(root, model, tokenizer, getattr(lm, "batch_size", None))
     t0 = time.perf_counter()
     cache = CachedAnswers(str(root / CACHE_STEM))
     heartbeat = _Heartbeat(root, t0, on_beat=on_beat)
