@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume_dir is not None:
             digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
             resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
+            _check_batch_size(resume / "answers", args.batch_size, ap)  # before quantizing
         kept = None
         if resume is not None and method != "fp":
             kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer))
@@ -202,6 +203,23 @@ def main(argv: list[str] | None = None) -> None:
             "machine": machine_info(),
         }
         save(out, record, _table(args, rows))
+
+
+def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser) -> None:
+    """A row's answers come from one batch size: the batch changes W4A4 answers (RESULTS
+    §12.1), so a row kept with another one is not continued with this one. Sessions from
+    before the batch size was logged generated one problem at a time."""
+    meta = cache / "meta.json"
+    if not meta.is_file():
+        return
+    sessions = json.loads(meta.read_text()).get("sessions", [])
+    earlier = {int(s.get("batch_size", 1)) for s in sessions}
+    if sessions and earlier != {batch_size}:
+        sizes = ", ".join(str(b) for b in sorted(earlier))
+        ap.error(
+            f"{cache} holds answers generated with --batch-size {sizes}; continue it with that "
+            f"(or give another --resume-dir for --batch-size {batch_size})"
+        )
 
 
 def torq_settings(args: argparse.Namespace) -> TorqSettings:

@@ -51,6 +51,13 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     # the two problems were generated together; the session says so
     assert first["batch_size"] == 2
     assert [s["batch_size"] for s in again["request_cache"]["sessions"]] == [2, 2]
+    # a row is not continued with another batch size (it would change W4A4 answers)
+    out.unlink()
+    other = [*args[:-2], "--batch-size", "1", *args[-2:]]
+    done = subprocess.run([sys.executable, *other], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "holds answers generated with --batch-size 2" in done.stderr
+    assert not out.exists()
 
 
 def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> Path:

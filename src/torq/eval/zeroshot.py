@@ -201,8 +201,8 @@ def seeded_subset(
 ) -> dict[str, list[int]]:
     """``n`` questions of each task in ``names`` drawn with ``seed`` (sorted doc ids, all of
     a task that has fewer): the same questions for every method of a seed, so two rows pair
-    question by question (:mod:`torq.eval.paired`), and each row's standard error is that
-    of ``n`` questions, not of the first ``n`` (which follow the file's order). The draw is
+    question by question (:mod:`torq.eval.paired`); drawn at random they stand for the
+    task, where the first ``n`` (``limit``) follow the file's order. The draw is
     :func:`torq.eval.generation.evaluate_gsm8k`'s: the first ``n`` of
     ``torch.randperm(total, seed)``. Needs each task's local file (its lines are the docs,
     in lm-eval's order); raises :class:`TorqError` naming the file otherwise."""
