@@ -26,14 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from humaneval import _quantization_identity, torq_settings
+from humaneval import quantize
 from torq.eval.generation import evaluate_gsm8k, generate_humaneval
 from torq.eval.humaneval import load_humaneval, score
-from torq.methods import MethodContext, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
-from torq.seeding import method_rng
-from torq.surgery import QuantConfig
 
 
 def parser() -> argparse.ArgumentParser:
@@ -83,17 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load(args.model)
     model = loaded.model
     if args.method != "fp":
-        ctx = MethodContext(
-            tokenizer=loaded.tokenizer,
-            options={
-                "progress": False,
-                "torq_settings": torq_settings(args),
-                "data_dir": args.data_dir,
-            },
-        )
-        qconfig = QuantConfig.from_names(args.format, args.format)
-        with method_rng(0, _quantization_identity(args, args.method)):
-            get_method(args.method).apply(model, qconfig, ctx)
+        quantize(args, model, loaded.tokenizer, args.method)
     runs = []
     for batch in sizes:
         t0 = time.perf_counter()

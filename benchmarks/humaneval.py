@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,15 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             quantize_seconds = float(info["quantize_seconds"])
         elif method != "fp":
             t0 = time.perf_counter()
-            qconfig = QuantConfig.from_names(args.format, args.format)
-            ctx = MethodContext(
-                tokenizer=loaded.tokenizer,
-                options={"progress": False, "torq_settings": settings, "data_dir": args.data_dir},
-            )
-            # a method's draws depend on its own quantization settings, never on what ran
-            # before it nor on the task it is scored on
-            with method_rng(0, _quantization_identity(args, method)):
-                get_method(method).apply(model, qconfig, ctx)
+            quantize(args, model, loaded.tokenizer, method, settings)
             quantize_seconds = time.perf_counter() - t0
             if resume is not None:
                 keep_model(
@@ -220,6 +213,30 @@ def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser)
             f"{cache} holds answers generated with --batch-size {sizes}; continue it with that "
             f"(or give another --resume-dir for --batch-size {batch_size})"
         )
+
+
+def quantize(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    method: str,
+    settings: TorqSettings | None = None,
+) -> None:
+    """Quantize ``model`` in place with ``method`` in ``args.format`` (weights and
+    activations), calibrated as ``args`` says (:func:`torq_settings`)."""
+    qconfig = QuantConfig.from_names(args.format, args.format)
+    ctx = MethodContext(
+        tokenizer=tokenizer,
+        options={
+            "progress": False,
+            "torq_settings": settings or torq_settings(args),
+            "data_dir": args.data_dir,
+        },
+    )
+    # a method's draws depend on its own quantization settings, never on what ran
+    # before it nor on the task it is scored on
+    with method_rng(0, _quantization_identity(args, method)):
+        get_method(method).apply(model, qconfig, ctx)
 
 
 def torq_settings(args: argparse.Namespace) -> TorqSettings:
