@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if not sizes or min(sizes) < 1:
         raise SystemExit(f"--batch-sizes: positive numbers, not {args.batch_sizes!r}")
+    kept = None  # read first: a bad record fails before the generation
+    if args.reference_record is not None:
+        rows = json.loads(Path(args.reference_record).read_text())["rows"]
+        row = next((r for r in rows if r["method"] == args.method), None)
+        if row is None:
+            raise SystemExit(f"--reference-record has no '{args.method}' row")
+        kept = {t: rec["completion"] for t, rec in row["tasks"].items()}
     loaded = load(args.model)
     model = loaded.model
     if args.method != "fp":
@@ -87,11 +94,6 @@ def main(argv: list[str] | None = None) -> None:
         texts = answers(args, model, loaded.tokenizer, batch)
         runs.append({"batch_size": batch, "seconds": time.perf_counter() - t0, "texts": texts})
     reference = runs[0]
-    kept = None
-    if args.reference_record is not None:
-        rows = json.loads(Path(args.reference_record).read_text())["rows"]
-        row = next(r for r in rows if r["method"] == args.method)
-        kept = {t: rec["completion"] for t, rec in row["tasks"].items()}
     if args.task == "humaneval":
         problems = [p for p in load_humaneval(args.data_dir) if p.task_id in reference["texts"]]
     for run in runs:
