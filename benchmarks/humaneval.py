@@ -17,7 +17,12 @@ again (a stopped run goes on with the next method). Generation is slow on a CPU 
 ``--resume-dir DIR`` each method's quantized model is kept in ``DIR`` once it is made, and
 each answer as it is generated, so a run stopped in the middle of a method goes on where it
 stopped (the same command again: no calibration, only the answers not yet generated;
-:mod:`torq.eval.resume` checks that the directory holds this model).
+:mod:`torq.eval.resume` checks that the directory holds this model). With
+``--portable-dir DIR2`` as well, each method's answers are also copied to one small file in
+``DIR2`` as they come (:mod:`torq.eval.portable`); on another machine, or a fresh checkout,
+the same command with that file in place quantizes again, checks that the model gives the
+same logits, and generates only the answers the file does not hold: a row longer than a
+machine is lent for is made over several.
 Writes JSON and a markdown table (``<out>.md``).
 """
 
@@ -45,6 +50,7 @@ from torq.eval.generation import (
     evaluate_gsm8k,
     evaluate_humaneval,
 )
+from torq.eval.portable import load_portable
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -103,6 +109,14 @@ def parser() -> argparse.ArgumentParser:
         help="keep each method's quantized model and its answers here as they come; "
         "the same command again goes on where a stopped run stopped",
     )
+    ap.add_argument(
+        "--portable-dir",
+        default=None,
+        metavar="DIR",
+        help="with --resume-dir: also keep a small copy of each method's answers in DIR "
+        "(one .npz per method, rewritten as they come); the same command on another machine "
+        "reads it, checks the model, and generates only what is missing",
+    )
     return ap
 
 
@@ -119,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--batch-size must be 1 or more, not {args.batch_size}")
     if args.task != "humaneval" and args.prompt != "completion":
         ap.error("--prompt applies to HumanEval only")
+    if args.portable_dir is not None and args.resume_dir is None:
+        ap.error("--portable-dir needs --resume-dir (the answers are copied from there)")
     settings = torq_settings(args)
     for method in args.methods.split(","):
         if method in done:
@@ -135,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
             digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
             resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
             _check_batch_size(resume / "answers", args.batch_size, ap)  # before quantizing
+        portable = None
+        if args.portable_dir is not None and resume is not None:
+            portable = Path(args.portable_dir) / f"{resume.name}.npz"
+            _check_carried_batch_size(portable, args.batch_size, ap)
         kept = None
         if resume is not None and method != "fp":
             kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer))
@@ -163,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.seed,
                 batch_size=args.batch_size,
                 request_cache=cache,
+                portable=portable,
             )
             result["batch_size"] = args.batch_size
             print(method, result["flexible-extract"], flush=True)
@@ -176,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 request_cache=cache,
                 prompt=args.prompt,
                 batch_size=args.batch_size,
+                portable=portable,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
@@ -203,15 +225,36 @@ def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser)
     §12.1), so a row kept with another one is not continued with this one. Sessions from
     before the batch size was logged generated one problem at a time."""
     meta = cache / "meta.json"
-    if not meta.is_file():
+    if meta.is_file():
+        sessions = json.loads(meta.read_text()).get("sessions", [])
+        _check_sessions(sessions, cache, "--resume-dir", batch_size, ap)
+
+
+def _check_carried_batch_size(portable: Path, batch_size: int, ap: argparse.ArgumentParser) -> None:
+    """:func:`_check_batch_size` for the sessions a portable copy carries (answers made on
+    another machine), before quantizing."""
+    if not portable.is_file():
         return
-    sessions = json.loads(meta.read_text()).get("sessions", [])
+    try:
+        sessions = load_portable(portable)["meta"].get("sessions", [])
+    except TorqError as exc:
+        ap.error(str(exc))
+    _check_sessions(sessions, portable, "--portable-dir", batch_size, ap)
+
+
+def _check_sessions(
+    sessions: list[dict[str, Any]],
+    where: Path,
+    option: str,
+    batch_size: int,
+    ap: argparse.ArgumentParser,
+) -> None:
     earlier = {int(s.get("batch_size", 1)) for s in sessions}
     if sessions and earlier != {batch_size}:
         sizes = ", ".join(str(b) for b in sorted(earlier))
         ap.error(
-            f"{cache} holds answers generated with --batch-size {sizes}; continue it with that "
-            f"(or give another --resume-dir for --batch-size {batch_size})"
+            f"{where} holds answers generated with --batch-size {sizes}; continue it with that "
+            f"(or give another {option} for --batch-size {batch_size})"
         )
 
 

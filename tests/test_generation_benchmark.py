@@ -19,20 +19,23 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
+def _gsm8k_rtn(checkpoint: Path) -> list[str]:
+    """The benchmark's command line for RTN on two GSM8K problems of ``checkpoint``."""
+    return [
+        str(ROOT / "benchmarks" / "humaneval.py"),
+        "--task", "gsm8k", "--n", "2",
+        "--model", str(checkpoint),
+        "--methods", "rtn",
+        "--data-dir", str(SHARED_DATA),
+    ]  # fmt: skip
+
+
 def test_the_same_command_again_reuses_the_kept_model_and_answers(
     tmp_path: Path, tiny_checkpoint: Path
 ) -> None:
     out, resume = tmp_path / "gsm8k.json", tmp_path / "resume"
-    args = [
-        str(ROOT / "benchmarks" / "humaneval.py"),
-        "--task", "gsm8k", "--n", "2",
-        "--model", str(tiny_checkpoint),
-        "--methods", "rtn",
-        "--data-dir", str(SHARED_DATA),
-        "--resume-dir", str(resume),
-        "--batch-size", "2",
-        "--out", str(out),
-    ]  # fmt: skip
+    args = [*_gsm8k_rtn(tiny_checkpoint), "--resume-dir", str(resume), "--batch-size", "2"]
+    args += ["--out", str(out)]
     rows = []
     for _ in range(2):
         out.unlink(missing_ok=True)  # the record would skip the method: run it again
@@ -58,6 +61,42 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     assert done.returncode != 0
     assert "holds answers generated with --batch-size 2" in done.stderr
     assert not out.exists()
+
+
+def test_a_row_goes_on_from_its_portable_copy_on_a_fresh_checkout(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """``--portable-dir``: the answers of a row are copied to one small file as they come;
+    with the resume directory gone (another machine, a fresh checkout) the same command
+    quantizes again, checks the model against the copy, and generates nothing it holds."""
+    out, carry = tmp_path / "gsm8k.json", tmp_path / "carry"
+
+    def run(resume: str | None, batch: str = "2") -> subprocess.CompletedProcess:
+        args = [*_gsm8k_rtn(tiny_checkpoint), "--portable-dir", str(carry)]
+        args += ["--batch-size", batch, "--out", str(out)]
+        if resume is not None:
+            args += ["--resume-dir", resume]
+        out.unlink(missing_ok=True)
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+
+    first = run(str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    row_a = json.loads(out.read_text())["rows"][0]
+    (copy,) = carry.glob("gsm8k-rtn-*.npz")
+    assert row_a["request_cache"]["portable"]["answers_carried"] == 0
+    again = run(str(tmp_path / "b"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    row_b = json.loads(out.read_text())["rows"][0]
+    assert row_b["answers"] == row_a["answers"]
+    assert row_b["request_cache"]["entries_before"] == 0  # a new directory
+    assert row_b["request_cache"]["portable"]["answers_used"] == 2  # nothing generated
+    assert [s["batch_size"] for s in row_b["request_cache"]["sessions"]] == [2, 2]
+    # the copy's batch size holds as the resume directory's does, checked before quantizing
+    other = run(str(tmp_path / "c"), batch="1")
+    assert other.returncode != 0 and f"{copy} holds answers generated with" in other.stderr
+    assert not (tmp_path / "c").exists()
+    bare = run(None)
+    assert bare.returncode == 2 and "--portable-dir needs --resume-dir" in bare.stderr
 
 
 def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> Path:

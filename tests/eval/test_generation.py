@@ -63,6 +63,26 @@ def test_gsm8k_runs_offline_on_a_seeded_subset(tiny_tokenizer, monkeypatch) -> N
     assert right["flexible-extract"]["exact_match"] == 1.0
 
 
+def _count_generations(monkeypatch, stop_after: int | None = None) -> list[int]:
+    """Count the generations of torq's generating class (one entry each); with
+    ``stop_after`` the next one after that many raises, as a run stopped there would."""
+    from torq.eval.stopping import StopEachSequenceHFLM as HFLM  # the class torq generates with
+
+    # the class's own method, not an earlier call's counter
+    real = getattr(HFLM._model_generate, "__wrapped__", HFLM._model_generate)
+    calls: list[int] = []
+
+    def counted(self, *args, **kwargs):
+        if stop_after is not None and len(calls) >= stop_after:
+            raise RuntimeError("stopped")
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    counted.__wrapped__ = real  # type: ignore[attr-defined]
+    monkeypatch.setattr(HFLM, "_model_generate", counted)
+    return calls
+
+
 def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path, monkeypatch):
     """With a request cache each completion is kept as it is generated: a run stopped after
     its first answer keeps it, the same call again generates only the rest, and the
@@ -73,32 +93,17 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
     from tests.conftest import SHARED_DATA, tiny_model
     from torq.errors import TorqError
     from torq.eval.generation import generate_humaneval
-    from torq.eval.stopping import StopEachSequenceHFLM as HFLM  # the class torq generates with
 
     model = tiny_model("llama")
     whole, none = generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6)
     assert none is None and len(whole) == 3
 
-    real = HFLM._model_generate
-    calls: list[int] = []
-
-    def stops_at_the_second(self, *args, **kwargs):
-        if calls:
-            raise RuntimeError("stopped")
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
     cache = tmp_path / "answers"
-    monkeypatch.setattr(HFLM, "_model_generate", stops_at_the_second)
+    _count_generations(monkeypatch, stop_after=1)
     with pytest.raises(RuntimeError, match="stopped"):
         generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache)
 
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    calls.clear()
-    monkeypatch.setattr(HFLM, "_model_generate", counted)
+    calls = _count_generations(monkeypatch)
     again, info = generate_humaneval(
         model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
     )
@@ -110,6 +115,62 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
     with pytest.raises(TorqError, match="another model"):
         generate_humaneval(
             tiny_model("llama", seed=1), tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
+        )
+
+
+def test_a_generation_goes_on_from_a_copy_made_on_another_machine(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
+    """With a portable copy the answers of a run stopped on "machine A" (its resume
+    directory then lost) are used on "machine B" without generating them again: B generates
+    only the rest, the completions are those of a run that never stopped, and the copy then
+    holds them all. The copy belongs to its model: another model is refused."""
+    import shutil
+
+    import pytest
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.errors import TorqError
+    from torq.eval.generation import generate_humaneval
+    from torq.eval.portable import load_portable
+
+    model = tiny_model("llama")
+    data = str(SHARED_DATA)
+    whole, _ = generate_humaneval(model, tiny_tokenizer, data, 3, 6)
+    carry = tmp_path / "carry" / "row.npz"
+    with pytest.raises(TorqError, match="request cache"):
+        generate_humaneval(model, tiny_tokenizer, data, 3, 6, portable=carry)
+
+    _count_generations(monkeypatch, stop_after=1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        generate_humaneval(
+            model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "a", portable=carry
+        )
+    # the answer made before the stop reached the copy, though no heartbeat came
+    assert len(load_portable(carry)["generations"]) == 1
+    shutil.rmtree(tmp_path / "a")  # machine A is gone
+
+    calls = _count_generations(monkeypatch)
+    again, info = generate_humaneval(
+        model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "b", portable=carry
+    )
+    assert again == whole
+    assert len(calls) == 2  # the carried answer was not generated again
+    assert info is not None
+    assert info["portable"]["answers_carried"] == 1 and info["portable"]["answers_used"] == 1
+    assert info["entries_after"] == 3
+    assert len(info["sessions"]) == 2  # A's session came along in the copy
+    assert len(load_portable(carry)["generations"]) == 3
+
+    with pytest.raises(TorqError, match="another model"):
+        generate_humaneval(
+            tiny_model("llama", seed=1),
+            tiny_tokenizer,
+            data,
+            3,
+            6,
+            request_cache=tmp_path / "c",
+            portable=carry,
         )
 
 

@@ -45,7 +45,11 @@ def test_export_and_load_round_trip(tmp_path) -> None:
     answers = {("ctx a", " x"): (-1.25, True), ("ctx b", " y"): (-3.5, False)}
     _fake_resume(tmp_path / "r", [0.1, 0.2], answers)
     out = tmp_path / "carry" / "m.npz"
-    assert export_portable(tmp_path / "r", out) == {"answers": 2, "ppl_windows": 2}
+    assert export_portable(tmp_path / "r", out) == {
+        "answers": 2,
+        "ppl_windows": 2,
+        "generations": 0,
+    }
     assert not list(out.parent.glob("*.tmp.npz"))
     data = load_portable(out)
     assert data["answers"] == {answer_key(a): v for a, v in answers.items()}
@@ -59,6 +63,32 @@ def test_export_and_load_round_trip(tmp_path) -> None:
     # answers the file holds but a (new) directory does not yet are not dropped
     _fake_resume(tmp_path / "r2", [0.1, 0.2], {("ctx c", " z"): (-0.5, True)})
     assert export_portable(tmp_path / "r2", out)["answers"] == 3
+
+
+def test_generated_answers_are_carried_as_text(tmp_path) -> None:
+    """A generation task's answers (strings in lm-eval's cache) go into the copy by the
+    same key prefix, beside the log-likelihood ones, and are kept when a new directory
+    does not hold them yet."""
+    from lm_eval.api.model import hash_args
+    from sqlitedict import SqliteDict
+
+    gen = ("def f():\n", {"until": ["\ndef"], "do_sample": False})
+    _fake_resume(tmp_path / "r", [0.1], {("ctx a", " x"): (-1.0, True)})
+    db = SqliteDict(str(tmp_path / "r" / "requests_rank0.db"), autocommit=True)
+    db[hash_args("generate_until", gen)] = "    return 1\n"
+    db.close()
+    out = tmp_path / "m.npz"
+    assert export_portable(tmp_path / "r", out) == {
+        "answers": 1,
+        "ppl_windows": 2,
+        "generations": 1,
+    }
+    data = load_portable(out)
+    assert data["generations"] == {answer_key(gen, "generate_until"): "    return 1\n"}
+    assert data["answers"] == {answer_key(("ctx a", " x")): (-1.0, True)}
+    assert "generations" not in data["meta"]
+    _fake_resume(tmp_path / "r2", [0.1], {})
+    assert export_portable(tmp_path / "r2", out)["generations"] == 1
 
 
 def test_bad_files_are_clear_errors(tmp_path) -> None:

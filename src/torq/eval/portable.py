@@ -9,11 +9,13 @@ machines are lent for; the evaluation then has to move to another machine part-d
 :func:`export_portable` writes the part worth carrying into one ``.npz``: per answer a
 64-bit prefix of lm-eval's request hash, the log-likelihood and the greedy flag (17 bytes,
 about 12 compressed), plus the logits fingerprint, the sessions and the perplexity windows
-as JSON.
+as JSON; a generation task's answers (HumanEval's completions, GSM8K's worked answers) are
+text, kept in the JSON by the same key prefix.
 :func:`seed_resume_dir` reads it into a new resume directory on the other machine, after
 checking that the model there gives the same fingerprint; the answers it carries are then
-handed to lm-eval without running the model (:class:`SeededAnswers`), and the sessions'
-wall time keeps counting from where it was.
+handed to lm-eval without running the model (:class:`SeededAnswers`, and
+:class:`SeededGenerations` for the generated ones), and the sessions' wall time keeps
+counting from where it was.
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ def answer_key(args: Iterable[Any], attr: str = "loglikelihood") -> int:
     return int(hash_args(attr, args)[:16], 16)
 
 
-def _db_answers(db: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _db_answers(db: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+    """The log-likelihood answers of lm-eval's request cache ``db`` as arrays (key prefix,
+    log-likelihood, greedy flag), and its generated answers (key prefix → text)."""
     keys: list[int] = []
     lls: list[float] = []
     greedy: list[bool] = []
+    texts: dict[int, str] = {}
     if db.is_file():
         # read-only, beside lm-eval's writer; a locked database raises (the caller then
         # keeps its previous copy) rather than pass for an empty one
@@ -71,6 +76,9 @@ def _db_answers(db: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             con.close()
         for key, value in rows:
             answer = pickle.loads(value)
+            if isinstance(answer, str):  # a generate_until answer
+                texts[int(key[:16], 16)] = answer
+                continue
             if not (isinstance(answer, tuple) and len(answer) == 2):
                 continue  # not a log-likelihood answer
             keys.append(int(key[:16], 16))
@@ -80,17 +88,19 @@ def _db_answers(db: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         np.asarray(keys, dtype=np.uint64),
         np.asarray(lls, dtype=np.float64),
         np.asarray(greedy, dtype=np.bool_),
+        texts,
     )
 
 
 def export_portable(resume: Path, path: Path) -> dict[str, int]:
-    """Write ``resume``'s answers, perplexity windows and sessions to ``path`` (``.npz``,
-    replaced atomically, so a stop mid-write leaves the previous copy). Answers the file
-    already holds but the directory does not (seeded ones not yet asked for) are kept."""
+    """Write ``resume``'s answers (scored and generated), perplexity windows and sessions to
+    ``path`` (``.npz``, replaced atomically, so a stop mid-write leaves the previous copy).
+    Answers the file already holds but the directory does not (seeded ones not yet asked
+    for) are kept."""
     resume, path = Path(resume), Path(path)
     meta_path = resume / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    keys, lls, greedy = _db_answers(resume / ANSWERS_DB)
+    keys, lls, greedy, texts = _db_answers(resume / ANSWERS_DB)
     ppl = {p.name: json.loads(p.read_text()) for p in sorted(resume.glob("ppl-*.json"))}
     # the zero-shot fingerprint (fingerprint_ids); a perplexity checkpoint keeps its own
     fingerprint = meta.get("fingerprint")
@@ -104,6 +114,7 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
             keys = np.concatenate([keys, np.asarray([k for k, _ in extra], dtype=np.uint64)])
             lls = np.concatenate([lls, np.asarray([v[0] for _, v in extra], dtype=np.float64)])
             greedy = np.concatenate([greedy, np.asarray([v[1] for _, v in extra], dtype=bool)])
+        texts = {**old["generations"], **texts}
         for name, content in old["meta"].get("ppl", {}).items():
             if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
                 ppl[name] = content
@@ -112,6 +123,8 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
         "fingerprint": fingerprint,
         "sessions": meta.get("sessions", []),
         "ppl": ppl,
+        # JSON keys are strings: the 64-bit prefix in hex, as in lm-eval's own key
+        "generations": {f"{k:016x}": t for k, t in sorted(texts.items())},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
@@ -119,12 +132,16 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
         tmp, keys=keys, loglik=lls, greedy=greedy, meta=np.asarray(json.dumps(info))
     )
     os.replace(tmp, path)
-    return {"answers": int(keys.size), "ppl_windows": sum(len(c["nll"]) for c in ppl.values())}
+    return {
+        "answers": int(keys.size),
+        "ppl_windows": sum(len(c["nll"]) for c in ppl.values()),
+        "generations": len(texts),
+    }
 
 
 def load_portable(path: Path) -> dict[str, Any]:
-    """``{"answers": {key prefix: (log-likelihood, greedy)}, "meta": {...}}`` from a file
-    written by :func:`export_portable`."""
+    """``{"answers": {key prefix: (log-likelihood, greedy)}, "generations": {key prefix:
+    text}, "meta": {...}}`` from a file written by :func:`export_portable`."""
     path = Path(path)
     if not path.is_file():
         raise TorqError(f"no portable evaluation file at {path}")
@@ -140,7 +157,8 @@ def load_portable(path: Path) -> dict[str, Any]:
         int(k): (float(v), bool(g))
         for k, v, g in zip(keys.tolist(), lls.tolist(), greedy.tolist(), strict=True)
     }
-    return {"answers": answers, "meta": meta}
+    generations = {int(k, 16): t for k, t in meta.pop("generations", {}).items()}
+    return {"answers": answers, "generations": generations, "meta": meta}
 
 
 def seed_resume_dir(
@@ -151,9 +169,22 @@ def seed_resume_dir(
     the perplexity windows (where the directory has fewer). Returns the answers, for
     :class:`SeededAnswers`. An absent ``path`` seeds nothing, but ``resume`` is still
     claimed for ``model`` (``meta.json`` with its fingerprint), which later copies carry."""
+    return _seed(path, resume, model, tokenizer)["answers"]
+
+
+def seed_generation_dir(
+    path: Path, resume: Path, model: torch.nn.Module, tokenizer: Any
+) -> dict[int, str]:
+    """:func:`seed_resume_dir` for a generation task: the same checks and the same filling
+    of ``resume``; returns the generated answers ``path`` carries (key prefix → text), for
+    :class:`SeededGenerations`."""
+    return _seed(path, resume, model, tokenizer)["generations"]
+
+
+def _seed(path: Path, resume: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
     path, resume = Path(path), Path(resume)
     fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
-    data = load_portable(path) if path.is_file() else {"answers": {}, "meta": {}}
+    data = load_portable(path) if path.is_file() else {"answers": {}, "generations": {}, "meta": {}}
     meta_in = data["meta"]
     if meta_in.get("fingerprint") is not None:
         check_fingerprint(meta_in["fingerprint"], fingerprint, path)
@@ -173,7 +204,7 @@ def seed_resume_dir(
         have = json.loads(target.read_text()).get("nll", []) if target.is_file() else []
         if len(content.get("nll", [])) > len(have):
             write_json_atomic(target, content)
-    return data["answers"]
+    return data
 
 
 class SeededAnswers:
@@ -207,3 +238,34 @@ class SeededAnswers:
             for i, answer in zip(todo, scored, strict=True):
                 results[i] = answer
         return results
+
+
+class SeededGenerations:
+    """Mixin for lm-eval's ``HFLM`` (and :class:`~torq.eval.stopping.StopEachSequenceHFLM`):
+    ``generate_until`` requests whose answer is in ``generation_seeds`` (from
+    :func:`seed_generation_dir`) are answered from it, and passed to the request cache at
+    once; the rest are generated, together, as the class generates them."""
+
+    generation_seeds: dict[int, str] | None = None
+    seeded_generations: int = 0
+
+    def generate_until(  # type: ignore[no-untyped-def]
+        self, requests, disable_tqdm: bool = False
+    ) -> list[str]:
+        if not self.generation_seeds:
+            return super().generate_until(requests, disable_tqdm)  # type: ignore[misc]
+        results: list[str | None] = [None] * len(requests)
+        todo: list[int] = []
+        for i, request in enumerate(requests):
+            hit = self.generation_seeds.get(answer_key(request.args, "generate_until"))
+            if hit is None:
+                todo.append(i)
+                continue
+            results[i] = hit
+            self.cache_hook.add_partial("generate_until", request.args, hit)  # type: ignore[attr-defined]
+            self.seeded_generations += 1
+        if todo:
+            made = super().generate_until([requests[i] for i in todo], disable_tqdm)  # type: ignore[misc]
+            for i, text in zip(todo, made, strict=True):
+                results[i] = text
+        return [r for r in results if r is not None]
