@@ -13,9 +13,10 @@ limit or subset, formats and settings) are kept, not re-run; ``--merge-from`` ta
 records of other runs the same way (one process per method on a machine with more cores,
 then one table).
 
-``--ppl-from`` takes earlier ``torq run`` records: a method whose full-test perplexity was
-measured there with the same formats and settings reuses it (the row names its source)
-instead of spending another pass over the test set; the rest are measured here.
+``--ppl-from`` takes earlier ``torq run`` records: a method whose perplexity was measured
+there on the same windows (the full test, or the same ``--max-windows``) with the same
+formats and settings reuses it (the row names its source) instead of spending another pass
+over the test set; the rest are measured here.
 
 Writes the JSON record (per method: PPL, headline scores, lm-eval's full output, wall
 times), a markdown table beside it, and the figure as ``<out>.png``.
@@ -45,13 +46,17 @@ from torq.pipeline import RunConfig, markdown_table, run, setting_key
 from torq.results import command_line
 
 
-def earlier_perplexities(paths: list[str]) -> dict[str, tuple[float, str, int]]:
-    """``setting_key → (ppl, source file, windows)`` from complete-test rows of earlier runs."""
+def earlier_perplexities(
+    paths: list[str], max_windows: int | None = None
+) -> dict[str, tuple[float, str, int]]:
+    """``setting_key → (ppl, source file, windows)`` from the rows of earlier runs measured
+    on the same windows: the full test (``max_windows`` ``None``) or its first
+    ``max_windows``."""
     found: dict[str, tuple[float, str, int]] = {}
     for p in paths:
         rec = json.loads(Path(p).read_text())
-        if rec.get("kind") != "torq.run" or rec["config"].get("max_windows") is not None:
-            continue  # only full-test perplexities
+        if rec.get("kind") != "torq.run" or rec["config"].get("max_windows") != max_windows:
+            continue  # another set of windows: another number
         for row in rec["rows"]:
             if row.get("ppl") is not None:
                 key = setting_key(rec["config"], row["method"])
@@ -126,7 +131,7 @@ def main() -> None:
     )
     base_dict = asdict(base)
     subset = None if args.subset is None else {"n": args.subset, "seed": args.subset_seed}
-    earlier = earlier_perplexities(args.ppl_from) if args.max_windows is None else {}
+    earlier = earlier_perplexities(args.ppl_from, args.max_windows)
     out = Path(args.out)
     check_destination(out, folder=False, what="--out")
     done: dict[str, dict[str, Any]] = {}

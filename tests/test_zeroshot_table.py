@@ -43,3 +43,32 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
     assert merged["complete"] is True
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
     assert not (tmp_path / "requests").exists() or not any((tmp_path / "requests").iterdir())
+
+
+def test_perplexities_are_reused_only_from_the_same_windows(tmp_path: Path) -> None:
+    """``--ppl-from``: a row's perplexity is taken from an earlier record measured on the
+    same windows (the full test, or the same first N), never from another set."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "zeroshot_table", ROOT / "benchmarks" / "zeroshot_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    config = json.loads((ROOT / "docs" / "formats" / "smollm2-nvfp4-16w.json").read_text())
+    paths = {}
+    for windows, ppl, n in ((16, 26.75, 16), (None, 19.5, 140), (8, 30.0, 8)):
+        rec = {
+            "kind": "torq.run",
+            "config": {**config["config"], "max_windows": windows},
+            "eval": {"n_windows": n},
+            "rows": [{"method": "torq", "ppl": ppl}],
+        }
+        paths[windows] = tmp_path / f"{windows}.json"
+        paths[windows].write_text(json.dumps(rec))
+    files = [str(p) for p in paths.values()]
+    for windows, ppl, n in ((16, 26.75, 16), (None, 19.5, 140)):
+        found = table.earlier_perplexities(files, windows)
+        assert list(found.values()) == [(ppl, str(paths[windows]), n)]
+    assert table.earlier_perplexities(files, 4) == {}
