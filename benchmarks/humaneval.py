@@ -33,6 +33,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
-from torq.rotations.intra_block import IntraBlockConfig
 from torq.seeding import method_rng
 from torq.surgery import QuantConfig
 
@@ -289,7 +289,11 @@ def torq_settings(args: argparse.Namespace) -> TorqSettings:
     calibration = CalibrationConfig(
         n_samples=args.calib_samples, corpus=args.calib_corpus, seed=args.calib_seed
     )
-    return TorqSettings(calibration=calibration, intra=IntraBlockConfig(seed=args.calib_seed))
+    # torq's own intra-block defaults (the Hadamard start, every column a candidate) with the
+    # seed replaced: a bare IntraBlockConfig is the paper's (identity start, K/2 candidates),
+    # which the rows from 2026-11-26 14:44 to 2026-11-27 03:40 ran by mistake (RESULTS §12.1)
+    intra = replace(TorqSettings().intra, seed=args.calib_seed)
+    return TorqSettings(calibration=calibration, intra=intra)
 
 
 def _quantization_identity(args: argparse.Namespace, method: str) -> str:
@@ -312,7 +316,12 @@ def _identity(args: argparse.Namespace, method: str) -> str:
         identity["calib_seed"] = args.calib_seed
     if args.prompt != "completion":
         identity["prompt"] = args.prompt
-    return json.dumps(identity, sort_keys=True)
+    recipe = get_method(method).transform.key_settings({"torq": asdict(torq_settings(args))})
+    if recipe:  # what the transform reads (TORQ's settings): a model kept with other
+        # settings is never reloaded for these; none for RTN and the fixed Hadamards,
+        # whose directories keep their names
+        identity["recipe"] = recipe
+    return json.dumps(identity, sort_keys=True, default=str)
 
 
 def _setting(args: argparse.Namespace, rows: list[dict]) -> str:

@@ -236,6 +236,34 @@ def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
     )
 
 
+def test_the_benchmarks_torq_is_torq_runs_and_names_its_recipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows of ``benchmarks/humaneval.py`` calibrate with ``torq run``'s TORQ: the same
+    settings for the same seed and calibration (a bare ``IntraBlockConfig``, the paper's
+    identity start with K/2 candidates, was used instead for a while). What the transform
+    reads names the resume directory, so a model kept with other settings is not reloaded;
+    RTN's and ``had32``'s directories (and carried copies) keep their names."""
+    from torq.cli import build_parser, torq_settings_from_args
+
+    bench = _benchmark(monkeypatch)
+    base = ["--model", "qwen2.5-coder-0.5b", "--calib-samples", "16", "--out", "x.json"]
+    for seed in ("0", "1"):
+        args = bench.parser().parse_args([*base, "--calib-seed", seed])
+        run = build_parser().parse_args(
+            ["run", "--model", "m", "--calib-samples", "16", "--calib-seed", seed]
+        )
+        assert bench.torq_settings(args) == torq_settings_from_args(run)
+        assert bench.torq_settings(args).intra.init == "hadamard"
+    args = bench.parser().parse_args(base)
+    kept = bench._identity(args, "torq")
+    paper = bench.torq_settings(args).paper()
+    monkeypatch.setattr(bench, "torq_settings", lambda _args: paper)
+    assert bench._identity(args, "torq") != kept
+    for method, digest in (("rtn", "e79dfe421a"), ("had32", "31e3ebbad6")):
+        assert hashlib.sha1(bench._identity(args, method).encode()).hexdigest()[:10] == digest
+
+
 def test_the_instruct_prompt_is_refused_before_any_work(
     tmp_path: Path, tiny_checkpoint: Path
 ) -> None:

@@ -16,9 +16,12 @@ import sys
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from torq.errors import TorqError
+
+if TYPE_CHECKING:
+    from torq.methods.torq_rotation import TorqSettings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -441,24 +444,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(text).name or text).strip("_") or "model"
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    import torch
-
-    from torq.paths import check_destination
-    from torq.pipeline import RunConfig, markdown_table, run
-    from torq.results import write_json_atomic
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    fmt = getattr(args, "format", "mxfp4")
-    w = getattr(args, "w_format", fmt)
-    a = getattr(args, "a_format", fmt)
-    scale_mode = getattr(args, "scale_mode", "ocp")
+def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
+    """TORQ's settings (Algorithms 1–3 and torq's additions) as ``torq run``'s options give
+    them; with no option given, :class:`~torq.methods.torq_rotation.TorqSettings`' defaults
+    but the calibration's and the solver's seed, which ``--calib-seed`` sets. The benchmark
+    scripts build theirs from the same defaults (a test holds them equal)."""
     from torq.calibration.data import CalibrationConfig
     from torq.methods.torq_rotation import TorqSettings
     from torq.rotations.inter_block import InterBlockConfig
     from torq.rotations.intra_block import IntraBlockConfig
-    from torq.surgery.gptq import GPTQConfig
 
     torq_settings = TorqSettings(
         inter=InterBlockConfig(construction=args.inter, angle=args.angle, shared=args.shared_inter),
@@ -486,8 +480,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         calibrate=args.torq_calibrate,
         expert_down_shared=args.expert_down == "shared",
     )
-    if args.paper:
-        torq_settings = torq_settings.paper()
+    return torq_settings.paper() if args.paper else torq_settings
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from torq.paths import check_destination
+    from torq.pipeline import RunConfig, markdown_table, run
+    from torq.results import write_json_atomic
+    from torq.surgery.gptq import GPTQConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fmt = getattr(args, "format", "mxfp4")
+    w = getattr(args, "w_format", fmt)
+    a = getattr(args, "a_format", fmt)
+    scale_mode = getattr(args, "scale_mode", "ocp")
+    torq_settings = torq_settings_from_args(args)
     from torq.pipeline import saved_formats, saved_manifest
 
     saved = saved_manifest(args.model)
