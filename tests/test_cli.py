@@ -31,6 +31,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--max-windows", "0"], "positive integer"),
         (["run", "--scale-mode", "banana"], "invalid choice"),
         (["run", "--balance", "2"], "in [0, 1] or 'none'"),
+        (["run", "--rotation-block", "12"], "invalid choice: 12"),
         (["run", "--torq-calibrate", "o_proj,1x"], "linear layer names such as o_proj"),
         (["run", "--methods", "torq-perm", "--balance", "none"], "needs the balancing"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
@@ -76,6 +77,24 @@ def test_destinations_and_methods_are_checked_before_any_work(
         (
             ["--methods", "torq", "--calib-seqlen", "32", "--seqlen", "32", "--k-top", "99"],
             "k_top=99",
+        ),
+        (  # every column of a block of 16 a candidate, not 32
+            ["--methods", "torq", "--seqlen", "32", "--rotation-block", "16", "--k-top", "32"],
+            "k_top=32 exceeds the block size 16",
+        ),
+        (
+            [
+                "--methods",
+                "torq-had32",
+                "--rotation-block",
+                "16",
+                "--save-dir",
+                str(tmp_path / "ct"),
+                "--save-format",
+                "compressed-tensors",
+                "--fold-balance",
+            ],
+            "not blocks of 16: drop --rotation-block",
         ),
     ]
     for extra, needle in cases:
@@ -345,6 +364,38 @@ def test_torq_defaults_and_paper_flag_are_recorded(
         assert settings["balance"] == 0.5
         assert (settings["intra"]["init"], settings["intra"]["k_top"]) == ("hadamard", 32)
     assert math.isfinite(row["ppl"])
+
+
+def test_a_rotation_block_of_16_for_nvfp4(tiny_checkpoint, tiny_data_dir, tmp_path, capsys) -> None:
+    """``--rotation-block 16`` (NVFP4's block): TORQ's rotations and ``torq-had32``'s
+    Hadamard act on blocks of 16, every column of a block a candidate (``k_top`` 16), beside
+    the plain ``had16``; the settings that ran are recorded, and the run's quantized models
+    reload with them (the kept model's transforms are of 16)."""
+    corpus = tmp_path / "calib.txt"
+    corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
+    out = tmp_path / "k16.json"
+    argv = [
+        "run", "--model", str(tiny_checkpoint), "--methods", "had16,torq-had32,torq",
+        "--format", "nvfp4", "--rotation-block", "16", "--seqlen", "64", "--max-windows", "1",
+        "--data-dir", str(tiny_data_dir), "--calib-corpus", str(corpus), "--calib-samples", "2",
+        "--calib-seqlen", "32", "--max-iter", "1", "--reservoir", "16", "--out", str(out),
+        "--save-dir", str(tmp_path / "saved"), "--no-progress",
+    ]  # fmt: skip
+    assert _run(argv, capsys)[0] == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["had16"]["details"]["group_by_width"] == {"64": 16, "128": 16}
+    for method in ("torq-had32", "torq"):
+        settings = rows[method]["details"]["settings"]
+        assert (settings["block_size"], settings["intra"]["k_top"]) == (16, 16)
+        assert math.isfinite(rows[method]["ppl"])
+    from torq.export import load_quantized
+    from torq.rotations.transform import BlockRotation
+
+    for method in ("had16", "torq"):
+        (folder,) = (tmp_path / "saved").glob(f"*-{method}")
+        model = load_quantized(folder)[0]
+        blocks = {m.block_size for m in model.modules() if isinstance(m, BlockRotation)}
+        assert blocks == {16}, (method, blocks)
 
 
 def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from torq.methods.torq_rotation import TorqSettings
 
 
+# TORQ's block sizes K: the divisors of 32 with at least two columns, so K divides every
+# width a 32-element MX block does (and NVFP4's 16) and has a Sylvester Hadamard matrix
+ROTATION_BLOCKS = (2, 4, 8, 16, 32)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line on stderr, not a usage dump."""
 
@@ -397,8 +402,18 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--k-top",
         type=_positive_int,
+        default=None,
+        help="intra-block candidate columns (default torq's: every column of the block, 32; "
+        "the paper: K/2 = 16)",
+    )
+    t.add_argument(
+        "--rotation-block",
+        type=int,
+        choices=ROTATION_BLOCKS,
         default=32,
-        help="intra-block candidate columns (torq: all 32; the paper: K/2 = 16)",
+        metavar="K",
+        help="TORQ's block size K, the order of its rotations and of torq-had32's Hadamard "
+        "(default 32, the MX block; 16 matches NVFP4's block)",
     )
     t.add_argument(
         "--objective", choices=("occupancy", "mse"), default="occupancy", help="intra-block loss"
@@ -460,7 +475,8 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
             max_iter=args.max_iter,
             pairs_per_step=args.pairs,
             lam=args.lam,
-            k_top=args.k_top,
+            # torq's default: every column of the block a candidate (32 for K = 32)
+            k_top=args.rotation_block if args.k_top is None else args.k_top,
             objective=args.objective,
             max_samples=args.intra_samples,
             init=args.intra_init,
@@ -474,6 +490,7 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
         ),
         sequential=args.sequential,
         reservoir_tokens=args.reservoir,
+        block_size=args.rotation_block,
         balance=args.balance,
         guard=args.torq_guard,
         fold=args.fold_balance,

@@ -437,6 +437,7 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
         FOLDED_METHODS,
         NVFP4_ACTIVATIONS,
     )
+    from torq.methods.torq_rotation import TorqTransform
 
     if config.save_format != "compressed-tensors":
         raise TorqError(f"unknown --save-format '{config.save_format}'")
@@ -460,6 +461,11 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
         if method.quantizes and method.name not in EXPORTABLE_METHODS:
             raise TorqError(
                 f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
+            )
+        if isinstance(method.transform, TorqTransform) and config.torq.block_size != 32:
+            raise TorqError(
+                f"--save-format compressed-tensors holds '{method.name}' with its 32-block "
+                f"Hadamard only, not blocks of {config.torq.block_size}: drop --rotation-block"
             )
         if method.name in FOLDED_METHODS and not config.torq.fold:
             raise TorqError(

@@ -395,6 +395,28 @@ def test_gemv_on_several_tokens_with_torq_rotation() -> None:
     assert _rel_err(y.cpu(), ref) < 1e-3
 
 
+def test_a_rotation_of_other_blocks_runs_before_the_plain_prepass() -> None:
+    """``--rotation-block 16`` gives a ``BlockRotation`` of 16-element blocks, which the
+    fused pre-pass (32-element blocks) cannot take: the GEMV runs it as its module first
+    (it raised before), as it does a permuted one."""
+    from torq.kernels.linear import fusable_in_prepass
+    from torq.rotations.transform import BlockRotation
+
+    gen = torch.Generator().manual_seed(16)
+    h = hadamard_matrix(16)
+    rot16 = BlockRotation(16, None, h / h[0].norm(), channel_scale=torch.rand(128) + 0.5)
+    assert not fusable_in_prepass(rot16) and fusable_in_prepass(_torq_rotation(4, gen))
+    assert not fusable_in_prepass(None) and not fusable_in_prepass(nn.Identity())
+    weight = MXFP4Weight.from_float(torch.randn(24, 128, generator=gen))
+    x = torch.randn(1, 128, generator=gen)
+    dev_weight = MXFP4Weight(weight.codes.to(DEVICE), weight.scales.to(DEVICE), 128)
+    cfg = KernelConfig(1, 8, 64, kind="gemv_i8", a_mode=1)
+    rot16 = rot16.to(DEVICE)
+    y = mxfp4_linear(x.to(DEVICE), dev_weight, backend="triton", config=cfg, rotation=rot16)
+    ref = reference_linear(rot16(x.to(DEVICE)).cpu(), weight)
+    assert _rel_err(y.cpu(), ref) < 1e-3
+
+
 def test_gemv_rows_config_validation() -> None:
     with pytest.raises(ValueError, match="1, 2 or 4 tokens"):
         KernelConfig(3, 16, 64, kind="gemv_i8", a_mode=1)

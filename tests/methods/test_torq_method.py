@@ -88,7 +88,7 @@ def test_w4a4_torq_runs_and_is_finite(sequential, corpus, tiny_tokenizer) -> Non
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("method", ["had32", "had128", "hadfull"])
+@pytest.mark.parametrize("method", ["had16", "had32", "had128", "hadfull"])
 def test_block_hadamard_baseline_is_exact_in_float(arch, method) -> None:
     model = tiny_model(arch)
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
@@ -96,10 +96,12 @@ def test_block_hadamard_baseline_is_exact_in_float(arch, method) -> None:
         ref = model(input_ids=ids).logits
     q = copy.deepcopy(model)
     record = get_method(method).apply(q, QuantConfig(None, None), MethodContext())
-    # tiny widths: 64 and 128 (hidden, intermediate); groups 32 / ≤128 / full width
-    expected = {"had32": {64: 32, 128: 32}, "had128": {64: 64, 128: 128}}.get(
-        method, {64: 64, 128: 128}
-    )
+    # tiny widths: 64 and 128 (hidden, intermediate); groups 16 / 32 / ≤128 / full width
+    expected = {
+        "had16": {64: 16, 128: 16},
+        "had32": {64: 32, 128: 32},
+        "had128": {64: 64, 128: 128},
+    }.get(method, {64: 64, 128: 128})
     groups = record["group_by_width"]
     assert groups and all(expected[w] == g for w, g in groups.items())
     with torch.no_grad():

@@ -22,6 +22,7 @@ from torq.kernels.linear import (
     Backend,
     MXFP4Weight,
     _check_block_transform,
+    fusable_in_prepass,
     interpreter_enabled,
     mxfp4_linear,
     quantize_activation_i8,
@@ -248,11 +249,7 @@ class PackedMXFP4Experts(nn.Module):
     def _prepass(
         self, x: torch.Tensor, block: torch.Tensor | None, rotation: nn.Module | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (
-            isinstance(rotation, BlockRotation)
-            and block is None
-            and getattr(rotation, "channel_perm", None) is None
-        ):
+        if block is None and fusable_in_prepass(rotation):
             return quantize_activation_torq_i8(x, rotation)  # the transform in the pre-pass
         if rotation is not None:
             x = rotation(x)

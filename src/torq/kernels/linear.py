@@ -510,11 +510,7 @@ def mxfp4_linear(
     inside the pre-pass kernel, elsewhere as its torch module.
     """
     _check_block_transform(block_transform)
-    fusable = (
-        isinstance(rotation, BlockRotation)
-        and block_transform is None
-        and getattr(rotation, "channel_perm", None) is None  # (the pre-pass has no gather)
-    )
+    fusable = block_transform is None and fusable_in_prepass(rotation)
     if x.shape[-1] != weight.in_features:
         raise ValueError(
             f"input width {x.shape[-1]} does not match the weight's {weight.in_features} inputs"
@@ -631,6 +627,18 @@ def quantize_activation_i8(
         BK=block_k,
     )
     return q, s
+
+
+def fusable_in_prepass(rotation: nn.Module | None) -> bool:
+    """Whether :func:`quantize_activation_torq_i8` can run ``rotation`` inside the integer
+    GEMV's pre-pass: a :class:`BlockRotation` of 32-element blocks (the MX block the kernel
+    quantizes) without a channel permutation (the pre-pass has no gather). Any other
+    transform runs as its torch module before the plain pre-pass."""
+    return (
+        isinstance(rotation, BlockRotation)
+        and rotation.block_size == BLOCK
+        and getattr(rotation, "channel_perm", None) is None
+    )
 
 
 def quantize_activation_torq_i8(

@@ -5,6 +5,7 @@ Every decoder-linear input is multiplied, group by group, by a normalized Hadama
 
 * ``had32``: ``g = 32``, aligned with the MX blocks (BRQ-style): it spreads each block's
   energy over that block only. The "online 32-block Hadamard" reference of the TORQ issue.
+* ``had16``: ``g = 16``, aligned with NVFP4's blocks of 16 (in MXFP4 two groups per block).
 * ``had128``: ``g = 128`` where it divides the width; otherwise the largest multiple of 32
   below 128 that divides the width and has a Hadamard matrix (SmolLM2's 576: 96). The
   group actually used is recorded per layer.
@@ -88,6 +89,15 @@ HAD32 = register(
         "had32",
         "online Hadamard on each 32-element block, inverse fused into the weights",
         BlockHadamard(32),
+    )
+)
+# aligned with NVFP4's 16-element blocks, where H₃₂ spreads one block's large values over
+# its neighbour (docs/RESULTS.md §12.2)
+HAD16 = register(
+    Method(
+        "had16",
+        "online Hadamard on each 16-element block (NVFP4's block), inverse fused into the weights",
+        BlockHadamard(16),
     )
 )
 HAD128 = register(
