@@ -91,8 +91,8 @@ HAD32 = register(
         BlockHadamard(32),
     )
 )
-# aligned with NVFP4's 16-element blocks, where H₃₂ spreads one block's large values over
-# its neighbour (docs/RESULTS.md §12.2)
+# aligned with NVFP4's 16-element blocks: whether H₃₂'s loss in NVFP4 came from its block
+# size (it did not: both are worse than RTN there, docs/RESULTS.md §12.2)
 HAD16 = register(
     Method(
         "had16",
