@@ -27,7 +27,6 @@ def test_a_pass_collects_what_it_made_and_leaves_older_objects_for_after() -> No
 
     @collecting_new_objects_only
     def inner() -> int:
-        seen["inner_frozen"] = gc.get_freeze_count()
         return 7
 
     @collecting_new_objects_only
@@ -41,8 +40,11 @@ def test_a_pass_collects_what_it_made_and_leaves_older_objects_for_after() -> No
         give_back_memory()
         seen["new_freed"] = new_ref() is None
         seen["old_kept"] = kept_ref() is not None
+        made_in_pass = [0]  # tracked by the collector, alive across the nested pass
         assert inner() == 7
-        seen["still_frozen"] = gc.get_freeze_count()
+        # a second freeze would have moved it out of the collector's sight. (The frozen
+        # count is not compared: frozen objects freed by their reference count leave it.)
+        seen["nested_did_not_freeze"] = any(o is made_in_pass for o in gc.get_objects())
         return 1
 
     gc.disable()  # no automatic collection in between: only the pass's own
@@ -53,7 +55,7 @@ def test_a_pass_collects_what_it_made_and_leaves_older_objects_for_after() -> No
         gc.enable()
     assert seen["garbage_freed_at_start"] is True
     assert seen["frozen"] > 0 and seen["new_freed"] is True and seen["old_kept"] is True
-    assert seen["inner_frozen"] == seen["still_frozen"] == seen["frozen"]
+    assert seen["nested_did_not_freeze"] is True
     assert gc.get_freeze_count() == 0  # everything given back to the collector
     gc.collect()
     assert kept_ref() is None
