@@ -1,4 +1,7 @@
-"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``)."""
+"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``).
+
+Importing it also quiets the libraries' notes as the ``torq`` command does
+(:func:`torq.logs.quiet_libraries`), so that a benchmark's log holds its own lines."""
 
 from __future__ import annotations
 
@@ -7,6 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from torq.logs import quiet_libraries
+
+quiet_libraries()  # before the scripts import torchao (its notes come at import time)
 
 
 def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from torq.errors import TorqError
+from torq.logs import quiet_libraries
 
 if TYPE_CHECKING:
     from torq.methods.torq_rotation import TorqSettings
@@ -613,11 +614,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-# libraries' messages that are not the user's business on the command line: torchao's
-# optional GPU extensions that a CPU machine cannot load, torch's notes to library authors
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 @contextlib.contextmanager
 def _library_bars(shown: bool) -> Iterator[None]:
     """``--no-progress`` also hides transformers' own bars (loading and writing weights),
@@ -632,12 +628,6 @@ def _library_bars(shown: bool) -> Iterator[None]:
     finally:
         if was and not shown:
             hf_logging.enable_progress_bar()
-
-
-def _quiet_libraries() -> None:
-    """Show only torq's output and real problems (errors) from those libraries."""
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,7 +648,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="torq: %(message)s")
-    _quiet_libraries()
+    quiet_libraries()  # torq's output and the libraries' errors only
     try:
         if args.command in ("run", "eval"):
             return _cmd_run(args)
