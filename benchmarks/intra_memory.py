@@ -3,6 +3,12 @@ sample the size of an 8B model's widest group: 2048 reservoir tokens × 448 bloc
 (Llama-3-8B's down_proj input, 14336 wide) = 917 504 blocks.
 
     python benchmarks/intra_memory.py --out results/intra_memory.json
+    python benchmarks/intra_memory.py --recipe torq --out results/intra_memory-torq.json
+
+``--recipe paper`` (the default, what the record of 2026-11-25 measured) runs Algorithm 2 as
+the paper sets it: from the identity, the K/2 columns of largest occupancy;
+``--recipe torq`` as ``torq run`` does: from the 32-point Hadamard, all 32 columns
+(:data:`torq.methods.torq_rotation.TORQ_INTRA_DEFAULTS`).
 
 The sample is synthetic (Gaussian rows with log-normal row scales and one outlier column,
 a fixed seed); what is measured is the resident set above the start (a sampler thread,
@@ -17,10 +23,12 @@ import argparse
 import hashlib
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from torq.methods.torq_rotation import TORQ_INTRA_DEFAULTS
 from torq.models.streaming import ResidentPeak
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
 
@@ -29,6 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=2048 * 448)
     ap.add_argument("--max-iter", type=int, default=3)
+    ap.add_argument(
+        "--recipe",
+        choices=("paper", "torq"),
+        default="paper",
+        help="Algorithm 2's start and columns: the paper's, or torq run's (module doc)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -40,13 +54,17 @@ def main(argv: list[str] | None = None) -> None:
     rss.restart()
     start = rss.peak()
     t0 = time.perf_counter()
-    result = fit_intra_block_rotation(x, IntraBlockConfig(max_iter=args.max_iter))
+    recipe = TORQ_INTRA_DEFAULTS if args.recipe == "torq" else {}
+    config = IntraBlockConfig(**{**recipe, "max_iter": args.max_iter})
+    result = fit_intra_block_rotation(x, config)
     seconds = time.perf_counter() - t0
     peak = rss.peak()
     rss.close()
     record = {
         "blocks": args.blocks,
         "max_iter": args.max_iter,
+        "recipe": args.recipe,
+        "intra_config": asdict(config),
         "peak_above_start_bytes": None if peak is None else peak - start,
         "seconds": seconds,
         "loss_history": result.loss_history,
@@ -59,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(record, indent=2))
     gib = "n/a" if peak is None else f"{(peak - start) / 2**30:.2f}"
     line = (
-        f"| {args.blocks} blocks × 32, {args.max_iter} iterations | {gib} GiB | "
+        f"| {args.blocks} blocks × 32, {args.max_iter} iterations, {args.recipe}'s start "
+        f"| {gib} GiB | "
         f"{seconds:.0f} s | `{record['rotation_sha256'][:16]}` |"
     )
     out.with_suffix(".md").write_text(
