@@ -44,8 +44,8 @@ from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
-from torq.pipeline import resolve_device
 from torq.results import command_line, machine_info, now_iso
+from torq.runs.config import resolve_device
 from torq.surgery import QuantConfig
 
 

@@ -28,7 +28,8 @@ from torq.calibration.data import CalibrationConfig
 from torq.methods.torq_rotation import TorqSettings
 from torq.models import load
 from torq.models.streaming import ResidentPeak
-from torq.pipeline import RunConfig, run
+from torq.pipeline import run
+from torq.runs.config import RunConfig
 
 
 class _TimedCollections:

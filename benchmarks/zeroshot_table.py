@@ -42,8 +42,11 @@ from torq.eval.zeroshot import parse_tasks
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import load
 from torq.paths import check_destination
-from torq.pipeline import RunConfig, markdown_table, run, setting_key
+from torq.pipeline import run
 from torq.results import command_line
+from torq.runs.config import RunConfig
+from torq.runs.report import markdown_table
+from torq.runs.store import setting_key
 
 
 def earlier_perplexities(

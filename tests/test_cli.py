@@ -168,7 +168,9 @@ def test_missing_data_is_found_before_any_work(
     # a method whose quantized model is kept in the resume directory is reloaded, not
     # calibrated again: its corpus is not needed
     from torq.eval.resume import MODEL_INFO
-    from torq.pipeline import RunConfig, method_resume_dir, run
+    from torq.pipeline import run
+    from torq.runs.config import RunConfig
+    from torq.runs.store import method_resume_dir
 
     config = RunConfig(
         model=str(tiny_checkpoint),
@@ -323,7 +325,8 @@ def test_real_model_fp_and_rtn(shared_data, tmp_path, capsys) -> None:
 def test_partial_results_are_saved_after_each_method(tiny_checkpoint, tiny_data_dir) -> None:
     """A long comparison loses nothing that already ran: ``on_row`` gets the record after
     each method but the last, marked incomplete."""
-    from torq.pipeline import RunConfig, run
+    from torq.pipeline import run
+    from torq.runs.config import RunConfig
 
     seen = []
     cfg = RunConfig(
@@ -400,7 +403,7 @@ def test_a_rotation_block_of_16_for_nvfp4(tiny_checkpoint, tiny_data_dir, tmp_pa
 
 def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
     """``--device cuda`` never falls back to a silent CPU run; ``auto`` does."""
-    from torq.pipeline import resolve_device
+    from torq.runs.config import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = _run(["run", "--device", "cuda", "--methods", "fp"], capsys)
@@ -417,7 +420,8 @@ def _cpu_and_gpu_perplexities(
     calibration, two windows; ``fold``: torq's balancing folded into the producers)."""
     from torq.calibration.data import CalibrationConfig
     from torq.methods.torq_rotation import TorqSettings
-    from torq.pipeline import RunConfig, run
+    from torq.pipeline import run
+    from torq.runs.config import RunConfig
 
     corpus = data_dir / "wikitext-2-raw" / "wiki.test.raw"
     settings = TorqSettings(

@@ -22,8 +22,9 @@ from torq.eval.perplexity import perplexity
 from torq.methods.registry import LayerPlan
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.streaming import LayerStream, ModelLayers
-from torq.pipeline import RunConfig, run
+from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig
+from torq.runs.config import RunConfig
 
 STREAMED_METHODS = ["fp", "rtn", "had32", "gptq", "torq", "torq-had32", "torq+gptq"]
 

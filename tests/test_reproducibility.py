@@ -14,8 +14,10 @@ from torq.calibration.data import CalibrationConfig
 from torq.methods import METHODS, get_method
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import LoadedModel
-from torq.pipeline import RunConfig, run, setting_key
+from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig
+from torq.runs.config import RunConfig
+from torq.runs.store import setting_key
 from torq.seeding import derive_seed, method_rng
 
 # Every method that draws at random or calibrates, and the composition with GPTQ.

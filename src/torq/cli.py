@@ -505,8 +505,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from torq.paths import check_destination
-    from torq.pipeline import RunConfig, markdown_table, run
+    from torq.pipeline import run
     from torq.results import write_json_atomic
+    from torq.runs.config import RunConfig
+    from torq.runs.report import markdown_table
     from torq.surgery.gptq import GPTQConfig
 
     if args.threads:
@@ -516,7 +518,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     a = getattr(args, "a_format", fmt)
     scale_mode = getattr(args, "scale_mode", "ocp")
     torq_settings = torq_settings_from_args(args)
-    from torq.pipeline import saved_formats, saved_manifest
+    from torq.runs.source import saved_formats, saved_manifest
 
     saved = saved_manifest(args.model)
     methods = args.methods

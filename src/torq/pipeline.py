@@ -1,134 +1,66 @@
 """The end-to-end job behind ``torq run``: load → quantize with each method → evaluate.
 
-The data flow is one way: the float model is loaded once, each method gets its own copy,
-quantizes it, and the copy is evaluated on the same perplexity windows as every other
-method, so the rows of the table are directly comparable.
+The data flow is one way: each method gets its own float model (read again from the
+checkpoint, :func:`torq.runs.source.fresh_model`), quantizes it, and is evaluated on the
+same perplexity windows as every other method, so the rows of the table are directly
+comparable. With ``--stream`` the same happens one decoder layer at a time
+(:mod:`torq.driver`). The run's parts live in :mod:`torq.runs`: its settings and their
+checks, where its models come from, where its evaluation is kept, what it reports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
-import hashlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torq.calibration.data import corpus_path
 from torq.errors import TorqError
-from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path, load_eval_text
+from torq.eval.data import load_eval_text
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.eval.portable import export_portable, seed_resume_dir
-from torq.eval.resume import MODEL_INFO, fingerprint_ids, keep_model, load_kept_model
+from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import Method, MethodContext, get_method
-from torq.methods.torq_rotation import TorqSettings
-from torq.models.loading import LoadedModel, context_length, load
+from torq.models.loading import LoadedModel, load
 from torq.paths import check_destination
-from torq.results import command_line, machine_info, now_iso, versions
+from torq.runs.config import (
+    RunConfig,
+    check_data,
+    check_exportable,
+    check_settings,
+    check_streamable,
+    method_context,
+    resolve_device,
+)
+from torq.runs.report import MethodRow, peak_memory, run_record
+from torq.runs.source import (
+    SavedMethod,
+    fresh_model,
+    offload_scratch,
+    save_model,
+    saved_config,
+    saved_info,
+    saved_manifest,
+    saved_model_dir,
+    streamed_save_dir,
+)
+from torq.runs.store import (
+    every,
+    method_resume_dir,
+    portable_path,
+    ppl_checkpoint_name,
+    setting_key,
+)
 from torq.seeding import method_rng
-from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
-
-
-@dataclass
-class RunConfig:
-    """Everything that determines a comparison run; recorded verbatim with its results."""
-
-    model: str = "smollm2-135m"
-    methods: list[str] = field(default_factory=lambda: ["fp", "rtn"])
-    weight_format: str | None = "mxfp4"
-    act_format: str | None = "mxfp4"
-    scale_mode: str = "ocp"
-    # NVFP4 activations' tensor scale: each tensor's own ("dynamic") or calibrated once per
-    # activation quantizer on the calibration windows ("static": what compressed-tensors
-    # and vLLM serve, :class:`torq.surgery.qlinear.QuantConfig`)
-    act_scale: str = "dynamic"
-    seqlen: int = 2048
-    max_windows: int | None = None
-    batch_size: int = 1
-    data_dir: str | None = None
-    seed: int = 0
-    torq: TorqSettings = field(default_factory=TorqSettings)
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)
-    # zero-shot tasks through lm-eval (``torq eval``); empty: perplexity only
-    tasks: list[str] = field(default_factory=list)
-    task_limit: int | None = None
-    # a seeded subset of each task's questions instead (:func:`torq.eval.zeroshot.seeded_subset`)
-    task_subset: int | None = None
-    task_subset_seed: int = 0
-    task_batch_size: int = 8
-    # choices of a question share one forward pass of their context (same scores, faster)
-    shared_context: bool = True
-    skip_ppl: bool = False
-    # where each method's evaluation is kept as it goes (perplexity windows, zero-shot
-    # answers), a sub-directory per method and setting (:func:`method_resume_dir`): the same
-    # run again after a stop measures only what is missing
-    resume_dir: str | None = None
-    # with a resume directory, also keep each quantized model there, so that a restart
-    # reloads it instead of calibrating again (:func:`torq.eval.resume.keep_model`)
-    keep_models: bool = True
-    # with a resume directory: a portable copy of each method's kept evaluation (answers,
-    # perplexity windows, sessions) in this directory, one small .npz per method, read to
-    # seed a new resume directory (another machine) and rewritten as the evaluation goes
-    # (:mod:`torq.eval.portable`)
-    portable_dir: str | None = None
-    # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
-    # rotation solvers always run on the CPU, where the calibration statistics are kept
-    device: str = "cpu"
-    # write each quantized model as a checkpoint folder <save_dir>/<model>-<method>
-    # (packed 4-bit weights and the online transforms, :mod:`torq.export`)
-    save_dir: str | None = None
-    # read the float checkpoint one decoder layer at a time and quantize and evaluate layer
-    # by layer (:mod:`torq.driver`): memory bounded by one layer, not the model
-    stream: bool = False
-    # windows longer than the model's context (max_position_embeddings) are refused unless
-    allow_long_windows: bool = False
-    # what --save-dir writes: torq's own checkpoint ("torq"), or "compressed-tensors"
-    # (transformers, vLLM; rtn, gptq, had32, had32+gptq)
-    save_format: str = "torq"
-    # evaluate a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed
-    # (:class:`torq.kernels.linear.PackedMXFP4Linear`: 4.25 bits a weight in memory, not 32);
-    # with --stream and --tasks, how each saved checkpoint is loaded for the tasks
-    packed: bool = False
-    # what a GGUF model is de-quantized to, once, in the cache: "float32" (transformers'
-    # values; every number in docs/RESULTS.md) or "bfloat16" (half the disk, rounded)
-    gguf_dtype: str = "float32"
-    # keep a saved quantized checkpoint's decoder layers on disk under this folder while it
-    # is evaluated (accelerate's device_map offload, :func:`torq.export.load_quantized`):
-    # for a model larger than memory; a scratch folder inside it is removed after the run
-    offload_dir: str | None = None
-    # with --stream: how the windows' hidden states are kept between layers, "memory"
-    # (float32, exact), "bfloat16" (half, rounded) or "disk" (float32 files, exact)
-    hidden_states: str = "memory"
-    # the text perplexity is measured on: "wikitext2-test" (the paper's), "wikipedia-en"
-    # (held-out text of ../shared/data) or a text file; its first max_windows windows
-    eval_corpus: str = DEFAULT_EVAL_CORPUS
-
-    def quant_config(self) -> QuantConfig:
-        return QuantConfig.from_names(
-            self.weight_format, self.act_format, self.scale_mode, self.act_scale
-        )
-
-
-@dataclass
-class MethodRow:
-    method: str
-    weights: str
-    activations: str
-    ppl: float | None
-    quantize_seconds: float
-    eval_seconds: float
-    eval_tokens_per_s: float
-    details: dict[str, Any] = field(default_factory=dict)
-    zeroshot: dict[str, Any] | None = None  # headline scores (acc_norm / acc) and average
 
 
 def run(
@@ -144,26 +76,6 @@ def run(
     """
     with offload_scratch(config.offload_dir) as scratch:
         return _run(config, loaded, progress, on_row, scratch)
-
-
-@contextlib.contextmanager
-def offload_scratch(folder: str | None) -> Iterator[Path | None]:
-    """A new folder inside ``folder`` for the offloaded layers of the run (None without
-    ``folder``), removed with everything in it when the run ends, however it ends."""
-    if folder is None:
-        yield None
-        return
-    check_destination(folder, folder=True, what="--offload-dir")
-    created = not Path(folder).exists()
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="torq-offload-", dir=folder))
-    try:
-        yield scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if created:
-            with contextlib.suppress(OSError):  # only if nothing else was put there
-                Path(folder).rmdir()
 
 
 def _run(
@@ -188,8 +100,8 @@ def _run(
                 raise TorqError(f"methods: {twice}")
             seen[method.name] = given
     else:
-        config = _saved_config(config, saved)
-        methods = [_SavedMethod(saved)]
+        config = saved_config(config, saved)
+        methods = [SavedMethod(saved)]
     # what would fail only when the work is done (a file where a folder goes) fails now
     for option, folder in (
         ("--save-dir", config.save_dir),
@@ -281,7 +193,7 @@ def _run(
             t_quant = float(info["quantize_seconds"])
             details["kept_model"] = {"reloaded": True, "load_seconds": info["load_seconds"]}
         else:
-            model = loaded.model if not method.quantizes else _fresh_model(config, loaded, own)
+            model = loaded.model if not method.quantizes else fresh_model(config, loaded, own)
             t0 = time.perf_counter()
             ctx = method_context(config, loaded.tokenizer, progress)
             # the method's draws depend on its own settings, never on what ran before it
@@ -306,7 +218,7 @@ def _run(
                     "save_seconds": time.perf_counter() - t0,
                 }
         if config.save_dir is not None and method.quantizes and saved is None:
-            details["saved"] = _save(config, method.name, model, loaded, t_quant, details)
+            details["saved"] = save_model(config, method.name, model, loaded, t_quant, details)
         portable, seeds = None, None
         if config.portable_dir is not None and resume is not None:
             portable = portable_path(config, resume)
@@ -326,7 +238,7 @@ def _run(
                 else resume / ppl_checkpoint_name(config.eval_corpus, windows),
                 on_checkpoint=None
                 if portable is None or resume is None
-                else _every(60.0, partial(export_portable, resume, portable)),
+                else every(60.0, partial(export_portable, resume, portable)),
             )
         )
         if portable is not None and resume is not None:
@@ -366,137 +278,9 @@ def _run(
             del model
             gc.collect()
         if on_row is not None and len(rows) < len(methods):
-            on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
+            on_row(run_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
 
-    return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
-
-
-def method_context(config: RunConfig, tokenizer: Any, progress: bool) -> MethodContext:
-    """What every method of the run reads beyond the model."""
-    return MethodContext(
-        tokenizer=tokenizer,
-        options={
-            "torq_settings": config.torq,
-            "gptq_config": config.gptq,
-            "data_dir": config.data_dir,
-            "progress": progress,
-            "seed": config.seed,
-        },
-    )
-
-
-def _fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.Module:
-    """A float model for one method to quantize in place: read again from its source when
-    the run loaded it (each method reads the checkpoint anew, as the streamed path does),
-    a copy only of a model object the caller handed in."""
-    device = next(loaded.model.parameters()).device
-    if own:
-        return load(config.model, gguf_dtype=config.gguf_dtype).model.to(device)
-    return copy.deepcopy(loaded.model)
-
-
-def check_settings(config: RunConfig, methods: list[Method]) -> None:
-    """Fail before any work when a setting cannot work with the model or the methods: a
-    window longer than the model's context (unless ``allow_long_windows``), TORQ's
-    intra-block settings against its block size."""
-    from torq.methods.torq_rotation import TorqTransform
-
-    qconfig = config.quant_config()
-    calibrates = any(m.calibrates(qconfig) for m in methods)
-    limit = None if config.allow_long_windows else context_length(config.model)
-    if limit is not None:
-        lengths = [("--seqlen", config.seqlen)]
-        if calibrates:
-            lengths.append(("--calib-seqlen", config.torq.calibration.seqlen))
-        for option, n in lengths:
-            if n > limit:
-                raise TorqError(
-                    f"{option} {n} is longer than the model's context ({limit} positions); "
-                    "add --allow-long-windows if you mean it"
-                )
-    if any(isinstance(m.transform, TorqTransform) for m in methods):
-        try:
-            config.torq.intra.resolved(config.torq.block_size)
-        except ValueError as exc:
-            raise TorqError(f"TORQ's intra-block settings: {exc}") from None
-    for m in methods:
-        if isinstance(m.transform, TorqTransform):
-            try:  # each method's own settings (torq-perm's permutation needs the balancing)
-                ctx = MethodContext(options={"torq_settings": config.torq})
-                m.transform.settings(config.quant_config(), ctx)
-            except ValueError as exc:
-                raise TorqError(f"{m.name}: {exc}") from None
-
-
-def check_exportable(config: RunConfig, methods: list[Method]) -> None:
-    """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
-    (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
-    from torq.export.compressed_tensors import (
-        EXPORTABLE,
-        EXPORTABLE_METHODS,
-        FOLDED_METHODS,
-        NVFP4_ACTIVATIONS,
-    )
-    from torq.methods.torq_rotation import TorqTransform
-
-    if config.save_format != "compressed-tensors":
-        raise TorqError(f"unknown --save-format '{config.save_format}'")
-    if config.save_dir is None:
-        raise TorqError("--save-format applies to what --save-dir writes: add --save-dir")
-    if config.tasks:
-        raise TorqError(
-            "--save-format compressed-tensors with --tasks is not supported yet (the tasks "
-            "read torq's own checkpoint): save with the default format, then torq export"
-        )
-    act = (config.act_format or "fp").lower()
-    act = None if act in ("fp", "none", "float") else act
-    if config.weight_format == "nvfp4" and act is not None:
-        if act != "nvfp4":
-            raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
-        if config.act_scale != "static":
-            raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
-    elif config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
-        raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
-    for method in methods:
-        if method.quantizes and method.name not in EXPORTABLE_METHODS:
-            raise TorqError(
-                f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
-            )
-        if isinstance(method.transform, TorqTransform) and config.torq.block_size != 32:
-            raise TorqError(
-                f"--save-format compressed-tensors holds '{method.name}' with its 32-block "
-                f"Hadamard only, not blocks of {config.torq.block_size}: drop --rotation-block"
-            )
-        if method.name in FOLDED_METHODS and not config.torq.fold:
-            raise TorqError(
-                f"--save-format compressed-tensors holds '{method.name}' with its balancing "
-                "folded: add --fold-balance"
-            )
-
-
-def check_streamable(config: RunConfig, methods: list[Method]) -> None:
-    """Fail before any work when a streamed run asks for what it cannot do yet."""
-    if not methods:
-        raise TorqError("--stream reads a float checkpoint; this model is already quantized")
-    if config.skip_ppl:
-        raise TorqError("--stream does not support --skip-ppl yet; drop one of them")
-    if config.portable_dir is not None and not config.tasks:
-        raise TorqError(
-            "with --stream, --portable-dir carries the zero-shot answers: add --tasks, or drop it"
-        )
-    if config.tasks:
-        # zero-shot tasks need the whole model: the saved quantized checkpoint, loaded back
-        if config.save_dir is None:
-            raise TorqError(
-                "--stream with zero-shot tasks needs --save-dir: the tasks run on each saved "
-                "quantized checkpoint (add --packed to keep its weights packed in memory)"
-            )
-        for method in methods:
-            if not method.quantizes:
-                raise TorqError(
-                    f"--stream with zero-shot tasks: '{method.name}' is the float model, which "
-                    "would be loaded whole; run its tasks without --stream"
-                )
+    return run_record(config, qconfig, loaded, windows, rows, t_start, complete=True)
 
 
 def _run_streamed(
@@ -550,7 +334,7 @@ def _run_streamed(
             writer = None
             if config.save_dir is not None and method.quantizes:
                 writer = CheckpointWriter(
-                    _streamed_save_dir(config, method.name),
+                    streamed_save_dir(config, method.name),
                     source.model,
                     tokenizer,
                     method=method.name,
@@ -575,7 +359,7 @@ def _run_streamed(
                 if writer is not None:
                     assert result.fingerprint is not None
                     t_q = result.quantize_seconds + t_data
-                    writer.info = _saved_info(config, source_name, t_q, result.details)
+                    writer.info = saved_info(config, source_name, t_q, result.details)
                     writer.finish(result.fingerprint)
         res = result.perplexity
         assert res is not None
@@ -639,9 +423,9 @@ def _run_streamed(
         del source
         gc.collect()
         if on_row is not None and len(rows) < len(methods):
-            on_row(_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
+            on_row(run_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
     assert loaded is not None
-    return _record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+    return run_record(config, qconfig, loaded, windows, rows, t_start, complete=True)
 
 
 def _saved_zeroshot(
@@ -709,326 +493,3 @@ def _zeroshot(
     details["lm_eval"] = zs["lm_eval"]
     keys = ("seconds", "limit", "subset", "shared_context", "request_cache")
     return {**zs["scores"], **{k: zs[k] for k in keys}}
-
-
-def peak_memory(device: torch.device | None = None) -> dict[str, int]:
-    """The process's peak resident set so far (bytes) and, on a GPU, its peak allocation."""
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"host_rss_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}
-    if device is not None and device.type == "cuda":
-        out["gpu_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return out
-
-
-def check_data(config: RunConfig, methods: list[Method]) -> None:
-    """Fail before any work when data the run will read is missing: a method's calibration
-    corpus (unless its quantized model is kept in the resume directory), the WikiText-2 test
-    file in a configured data directory, the zero-shot tasks' files (or the hub)."""
-    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
-    for method in methods:
-        calibration = method.calibration(ctx, config.quant_config())
-        if calibration is None:
-            continue
-        if config.resume_dir is not None and config.keep_models:
-            kept = Path(method_resume_dir(config, method.name)) / MODEL_INFO
-            if kept.is_file():
-                continue  # reloaded, not calibrated again
-        try:
-            corpus_path(calibration.corpus, config.data_dir)
-        except TorqError as exc:
-            raise TorqError(f"method '{method.name}' calibrates: {exc}") from None
-    if not config.skip_ppl:
-        eval_text_path(config.eval_corpus, config.data_dir)
-    if config.tasks:
-        from torq.eval.zeroshot import seeded_subset, task_data_files
-
-        if config.task_subset is not None:  # also draws it: needs every task's local file
-            subset = (config.task_subset, config.task_subset_seed)
-            seeded_subset(config.tasks, *subset, config.data_dir)
-        else:
-            task_data_files(config.tasks, config.data_dir)
-
-
-def saved_manifest(model: str) -> dict[str, Any] | None:
-    """The manifest when ``model`` is a checkpoint folder torq saved quantized, else None."""
-    from torq.export import is_quantized_checkpoint, read_manifest
-
-    path = Path(model).expanduser()
-    return read_manifest(path) if path.is_dir() and is_quantized_checkpoint(path) else None
-
-
-class _SavedMethod:
-    """The row of a model that was quantized before it was saved: nothing to apply."""
-
-    quantizes = True
-
-    def __init__(self, manifest: dict[str, Any]) -> None:
-        self.name = manifest.get("method") or "saved"
-
-
-def _saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
-    """``config`` with the saved model's formats; its methods must name the saved method."""
-    name = manifest.get("method") or "saved"
-    if config.methods != [name]:
-        raise TorqError(
-            f"{config.model} holds a model already quantized with '{name}'; evaluate it with "
-            f"--methods {name} (or without --methods). To compare other methods, start from "
-            "the float model."
-        )
-    formats = saved_formats(manifest)
-    if formats is None:
-        return config
-    weight_format, act_format, scale_mode = formats
-    return replace(
-        config, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
-    )
-
-
-def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:
-    """``(weight format, activation format, MXFP4 scale rule)`` of a saved quantized model's
-    linear layers (None for a float side), or None when it has no quantized linear layer."""
-    linear = next((e for e in manifest["modules"].values() if e["kind"] == "linear"), None)
-    if linear is None:
-        return None
-
-    def name_of(spec: dict[str, Any] | None) -> str | None:
-        return None if spec is None else spec["name"]
-
-    specs = [s for s in (linear["weight"], linear["activation"]) if s is not None]
-    scale_mode = next((s["scale_mode"] for s in specs if s["name"] == "mxfp4"), "ocp")
-    return name_of(linear["weight"]), name_of(linear["activation"]), scale_mode
-
-
-def saved_model_dir(config: RunConfig, method: str) -> Path:
-    """``<save_dir>/<model>-<method>``: where ``--save-dir`` writes one method's model."""
-    if config.save_dir is None:
-        raise TorqError("no save directory configured")
-    stem = Path(config.model).name or config.model
-    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
-    return Path(config.save_dir) / f"{model}-{method.replace('+', '-')}"
-
-
-def _streamed_save_dir(config: RunConfig, method: str) -> Path:
-    """Where a streamed run writes a method's torq checkpoint as the layers are done: its
-    ``--save-dir`` folder, or for ``--save-format compressed-tensors`` a staging folder beside
-    it (``.<name>.torq``) that is exported and removed once the model is whole."""
-    out = saved_model_dir(config, method)
-    if config.save_format == "compressed-tensors":
-        return out.with_name(f".{out.name}.torq")
-    return out
-
-
-def _save(
-    config: RunConfig,
-    method: str,
-    model: torch.nn.Module,
-    loaded: LoadedModel,
-    quantize_seconds: float,
-    details: dict[str, Any],
-) -> dict[str, Any]:
-    from torq.export import save_quantized
-
-    t0 = time.perf_counter()
-    out = saved_model_dir(config, method)
-    if config.save_format == "compressed-tensors":
-        from torq.export.compressed_tensors import export_compressed_tensors
-
-        export_compressed_tensors(model, out, loaded.tokenizer, overwrite=True)
-    else:
-        save_quantized(
-            model,
-            out,
-            loaded.tokenizer,
-            method=method,
-            info=_saved_info(config, loaded.source, quantize_seconds, details),
-            overwrite=True,
-        )
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return {
-        "path": str(out),
-        "format": config.save_format,
-        "bytes": size,
-        "seconds": time.perf_counter() - t0,
-    }
-
-
-def _saved_info(
-    config: RunConfig, source: str, quantize_seconds: float, details: dict[str, Any]
-) -> dict[str, Any]:
-    """What a saved checkpoint's manifest keeps of the run that made it."""
-    return {
-        "model": config.model,
-        "source": source,
-        "quantize_seconds": quantize_seconds,
-        "details": {k: v for k, v in details.items() if k not in ("kept_model", "save_seconds")},
-        "config": asdict(config),
-        "command": command_line(),
-        "saved_at": now_iso(),
-    }
-
-
-def eval_dataset_label(corpus: str) -> str:
-    """How a result names its perplexity text (``"wikitext-2-raw test"``, as it always has)."""
-    return {DEFAULT_EVAL_CORPUS: "wikitext-2-raw test", "wikipedia-en": "wikipedia-en"}.get(
-        corpus, f"file {corpus}"
-    )
-
-
-def ppl_checkpoint_name(corpus: str, windows: torch.Tensor) -> str:
-    """The kept perplexity windows' file in a method's resume folder: one per text and
-    window shape (the WikiText-2 test split's name is the one it always had)."""
-    shape = f"{windows.shape[0]}x{windows.shape[1]}"
-    if corpus == DEFAULT_EVAL_CORPUS:
-        return f"ppl-{shape}.json"
-    digest = hashlib.sha1(corpus.encode()).hexdigest()[:8]
-    return f"ppl-{_slug_name(corpus)}-{digest}-{shape}.json"
-
-
-def _slug_name(text: str) -> str:
-    name = Path(text).name or text
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)[:40]
-
-
-def setting_key(config: dict[str, Any], method: str) -> str:
-    """What makes two rows of one method the same quantized model (``config`` is
-    ``asdict(RunConfig)``): the method's own settings key, :meth:`Method.settings_key`."""
-    return get_method(method).settings_key(config)
-
-
-def method_resume_dir(config: RunConfig, method: str) -> str:
-    """``<resume_dir>/<model>/<method>-<hash of its setting key>``: one quantized model's
-    kept evaluation (the fingerprints stored there guard against a stale directory)."""
-    if config.resume_dir is None:
-        raise TorqError("no resume directory configured")
-    digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
-    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
-    return str(Path(config.resume_dir) / model / f"{method}-{digest}")
-
-
-def _every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
-    """``fn``, run at most once per ``seconds`` (the first call runs it)."""
-    last = [-float("inf")]
-
-    def call() -> None:
-        if time.perf_counter() - last[0] >= seconds:
-            last[0] = time.perf_counter()
-            fn()
-
-    return call
-
-
-def portable_path(config: RunConfig, resume: Path) -> Path:
-    """``<portable_dir>/<model>-<method>-<hash>.npz``: named after the method's resume
-    directory (:func:`method_resume_dir`), so one file belongs to one setting."""
-    assert config.portable_dir is not None
-    return Path(config.portable_dir) / f"{resume.parent.name}-{resume.name}.npz"
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → the first CUDA device when one is visible, else the CPU; any other name
-    is checked: asking for CUDA on a machine without it is an error, not a silent CPU run."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise TorqError(f"unknown device '{name}' (use cpu, cuda, cuda:N or auto)") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TorqError(f"device '{name}' asked for, but torch sees no CUDA device")
-    if device.type not in ("cpu", "cuda"):
-        raise TorqError(f"device '{name}' is not supported (use cpu, cuda, cuda:N or auto)")
-    return device
-
-
-def _record(
-    config: RunConfig,
-    qconfig: QuantConfig,
-    loaded: LoadedModel,
-    windows: torch.Tensor | None,
-    rows: list[MethodRow],
-    t_start: float,
-    complete: bool,
-) -> dict[str, Any]:
-    return {
-        "kind": "torq.run",
-        "complete": complete,
-        "date": now_iso(),
-        "command": command_line(),
-        "config": asdict(config),
-        "quant_config": qconfig.to_dict(),
-        "model": loaded.describe(),
-        "eval": {
-            "dataset": eval_dataset_label(config.eval_corpus),
-            "n_windows": 0 if windows is None else int(windows.shape[0]),
-            "seqlen": config.seqlen,
-            "zeroshot_tasks": list(config.tasks),
-            "zeroshot_limit": config.task_limit,
-            "zeroshot_subset": None
-            if config.task_subset is None
-            else {"n": config.task_subset, "seed": config.task_subset_seed},
-        },
-        "rows": [asdict(r) for r in rows],
-        "wall_seconds": time.perf_counter() - t_start,
-        "peak_memory": peak_memory(resolve_device(config.device)),
-        "versions": versions(),
-        "machine": machine_info(),
-    }
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """The comparison table: one row per method, PPL and its ratio to the FP row, and the
-    zero-shot scores (acc_norm where the task has it, else acc; percent) when evaluated."""
-    rows = result["rows"]
-    fp = next((r["ppl"] for r in rows if r["method"] == "fp" and r["ppl"] is not None), None)
-    tasks = list(result["eval"].get("zeroshot_tasks") or [])
-    if tasks:
-        from torq.eval.zeroshot import TASKS
-
-        label = "Wiki2 PPL" if result["eval"]["dataset"] == "wikitext-2-raw test" else "PPL"
-        head = f"| method | W | A | {label} | " + " | ".join(TASKS[t].label for t in tasks)
-        out = [head + " | Avg |", "| --- | --- | --- | ---: |" + " ---: |" * (len(tasks) + 1)]
-        for r in rows:
-            z = r["zeroshot"]["tasks"]
-            ppl = "–" if r["ppl"] is None else f"{r['ppl']:.2f}"
-            cells = " | ".join(f"{100 * z[t]['value']:.1f}" for t in tasks)
-            out.append(
-                f"| {r['method']} | {r['weights']} | {r['activations']} | {ppl} | {cells} "
-                f"| {100 * r['zeroshot']['average']:.1f} |"
-            )
-    else:
-        out = [
-            "| method | W | A | PPL | ×FP | quantize s | eval tok/s |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-        ]
-        for r in rows:
-            ratio = f"{r['ppl'] / fp:.2f}" if fp else "–"
-            out.append(
-                f"| {r['method']} | {r['weights']} | {r['activations']} | {r['ppl']:.2f} | "
-                f"{ratio} | {r['quantize_seconds']:.1f} | {r['eval_tokens_per_s']:.0f} |"
-            )
-    ev = result["eval"]
-    out.append("")
-    notes = []
-    if ev["n_windows"]:
-        notes.append(f"{ev['dataset']}, {ev['n_windows']} windows × {ev['seqlen']} tokens")
-    if tasks:
-        limit = ev.get("zeroshot_limit")
-        subset = ev.get("zeroshot_subset")
-        which = (
-            f"{subset['n']} questions per task drawn with seed {subset['seed']}"
-            if subset
-            else f"first {limit} examples per task"
-            if limit
-            else "full tasks"
-        )
-        notes.append(f"zero-shot (lm-eval, 0-shot, acc_norm where defined, else acc; {which})")
-    peak = (result.get("peak_memory") or {}).get("host_rss_bytes")
-    if peak:
-        notes.append(f"peak RSS {peak / 2**30:.2f} GiB")
-    if result["config"].get("stream"):
-        notes.append("streamed one decoder layer at a time")
-    out.append("; ".join(notes) + f"; model {result['config']['model']}.")
-    return "\n".join(out)

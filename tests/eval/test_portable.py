@@ -223,7 +223,7 @@ def test_perplexity_reports_each_checkpoint_write(tiny_checkpoint, tmp_path) -> 
     """The hook the pipeline uses to refresh the portable copy while perplexity runs."""
     from torq.eval.perplexity import perplexity
     from torq.models import load
-    from torq.pipeline import _every
+    from torq.runs.store import every
 
     lm = load(str(tiny_checkpoint))
     windows = torch.randint(0, lm.model.config.vocab_size, (3, 16))
@@ -232,7 +232,7 @@ def test_perplexity_reports_each_checkpoint_write(tiny_checkpoint, tmp_path) -> 
                on_checkpoint=lambda: calls.append(1))  # fmt: skip
     assert len(calls) == 3
     throttled: list[int] = []
-    hook = _every(3600.0, lambda: throttled.append(1))
+    hook = every(3600.0, lambda: throttled.append(1))
     for _ in range(5):
         hook()
     assert throttled == [1]

@@ -16,7 +16,9 @@ from torq.errors import TorqError
 from torq.methods import METHODS, Method, MethodContext, TransformBuilder, get_method, register
 from torq.methods.hadamard import block_hadamard
 from torq.methods.torq_rotation import TorqSettings
-from torq.pipeline import RunConfig, method_resume_dir, run
+from torq.pipeline import run
+from torq.runs.config import RunConfig
+from torq.runs.store import method_resume_dir
 from torq.surgery.qlinear import QuantConfig
 
 CARRY = Path(__file__).resolve().parents[2] / "docs" / "zeroshot" / "carry"

@@ -150,7 +150,7 @@ def test_guard_keeps_the_transform_with_the_lower_held_back_error(corpus, tiny_t
 def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tokenizer) -> None:
     from dataclasses import asdict
 
-    from torq.pipeline import RunConfig
+    from torq.runs.config import RunConfig
 
     model = tiny_model("llama")
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
@@ -172,7 +172,7 @@ def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None
     stays out of the keys of the methods it cannot change."""
     from dataclasses import asdict
 
-    from torq.pipeline import RunConfig
+    from torq.runs.config import RunConfig
 
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
     models = {}

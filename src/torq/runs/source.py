@@ -1,0 +1,173 @@
+"""Where a run's models come from and go: the float checkpoint read again for each method,
+a checkpoint torq saved already quantized (evaluated as it is), and ``--save-dir``'s folders."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torq.errors import TorqError
+from torq.models.loading import LoadedModel, load
+from torq.paths import check_destination
+from torq.results import command_line, now_iso
+from torq.runs.config import RunConfig
+
+
+@contextlib.contextmanager
+def offload_scratch(folder: str | None) -> Iterator[Path | None]:
+    """A new folder inside ``folder`` for the offloaded layers of the run (None without
+    ``folder``), removed with everything in it when the run ends, however it ends."""
+    if folder is None:
+        yield None
+        return
+    check_destination(folder, folder=True, what="--offload-dir")
+    created = not Path(folder).exists()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="torq-offload-", dir=folder))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):  # only if nothing else was put there
+                Path(folder).rmdir()
+
+
+def fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.Module:
+    """A float model for one method to quantize in place: read again from its source when
+    the run loaded it (each method reads the checkpoint anew, as the streamed path does),
+    a copy only of a model object the caller handed in."""
+    device = next(loaded.model.parameters()).device
+    if own:
+        return load(config.model, gguf_dtype=config.gguf_dtype).model.to(device)
+    return copy.deepcopy(loaded.model)
+
+
+def saved_manifest(model: str) -> dict[str, Any] | None:
+    """The manifest when ``model`` is a checkpoint folder torq saved quantized, else None."""
+    from torq.export import is_quantized_checkpoint, read_manifest
+
+    path = Path(model).expanduser()
+    return read_manifest(path) if path.is_dir() and is_quantized_checkpoint(path) else None
+
+
+class SavedMethod:
+    """The row of a model that was quantized before it was saved: nothing to apply."""
+
+    quantizes = True
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.name = manifest.get("method") or "saved"
+
+
+def saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
+    """``config`` with the saved model's formats; its methods must name the saved method."""
+    name = manifest.get("method") or "saved"
+    if config.methods != [name]:
+        raise TorqError(
+            f"{config.model} holds a model already quantized with '{name}'; evaluate it with "
+            f"--methods {name} (or without --methods). To compare other methods, start from "
+            "the float model."
+        )
+    formats = saved_formats(manifest)
+    if formats is None:
+        return config
+    weight_format, act_format, scale_mode = formats
+    return replace(
+        config, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
+    )
+
+
+def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:
+    """``(weight format, activation format, MXFP4 scale rule)`` of a saved quantized model's
+    linear layers (None for a float side), or None when it has no quantized linear layer."""
+    linear = next((e for e in manifest["modules"].values() if e["kind"] == "linear"), None)
+    if linear is None:
+        return None
+
+    def name_of(spec: dict[str, Any] | None) -> str | None:
+        return None if spec is None else spec["name"]
+
+    specs = [s for s in (linear["weight"], linear["activation"]) if s is not None]
+    scale_mode = next((s["scale_mode"] for s in specs if s["name"] == "mxfp4"), "ocp")
+    return name_of(linear["weight"]), name_of(linear["activation"]), scale_mode
+
+
+def saved_model_dir(config: RunConfig, method: str) -> Path:
+    """``<save_dir>/<model>-<method>``: where ``--save-dir`` writes one method's model."""
+    if config.save_dir is None:
+        raise TorqError("no save directory configured")
+    stem = Path(config.model).name or config.model
+    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
+    return Path(config.save_dir) / f"{model}-{method.replace('+', '-')}"
+
+
+def streamed_save_dir(config: RunConfig, method: str) -> Path:
+    """Where a streamed run writes a method's torq checkpoint as the layers are done: its
+    ``--save-dir`` folder, or for ``--save-format compressed-tensors`` a staging folder beside
+    it (``.<name>.torq``) that is exported and removed once the model is whole."""
+    out = saved_model_dir(config, method)
+    if config.save_format == "compressed-tensors":
+        return out.with_name(f".{out.name}.torq")
+    return out
+
+
+def save_model(
+    config: RunConfig,
+    method: str,
+    model: torch.nn.Module,
+    loaded: LoadedModel,
+    quantize_seconds: float,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    """Write one method's quantized ``model`` to :func:`saved_model_dir` in the run's
+    ``save_format`` (torq's checkpoint, or compressed-tensors); what was written, its size
+    and the seconds it took."""
+    from torq.export import save_quantized
+
+    t0 = time.perf_counter()
+    out = saved_model_dir(config, method)
+    if config.save_format == "compressed-tensors":
+        from torq.export.compressed_tensors import export_compressed_tensors
+
+        export_compressed_tensors(model, out, loaded.tokenizer, overwrite=True)
+    else:
+        save_quantized(
+            model,
+            out,
+            loaded.tokenizer,
+            method=method,
+            info=saved_info(config, loaded.source, quantize_seconds, details),
+            overwrite=True,
+        )
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return {
+        "path": str(out),
+        "format": config.save_format,
+        "bytes": size,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def saved_info(
+    config: RunConfig, source: str, quantize_seconds: float, details: dict[str, Any]
+) -> dict[str, Any]:
+    """What a saved checkpoint's manifest keeps of the run that made it."""
+    return {
+        "model": config.model,
+        "source": source,
+        "quantize_seconds": quantize_seconds,
+        "details": {k: v for k, v in details.items() if k not in ("kept_model", "save_seconds")},
+        "config": asdict(config),
+        "command": command_line(),
+        "saved_at": now_iso(),
+    }

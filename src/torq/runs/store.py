@@ -1,0 +1,77 @@
+"""Where a run keeps its evaluation as it goes: each method's resume folder (named by its
+settings), its perplexity windows' file there, and the portable copy of what was kept."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torq.errors import TorqError
+from torq.eval.data import DEFAULT_EVAL_CORPUS
+from torq.methods.registry import get_method
+
+if TYPE_CHECKING:
+    from torq.runs.config import RunConfig
+
+
+def eval_dataset_label(corpus: str) -> str:
+    """How a result names its perplexity text (``"wikitext-2-raw test"``, as it always has)."""
+    return {DEFAULT_EVAL_CORPUS: "wikitext-2-raw test", "wikipedia-en": "wikipedia-en"}.get(
+        corpus, f"file {corpus}"
+    )
+
+
+def ppl_checkpoint_name(corpus: str, windows: torch.Tensor) -> str:
+    """The kept perplexity windows' file in a method's resume folder: one per text and
+    window shape (the WikiText-2 test split's name is the one it always had)."""
+    shape = f"{windows.shape[0]}x{windows.shape[1]}"
+    if corpus == DEFAULT_EVAL_CORPUS:
+        return f"ppl-{shape}.json"
+    digest = hashlib.sha1(corpus.encode()).hexdigest()[:8]
+    return f"ppl-{_slug_name(corpus)}-{digest}-{shape}.json"
+
+
+def _slug_name(text: str) -> str:
+    name = Path(text).name or text
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)[:40]
+
+
+def setting_key(config: dict[str, Any], method: str) -> str:
+    """What makes two rows of one method the same quantized model (``config`` is
+    ``asdict(RunConfig)``): the method's own settings key, :meth:`Method.settings_key`."""
+    return get_method(method).settings_key(config)
+
+
+def method_resume_dir(config: RunConfig, method: str) -> str:
+    """``<resume_dir>/<model>/<method>-<hash of its setting key>``: one quantized model's
+    kept evaluation (the fingerprints stored there guard against a stale directory)."""
+    if config.resume_dir is None:
+        raise TorqError("no resume directory configured")
+    digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
+    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
+    return str(Path(config.resume_dir) / model / f"{method}-{digest}")
+
+
+def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn``, run at most once per ``seconds`` (the first call runs it)."""
+    last = [-float("inf")]
+
+    def call() -> None:
+        if time.perf_counter() - last[0] >= seconds:
+            last[0] = time.perf_counter()
+            fn()
+
+    return call
+
+
+def portable_path(config: RunConfig, resume: Path) -> Path:
+    """``<portable_dir>/<model>-<method>-<hash>.npz``: named after the method's resume
+    directory (:func:`method_resume_dir`), so one file belongs to one setting."""
+    assert config.portable_dir is not None
+    return Path(config.portable_dir) / f"{resume.parent.name}-{resume.name}.npz"
