@@ -30,13 +30,9 @@ from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import Method, MethodContext, get_method
 from torq.models.loading import LoadedModel, load
-from torq.paths import check_destination
 from torq.runs.config import (
     RunConfig,
-    check_data,
-    check_exportable,
-    check_settings,
-    check_streamable,
+    check_run,
     method_context,
     resolve_device,
 )
@@ -102,48 +98,7 @@ def _run(
     else:
         config = saved_config(config, saved)
         methods = [SavedMethod(saved)]
-    # what would fail only when the work is done (a file where a folder goes) fails now
-    for option, folder in (
-        ("--save-dir", config.save_dir),
-        ("--resume-dir", config.resume_dir),
-        ("--portable-dir", config.portable_dir),
-    ):
-        if folder is not None:
-            check_destination(folder, folder=True, what=option)
-    if config.save_dir is not None and saved is None:
-        for method in methods:
-            if method.quantizes:
-                check_destination(
-                    saved_model_dir(config, method.name), folder=True, what="--save-dir"
-                )
-    if config.stream:
-        check_streamable(config, methods if saved is None else [])
-    check_settings(config, methods if saved is None else [])
-    if config.save_format != "torq":
-        check_exportable(config, methods if saved is None else [])
-    if config.hidden_states != "memory" and not config.stream:
-        raise TorqError("--hidden-states applies to a streamed run (--stream)")
-    if config.packed and saved is None and not (config.stream and config.tasks):
-        raise TorqError(
-            "--packed loads a saved quantized checkpoint (--model <save-dir>/<model>-<method>), "
-            "or with --stream the checkpoints its --save-dir writes for --tasks"
-        )
-    if config.offload_dir is not None and saved is None and not (config.stream and config.tasks):
-        raise TorqError(
-            "--offload-dir keeps a saved quantized checkpoint's layers on disk "
-            "(--model <save-dir>/<model>-<method>, or with --stream the checkpoints its "
-            "--save-dir writes for --tasks)"
-        )
-    if config.skip_ppl and not config.tasks:
-        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
-    if config.task_subset is not None and config.task_limit is not None:
-        raise TorqError("give either --limit (the first questions) or --subset, not both")
-    if config.task_subset is not None and config.task_subset < 1:
-        raise TorqError(f"--subset must be a positive number of questions: {config.task_subset}")
-    if config.portable_dir is not None and config.resume_dir is None:
-        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
-    # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
-    check_data(config, methods if saved is None else [])
+    check_run(config, methods, from_saved=saved is not None)
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     torch.manual_seed(config.seed)

@@ -16,6 +16,7 @@ from torq.eval.resume import MODEL_INFO
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import context_length
+from torq.paths import check_destination
 from torq.runs.store import method_resume_dir
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
@@ -246,6 +247,57 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
             seeded_subset(config.tasks, *subset, config.data_dir)
         else:
             task_data_files(config.tasks, config.data_dir)
+
+
+def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> None:
+    """Every check of a run before its model is loaded: its destinations, its options
+    together, and each method's settings, formats and data (``methods`` are not checked
+    for a model that was ``from_saved`` quantized: it is evaluated as it is)."""
+    from torq.runs.source import saved_model_dir  # (source reads this module's RunConfig)
+
+    checked = [] if from_saved else methods
+    # what would fail only when the work is done (a file where a folder goes) fails now
+    for option, folder in (
+        ("--save-dir", config.save_dir),
+        ("--resume-dir", config.resume_dir),
+        ("--portable-dir", config.portable_dir),
+    ):
+        if folder is not None:
+            check_destination(folder, folder=True, what=option)
+    if config.save_dir is not None and not from_saved:
+        for method in methods:
+            if method.quantizes:
+                check_destination(
+                    saved_model_dir(config, method.name), folder=True, what="--save-dir"
+                )
+    if config.stream:
+        check_streamable(config, checked)
+    check_settings(config, checked)
+    if config.save_format != "torq":
+        check_exportable(config, checked)
+    if config.hidden_states != "memory" and not config.stream:
+        raise TorqError("--hidden-states applies to a streamed run (--stream)")
+    if config.packed and not from_saved and not (config.stream and config.tasks):
+        raise TorqError(
+            "--packed loads a saved quantized checkpoint (--model <save-dir>/<model>-<method>), "
+            "or with --stream the checkpoints its --save-dir writes for --tasks"
+        )
+    if config.offload_dir is not None and not from_saved and not (config.stream and config.tasks):
+        raise TorqError(
+            "--offload-dir keeps a saved quantized checkpoint's layers on disk "
+            "(--model <save-dir>/<model>-<method>, or with --stream the checkpoints its "
+            "--save-dir writes for --tasks)"
+        )
+    if config.skip_ppl and not config.tasks:
+        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    if config.task_subset is not None and config.task_limit is not None:
+        raise TorqError("give either --limit (the first questions) or --subset, not both")
+    if config.task_subset is not None and config.task_subset < 1:
+        raise TorqError(f"--subset must be a positive number of questions: {config.task_subset}")
+    if config.portable_dir is not None and config.resume_dir is None:
+        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
+    # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
+    check_data(config, checked)
 
 
 def resolve_device(name: str) -> torch.device:
