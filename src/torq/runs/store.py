@@ -48,12 +48,19 @@ def setting_key(config: dict[str, Any], method: str) -> str:
     return get_method(method).settings_key(config)
 
 
+def setting_digest(config: dict[str, Any], method: str) -> str:
+    """The short hash of :func:`setting_key` that names a method's resume folder and its
+    portable copy (``config`` is ``asdict(RunConfig)``, as a run's record keeps it): the
+    same settings find the same kept answers on any machine."""
+    return hashlib.sha1(setting_key(config, method).encode()).hexdigest()[:10]
+
+
 def method_resume_dir(config: RunConfig, method: str) -> str:
     """``<resume_dir>/<model>/<method>-<hash of its setting key>``: one quantized model's
     kept evaluation (the fingerprints stored there guard against a stale directory)."""
     if config.resume_dir is None:
         raise TorqError("no resume directory configured")
-    digest = hashlib.sha1(setting_key(asdict(config), method).encode()).hexdigest()[:10]
+    digest = setting_digest(asdict(config), method)
     model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
     return str(Path(config.resume_dir) / model / f"{method}-{digest}")
 
