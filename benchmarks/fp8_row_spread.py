@@ -27,7 +27,7 @@ from common import save
 from torq.eval.data import load_wikitext2_test
 from torq.formats import get_format, quantize
 from torq.kernels import MXFP4Weight
-from torq.kernels.linear import FP8_EXACT_SPAN
+from torq.kernels.config import FP8_EXACT_SPAN
 from torq.models.loading import load
 
 

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
-from torq.kernels import linear as kernel_linear
-from torq.kernels.linear import (
-    TUNED_CONFIGS,
+from torq.kernels import config as kernel_config
+from torq.kernels.config import TUNED_CONFIGS
+from torq.kernels.launch import (
     dequantize_weight_fp8,
     quantize_activation,
     quantize_activation_fp8,
@@ -476,10 +476,10 @@ def transform_cost() -> list[dict[str, Any]]:
                 [(lambda xx=xx, ww=ww: mxfp4_linear(xx, ww, block_transform=h)) for xx, ww in pairs]
             )
             t_module = graph_time([(lambda xx=xx, rr=rot: rr(xx)) for xx in xs])
-            tiles = TORQ_TILES if m == 1 else [kernel_linear.TORQ_PREPASS_TILE]
+            tiles = TORQ_TILES if m == 1 else [kernel_config.TORQ_PREPASS_TILE]
             tile_times = {}
             for tile in tiles:
-                kernel_linear.TORQ_PREPASS_TILE = tile
+                kernel_config.TORQ_PREPASS_TILE = tile
                 tile_times[tile] = graph_time(
                     [
                         (lambda xx=xx, ww=ww, rr=rot: mxfp4_linear(xx, ww, rotation=rr))
@@ -488,7 +488,7 @@ def transform_cost() -> list[dict[str, Any]]:
                 )
             best_tile = min(tile_times, key=tile_times.get)
             t_torq = tile_times[best_tile]
-            kernel_linear.TORQ_PREPASS_TILE = best_tile
+            kernel_config.TORQ_PREPASS_TILE = best_tile
             ref = reference_linear(xs[0].float(), w_packed[0], block_transform=h)
             y = mxfp4_linear(xs[0], w_packed[0], block_transform=h)
             # the fused pre-pass sums in float32: the reference runs the module in float32

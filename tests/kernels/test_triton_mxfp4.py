@@ -19,7 +19,7 @@ from torq.kernels import (
     quantize_activation,
     reference_linear,
 )
-from torq.kernels.linear import apply_block_transform
+from torq.kernels.dispatch import apply_block_transform
 from torq.rotations.hadamard import hadamard_matrix
 
 pytest.importorskip("triton")
@@ -250,7 +250,7 @@ def test_kernel_config_validation() -> None:
 
 
 def test_dequantize_weight_kernel_is_exact() -> None:
-    from torq.kernels.linear import dequantize_weight
+    from torq.kernels.launch import dequantize_weight
 
     gen = torch.Generator().manual_seed(5)
     weight = MXFP4Weight.from_float(torch.randn(37, 100, generator=gen) * 0.1)
@@ -264,7 +264,7 @@ def test_dequantize_weight_kernel_is_exact() -> None:
 def test_int8_prepass_is_exact(k: int) -> None:
     """``2·Q(x)`` and ``s/4`` of the integer GEMV's pre-pass against torq.formats."""
     from torq.formats.constants import E2M1_VALUES
-    from torq.kernels.linear import quantize_activation_i8
+    from torq.kernels.launch import quantize_activation_i8
 
     gen = torch.Generator().manual_seed(k)
     x = _special_activation(1, k, gen)
@@ -286,7 +286,7 @@ def test_int8_prepass_is_exact(k: int) -> None:
 def test_split_k_gemv_workspace_resets(split_k: int) -> None:
     """The split-K integer GEMV leaves its workspace zeroed, so back-to-back calls (and
     calls with other weights of the same width) give the same results as one alone."""
-    from torq.kernels.linear import _gemv_workspace
+    from torq.kernels.launch import gemv_workspace
 
     gen = torch.Generator().manual_seed(split_k)
     cfg = KernelConfig(1, 8, 64, split_k=split_k, kind="gemv_i8", a_mode=1)
@@ -297,7 +297,7 @@ def test_split_k_gemv_workspace_resets(split_k: int) -> None:
         for w, wd, x in zip(weights, dev, xs, strict=True):
             y = mxfp4_linear(x.to(DEVICE), wd, backend="triton", config=cfg)
             assert _rel_err(y.cpu(), reference_linear(x, w)) < FP32_ACCUMULATION_RTOL
-    ws, count = _gemv_workspace(torch.device(DEVICE), 24)
+    ws, count = gemv_workspace(torch.device(DEVICE), 24)
     assert not ws.any() and not count.any()
 
 
@@ -338,7 +338,7 @@ def test_torq_prepass_matches_the_module(n_blocks: int, scale: bool) -> None:
     """TORQ's transform fused into the pre-pass gives the codes and scales of the torch
     module followed by the plain pre-pass, except where float32 sums in another order
     land on the other side of a rounding boundary."""
-    from torq.kernels.linear import quantize_activation_i8, quantize_activation_torq_i8
+    from torq.kernels.launch import quantize_activation_i8, quantize_activation_torq_i8
 
     gen = torch.Generator().manual_seed(n_blocks)
     rot = _torq_rotation(n_blocks, gen, scale).to(DEVICE)
@@ -399,7 +399,7 @@ def test_a_rotation_of_other_blocks_runs_before_the_plain_prepass() -> None:
     """``--rotation-block 16`` gives a ``BlockRotation`` of 16-element blocks, which the
     fused pre-pass (32-element blocks) cannot take: the GEMV runs it as its module first
     (it raised before), as it does a permuted one."""
-    from torq.kernels.linear import fusable_in_prepass
+    from torq.kernels.launch import fusable_in_prepass
     from torq.rotations.transform import BlockRotation
 
     gen = torch.Generator().manual_seed(16)
@@ -431,7 +431,7 @@ def test_fp8_activation_prepass(m: int, k: int) -> None:
     """E4M3 values times the row scale are the MXFP4 values exactly for every block within
     2**14 of its row's largest; smaller blocks (these rows span 2**20) are within half an
     E4M3 subnormal step; NaN blocks stay NaN; every element is written."""
-    from torq.kernels.linear import quantize_activation_fp8
+    from torq.kernels.launch import quantize_activation_fp8
 
     gen = torch.Generator().manual_seed(m + k)
     x = _special_activation(m, k, gen)
@@ -456,7 +456,7 @@ def test_fp8_activation_prepass(m: int, k: int) -> None:
 
 
 def test_fp8_weight_decode_and_exactness_check() -> None:
-    from torq.kernels.linear import dequantize_weight_fp8
+    from torq.kernels.launch import dequantize_weight_fp8
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 100, generator=gen) * 0.1
@@ -520,7 +520,7 @@ def test_fp8_prefill_refuses_and_falls_back() -> None:
     y = mxfp4_linear(x.to(DEVICE), dev_weight, backend="triton")  # 300 tokens: prefill
     assert _rel_err(y.cpu(), reference_linear(x, weight)) < FP32_ACCUMULATION_RTOL
     odd = MXFP4Weight.from_float(torch.randn(40, 64, generator=gen))
-    from torq.kernels.linear import fp8_prefill_usable
+    from torq.kernels.dispatch import fp8_prefill_usable
 
     assert "divisible by 16" in str(fp8_prefill_usable(x.to(DEVICE), odd))
 
@@ -543,7 +543,7 @@ def test_packed_layer_refreshes_fp8_rows_on_load() -> None:
 def test_default_launch_per_token_count() -> None:
     """1 token: the integer GEMV; 2–4: its multi-token form; more: the tensor-core and
     prefill paths."""
-    from torq.kernels.linear import default_config
+    from torq.kernels.config import default_config
 
     picks = {m: default_config(m, 4096, 4096, False) for m in (1, 2, 3, 4, 5, 300)}
     assert (picks[1].kind, picks[1].block_m) == ("gemv_i8", 1)

@@ -745,7 +745,8 @@ def _quantized_module(
 ) -> nn.Module:
     """The module of one manifest entry: a linear ``Q_w(W Tᵀ)`` read through its activation
     quantizer ``Q_a(T x)`` (unpacked to float, or packed MXFP4), or fused MoE experts."""
-    from torq.kernels.linear import MXFP4Weight, PackedMXFP4Linear
+    from torq.kernels.linear import PackedMXFP4Linear
+    from torq.kernels.weight import MXFP4Weight
 
     act = _spec(entry["activation"])
     if entry["kind"] == "linear":

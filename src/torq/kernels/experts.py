@@ -2,7 +2,7 @@
 
 :class:`PackedMXFP4Experts` is :class:`~torq.surgery.qlinear.QuantExperts` with its weights
 packed (two E2M1 codes per byte, one E8M0 scale per 32 inputs: 4.25 bits a weight) and each
-expert's ``gate_up_proj`` and ``down_proj`` run by :func:`torq.kernels.linear.mxfp4_linear`
+expert's ``gate_up_proj`` and ``down_proj`` run by :func:`torq.kernels.dispatch.mxfp4_linear`
 (Algorithm 3, option B, per expert): Triton kernels on a GPU, the fake-quant reference on a
 CPU. The expert input's online transform runs once on all tokens (every expert reads the
 same hidden state), each expert's ``down_proj`` transform on that expert's rows; a plain
@@ -18,17 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torq.kernels.linear import (
-    Backend,
-    MXFP4Weight,
-    _check_block_transform,
+from torq.kernels.config import Backend
+from torq.kernels.dispatch import mxfp4_linear, use_triton
+from torq.kernels.launch import (
+    check_block_transform,
     fusable_in_prepass,
     interpreter_enabled,
-    mxfp4_linear,
     quantize_activation_i8,
     quantize_activation_torq_i8,
-    use_triton,
 )
+from torq.kernels.weight import MXFP4Weight
 from torq.rotations.transform import BlockRotation
 
 # Up to this many (token, chosen expert) pairs a forward is one grouped integer GEMV per
@@ -49,7 +48,7 @@ def grouped_gemv_i8(
 ) -> torch.Tensor:
     """``out[s] = Q(x[rows[s]]) · Q(W_{experts[s]})ᵀ`` for every slot ``s`` in one launch
     (Algorithm 3, option B, per expert): ``q8``/``scales`` the integer pre-pass of ``x``
-    (:func:`~torq.kernels.linear.quantize_activation_i8`), ``codes [E, N, Kp/2]`` and
+    (:func:`~torq.kernels.launch.quantize_activation_i8`), ``codes [E, N, Kp/2]`` and
     ``weight_scales [E, N, Kp/32]`` the experts' packed weights. Returns ``[S, N]``."""
     from torq.kernels import triton_mxfp4 as tk
 
@@ -149,14 +148,14 @@ class PackedMXFP4Experts(nn.Module):
         self.register_buffer("down_codes", dn_codes)
         self.register_buffer("down_scales", dn_scales)
         block, self.input_transform = _block_part(input_transform)
-        _check_block_transform(block)
+        check_block_transform(block)
         self.register_buffer("block_transform", block)
         parts = [_block_part(t) for t in down]
         self.down_transforms = nn.ModuleList(
             t if t is not None else nn.Identity() for _, t in parts
         )
         for i, (b, _) in enumerate(parts):
-            _check_block_transform(b)
+            check_block_transform(b)
             if b is not None:  # (a buffer, so that it moves with the module)
                 self.register_buffer(f"down_block_transform{i}", b)
         self._weights: tuple[object, list[tuple[MXFP4Weight, MXFP4Weight]]] | None = None
