@@ -334,3 +334,17 @@ def test_batched_generation_gives_the_answers_of_one_at_a_time(
     assert (one["identical"], three["identical"]) == (3, same)
     assert same == 3
     assert out.with_suffix(".md").read_text().startswith("`generation_batch.py")
+
+
+def test_a_resumed_rows_time_counts_every_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row made over three sessions shows their sum, not the last session's seconds."""
+    bench = _benchmark(monkeypatch)
+    args = bench.parser().parse_args(["--model", "m", "--out", "x.json", "--task", "gsm8k"])
+    score = {"exact_match": 0.1, "stderr": 0.02}
+    sessions = [{"seconds_so_far": 8405.0}, {"seconds_so_far": 960.0}, {"seconds": 705.0}]
+    row = {"method": "fp", "strict-match": score, "flexible-extract": score, "n": 200}
+    resumed = {**row, "seconds": 705.0, "request_cache": {"sessions": sessions}}
+    one_go = {**row, "seconds": 42.0, "request_cache": None}
+    lines = bench._table(args, [resumed, one_go]).splitlines()
+    assert lines[-2].endswith("| 200 | 10070 |")
+    assert lines[-1].endswith("| 200 | 42 |")

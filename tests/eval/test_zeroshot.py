@@ -195,6 +195,12 @@ def test_request_cache_resumes_and_refuses_another_model(
     assert info["entries_before"] == first["entries_after"]
     assert info["entries_after"] == 5 * 4 + 5 * 2
     assert [s["entries_before"] for s in info["sessions"]] == [0, 12]
+    # the row's time is both sessions', not the last one's alone
+    both = zs.sessions_seconds(info["sessions"])
+    assert both == pytest.approx(beat["seconds"] + info["sessions"][-1]["seconds"])
+    # a session stopped between heartbeats counts up to its last heartbeat
+    stopped = [{"seconds_so_far": 2.5}, {"seconds": 1.0, "seconds_so_far": 0.5}]
+    assert zs.sessions_seconds(stopped) == 3.5
     plain = score(5, lm.model, None)
     assert plain["request_cache"] is None
     assert resumed["lm_eval"]["results"] == plain["lm_eval"]["results"]

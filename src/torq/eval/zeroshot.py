@@ -457,6 +457,13 @@ def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dic
     return {**info, "entries_after": after, "sessions": meta["sessions"]}
 
 
+def sessions_seconds(sessions: list[dict[str, Any]]) -> float:
+    """The wall time a resumed row took over all its sessions: each finished session's
+    ``seconds``, and for one that was stopped the last heartbeat's ``seconds_so_far`` (so
+    at most one heartbeat short). A record's ``seconds`` is only the last session's."""
+    return float(sum(s.get("seconds", s.get("seconds_so_far", 0.0)) for s in sessions))
+
+
 @dataclass
 class CachedAnswers:
     """What :func:`answers_cached_in` gives the ``with`` body and leaves after it."""
