@@ -1,13 +1,18 @@
-"""HumanEval rows compared problem by problem (the paper's Table 4): every row of the
-records of ``benchmarks/humaneval.py`` against a reference row (FP by default) and against
-each other, on the problems both have: pass@1 of each, the paired difference with its
-standard error, how many problems only one of the two solves, and the exact McNemar p.
+"""HumanEval or GSM8K rows compared problem by problem (the paper's Table 4): every row of
+the records of ``benchmarks/humaneval.py`` against a reference row (FP by default) and
+against each other, on the problems both have: the score of each (HumanEval's pass@1,
+GSM8K's exact match under ``--filter``), the paired difference with its standard error, how
+many problems only one of the two solves, and the exact McNemar p.
 
     python benchmarks/humaneval_paired.py results/humaneval/qwen-coder.json \\
         results/humaneval/qwen-coder-torq-had32.json results/humaneval/qwen-coder-torq.json \\
         --out results/humaneval/qwen-coder-paired.json
 
-Rows of one model and one problem set compare. A row is named by its method, with its
+Rows of one model and one task compare. GSM8K rows compare only within one subset
+(``--n`` and ``--seed``) and one batch size, and others are refused: lm-eval draws each
+problem's five examples in turn over the subset, so a problem's prompt differs between
+subsets (at n = 50 and n = 200, seed 0, none of the 50 shared problems had the same prompt;
+docs/RESULTS.md §12.1), and the batch changes W4A4 answers. A row is named by its method, with its
 calibration corpus, seed and prompt where they are not the defaults (``torq (seed 1)``); a
 name found in two records is refused (say which record to take). Writes JSON and a markdown
 table (``<out>.md``).
@@ -37,10 +42,23 @@ from torq.errors import TorqError
 from torq.eval.paired import paired_difference
 from torq.results import command_line, machine_info, now_iso
 
+GSM8K_FILTERS = ("flexible-extract", "strict-match")
 
-def problem_scores(row: dict) -> dict[int, float]:
-    """A row's pass@1 per problem, keyed by HumanEval's problem number."""
+
+def problem_scores(
+    row: dict, task: str = "humaneval", gsm8k_filter: str = GSM8K_FILTERS[0]
+) -> dict[int, float]:
+    """A row's score per problem: HumanEval's pass@1 keyed by its problem number, or
+    GSM8K's exact match under ``gsm8k_filter`` keyed by the test problem's index."""
+    if task == "gsm8k":
+        return {int(q): float(a[gsm8k_filter]["exact_match"]) for q, a in row["answers"].items()}
     return {int(t.split("/")[-1]): float(rec["pass@1"]) for t, rec in row["tasks"].items()}
+
+
+def gsm8k_protocol(record: dict, row: dict) -> tuple[int, int, int]:
+    """What GSM8K rows must share to be compared problem by problem: the subset's size and
+    seed (they fix each problem's 5-shot prompt) and the batch size (module doc)."""
+    return int(row["n"]), int(row["seed"]), int(row.get("batch_size", 1))
 
 
 def row_name(record: dict, row: dict, seed: bool = True) -> str:
@@ -87,10 +105,10 @@ def seed_means(
             name = f"{base} (mean of seeds {seeds})"
         new_rows[name] = {
             "method": rows[names[0]]["method"],
-            "pass@1": sum(mean.values()) / len(mean),
+            "score": sum(mean.values()) / len(mean),
             "problems": len(mean),
             "record": [rows[n]["record"] for n in names],
-            "seeds": {str(rows[n]["calib_seed"]): rows[n]["pass@1"] for n in names},
+            "seeds": {str(rows[n]["calib_seed"]): rows[n]["score"] for n in names},
         }
         new_scores[name] = mean
     return new_rows, new_scores
@@ -105,28 +123,50 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="one row per method for its calibration seeds: the mean over seeds per problem",
     )
+    ap.add_argument(
+        "--filter",
+        choices=GSM8K_FILTERS,
+        default=GSM8K_FILTERS[0],
+        help="GSM8K: the answer filter whose exact match is compared",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rows: dict[str, dict] = {}
-    models = set()
+    scores: dict[str, dict[int, float]] = {}
+    models, tasks, protocols = set(), set(), set()
     for path in args.records:
         record = json.loads(Path(path).read_text())
-        if record.get("task", "humaneval") != "humaneval":
-            raise TorqError(f"{path} is not a HumanEval record")
+        task = record.get("task", "humaneval")
+        if task not in ("humaneval", "gsm8k"):
+            raise TorqError(f"{path} is neither a HumanEval nor a GSM8K record")
         models.add(record["model"])
+        tasks.add(task)
         for row in record["rows"]:
             name = row_name(record, row)
             if name in rows:
                 raise TorqError(f"{name} is in more than one record")
+            if task == "gsm8k":
+                protocols.add(gsm8k_protocol(record, row))
+            scores[name] = problem_scores(row, task, args.filter)
             rows[name] = {
-                **row,
+                "method": row["method"],
+                "score": sum(scores[name].values()) / len(scores[name]),
+                "problems": len(scores[name]),
                 "record": str(path),
                 "seedless": row_name(record, row, seed=False),
                 "calib_seed": record.get("calib_seed", 0),
             }
     if len(models) > 1:
         raise TorqError(f"records of different models: {', '.join(sorted(models))}")
-    scores = {m: problem_scores(r) for m, r in rows.items()}
+    if len(tasks) > 1:
+        raise TorqError("records of different tasks: HumanEval and GSM8K rows do not compare")
+    if len(protocols) > 1:
+        seen = "; ".join(f"n {n}, seed {s}, batch {b}" for n, s, b in sorted(protocols))
+        raise TorqError(
+            f"GSM8K rows of different subsets or batch sizes ({seen}): a problem's 5-shot "
+            "prompt depends on the subset, and its W4A4 answer on the batch"
+        )
+    task = tasks.pop()
     if args.seed_means:
         rows, scores = seed_means(rows, scores)
     if args.reference not in rows:
@@ -138,13 +178,20 @@ def main(argv: list[str] | None = None) -> None:
             first, second = (b, a) if a == args.reference else (a, b)
             diff = paired_difference(scores[first], scores[second])
             pairs.append({"a": first, "b": second, **asdict(diff)})
+    subset = {}
+    if protocols:
+        n, seed, batch = protocols.pop()
+        subset = {"subset": {"n": n, "seed": seed, "batch_size": batch}}
     record = {
         "model": models.pop(),
+        "task": task,
+        "metric": "pass@1" if task == "humaneval" else f"exact match, {args.filter}",
+        **subset,
         "reference": args.reference,
         "seed_means": args.seed_means,
         "rows": {
             m: {
-                "pass@1": r["pass@1"],
+                "score": r["score"],
                 "problems": r["problems"],
                 "record": r["record"],
                 **({"seeds": r["seeds"]} if "seeds" in r else {}),
@@ -160,14 +207,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(record: dict) -> str:
-    title = f"{record['model']}, HumanEval pass@1, rows compared problem by problem"
+    if record["task"] == "gsm8k":
+        s = record["subset"]
+        task = f"GSM8K ({s['n']} problems, seed {s['seed']}, batch {s['batch_size']})"
+    else:
+        task = "HumanEval"
+    title = f"{record['model']}, {task} {record['metric']}, rows compared problem by problem"
     if record["seed_means"]:
         title += "; a method's calibration seeds averaged per problem"
     lines = [title, ""]
     seeded = {m: r["seeds"] for m, r in record["rows"].items() if "seeds" in r}
     for m, seeds in seeded.items():
         each = ", ".join(f"seed {s} {100 * v:.1f} %" for s, v in seeds.items())
-        lines.append(f"- {m}: {100 * record['rows'][m]['pass@1']:.1f} % ({each})")
+        lines.append(f"- {m}: {100 * record['rows'][m]['score']:.1f} % ({each})")
     if seeded:
         lines.append("")
     test = "McNemar or sign-test p" if record["seed_means"] else "McNemar p"

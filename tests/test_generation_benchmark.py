@@ -167,6 +167,56 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     ]
 
 
+def _gsm8k_record(path: Path, method: str, flexible: list[int], n: int, batch: int = 8) -> Path:
+    answers = {
+        str(7 * i): {
+            "strict-match": {"exact_match": 0.0},
+            "flexible-extract": {"exact_match": float(f)},
+        }
+        for i, f in enumerate(flexible)
+    }
+    row = {"method": method, "n": n, "seed": 0, "batch_size": batch, "answers": answers}
+    path.write_text(json.dumps({"task": "gsm8k", "model": "m", "rows": [row]}))
+    return path
+
+
+def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> None:
+    """GSM8K rows are compared per problem under the chosen answer filter; rows of another
+    subset size (other 5-shot prompts), another batch size or another task are refused."""
+    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    fp = _gsm8k_record(tmp_path / "fp.json", "fp", [1, 1, 0, 1, 0], n=5)
+    q = _gsm8k_record(tmp_path / "q.json", "q", [1, 0, 0, 0, 1], n=5)
+    out = tmp_path / "paired.json"
+
+    def paired(*records: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, *map(str, records), "--out", str(out), *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    done = paired(fp, q)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    (pair,) = record["pairs"]
+    assert (pair["a"], pair["b"], pair["n"]) == ("q", "fp", 5)
+    assert (pair["only_a"], pair["only_b"]) == (1, 2)
+    assert record["subset"] == {"n": 5, "seed": 0, "batch_size": 8}
+    assert record["rows"]["fp"]["score"] == 3 / 5
+    assert "GSM8K (5 problems, seed 0, batch 8) exact match, flexible-extract" in (
+        out.with_suffix(".md").read_text()
+    )
+    strict = paired(fp, q, extra=("--filter", "strict-match"))
+    assert strict.returncode == 0, strict.stderr[-2000:]
+    assert json.loads(out.read_text())["rows"]["fp"]["score"] == 0.0
+    other_n = _gsm8k_record(tmp_path / "r.json", "r", [1, 1, 0, 1, 0], n=50)
+    refused = paired(fp, other_n)
+    assert refused.returncode != 0 and "5-shot" in refused.stderr
+    other_batch = _gsm8k_record(tmp_path / "s.json", "s", [1, 1, 0, 1, 0], n=5, batch=1)
+    assert "batch 1" in paired(fp, other_batch).stderr
+    humaneval = _record(tmp_path / "he.json", "q2", [1, 0, 1, 0, 1])
+    assert "different tasks" in paired(fp, humaneval).stderr
+
+
 def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path) -> None:
     """``--seed-means``: a method's seeds become one row scored per problem by their mean,
     its seeds' own pass@1 listed; a method with one seed stays as it is."""
@@ -186,7 +236,7 @@ def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path
     mean = "q (mean of seeds 0, 1)"
     assert set(record["rows"]) == {"fp", mean, "r"}
     assert record["rows"][mean]["seeds"] == {"0": 0.5, "1": 0.5}
-    assert record["rows"][mean]["pass@1"] == 0.5 and record["rows"][mean]["problems"] == 6
+    assert record["rows"][mean]["score"] == 0.5 and record["rows"][mean]["problems"] == 6
     pairs = {(p["a"], p["b"]): p for p in record["pairs"]}
     assert set(pairs) == {(mean, "fp"), ("r", "fp"), (mean, "r")}
     # per problem q's mean is 0.5, 0, 0.5, 0, 1, 1 against r's 1, 1, 0, 0, 0, 0

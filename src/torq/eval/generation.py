@@ -299,7 +299,10 @@ def evaluate_gsm8k(
 ) -> dict[str, Any]:
     """GSM8K exact match of ``model`` through lm-eval (greedy, 5-shot, its own filters) on a
     seeded subset of ``n`` test problems (all 1319 by default): the same problems for every
-    method of a seed, so rows compare question by question. Returns the strict and flexible
+    method of a seed, so rows compare question by question. Only rows of the same ``n``
+    and ``seed`` do: lm-eval draws each problem's five examples in turn from one generator
+    over the subset, so the subset of 50 and that of 200 (which holds it) give the shared
+    problems other prompts (none of 50 alike, measured). Returns the strict and flexible
     scores with their standard errors, and which problems were asked. With
     ``request_cache`` the answers are kept as they come, with ``portable`` also copied
     where another machine can go on from them (:func:`_run_task`)."""
