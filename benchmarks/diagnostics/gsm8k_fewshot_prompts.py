@@ -20,14 +20,17 @@ from torq.eval.zeroshot import _lm_eval_tasks_dir
 
 
 def prompts(n: int, seed: int, task_dir: Path, total: int) -> dict[int, str]:
-    """Each asked problem's prompt in the subset of ``n`` (evaluate_gsm8k's draw and seeds)."""
+    """Each asked problem's prompt in the subset of ``n`` (evaluate_gsm8k's draw and seeds),
+    keyed by its index in the test split."""
     from lm_eval.tasks import TaskManager
 
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
     task = TaskManager(include_path=str(task_dir)).load_task_or_group([GSM8K_TASK])[GSM8K_TASK]
     task.set_fewshot_seed(seed)
-    task.build_all_requests(samples=sorted(order[:n]), rank=0, world_size=1, cache_requests=False)
-    return {inst.doc_id: inst.args[0] for inst in task.instances}
+    asked = sorted(order[:n])
+    task.build_all_requests(samples=asked, rank=0, world_size=1, cache_requests=False)
+    # an instance's doc_id is its place in the subset; the record keys the test problem
+    return {asked[inst.doc_id]: inst.args[0] for inst in task.instances}
 
 
 def main() -> None:
@@ -49,6 +52,7 @@ def main() -> None:
         by_size = {n: prompts(n, args.seed, task_dir, total) for n in sizes}
     small = by_size[sizes[0]]
     for n in sizes[1:]:
+        assert set(small) <= set(by_size[n]), "the seeded subsets are nested"
         same = sum(small[q] == by_size[n][q] for q in small)
         print(
             f"seed {args.seed}: of the {len(small)} problems of n={sizes[0]}, {same} have the "
