@@ -11,7 +11,7 @@ from torq.driver import calibrate_layerwise
 from torq.formats import fake_quantize, get_format
 from torq.methods.hadamard import block_hadamard
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import BlockRotation
 
 lm = setup(default_threads=2)
 win = calib_windows(lm, default=4)
@@ -22,7 +22,7 @@ out = collections.defaultdict(lambda: collections.defaultdict(list))
 def relerr(x, W, T):
     y = x @ W.T
     xt = T(x) if T is not None else x
-    Wt = fuse_inverse_into_weight(W, T) if T is not None else W
+    Wt = T.fuse_inverse(W) if T is not None else W
     qx, qw = fake_quantize(xt, fmt), fake_quantize(Wt, fmt)
     n = y.pow(2).sum()
     return [

@@ -9,7 +9,6 @@ from diag_common import eval_windows, setup
 
 from torq.eval import perplexity
 from torq.methods.hadamard import block_hadamard
-from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.qlinear import QuantConfig
 
@@ -31,7 +30,7 @@ def run(rot_groups, w="mxfp4", a="mxfp4"):
     def f(name, lin):
         if name.rsplit(".", 1)[-1] in names:
             t = block_hadamard(lin.in_features, 32)
-            lin.weight.data = fuse_inverse_into_weight(lin.weight, t)
+            lin.weight.data = t.fuse_inverse(lin.weight)
             return t
         return None
 

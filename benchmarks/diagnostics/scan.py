@@ -8,7 +8,6 @@ from diag_common import eval_windows, setup
 from torq.eval import perplexity
 from torq.methods.hadamard import block_hadamard
 from torq.models.architecture import decoder_layers
-from torq.rotations.transform import fuse_inverse_into_weight
 from torq.surgery.apply import quantize_model
 from torq.surgery.qlinear import QuantConfig
 
@@ -22,7 +21,7 @@ for L in [int(v) for v in sys.argv[2].split(",")]:
         if mode == "raw" and name.startswith(f"layers.{L}."):
             return None
         t = block_hadamard(lin.in_features, 32)
-        lin.weight.data = fuse_inverse_into_weight(lin.weight, t)
+        lin.weight.data = t.fuse_inverse(lin.weight)
         return t
 
     quantize_model(m, QuantConfig.from_names("mxfp4", "mxfp4"), f)

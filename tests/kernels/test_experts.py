@@ -14,7 +14,7 @@ from tests.conftest import tiny_model
 from torq.formats import fake_quantize, get_format
 from torq.kernels.experts import GROUPED_MAX_SLOTS, PackedMXFP4Experts
 from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts
 
 pytest.importorskip("triton")
@@ -73,8 +73,8 @@ def _quant_experts(transforms: str) -> QuantExperts:
     else:
         t_in = _calibrated(h, 1)
         t_down = [_h32(i) if j else _calibrated(i, 2 + j) for j in range(e)]
-    gu = fuse_inverse_into_weight(gu.reshape(-1, h), t_in).reshape(gu.shape)
-    dn = torch.stack([fuse_inverse_into_weight(dn[j], t_down[j % len(t_down)]) for j in range(e)])
+    gu = t_in.fuse_inverse(gu.reshape(-1, h)).reshape(gu.shape)
+    dn = torch.stack([t_down[j % len(t_down)].fuse_inverse(dn[j]) for j in range(e)])
     fmt = get_format("mxfp4")
     return QuantExperts.from_quantized(
         ex.act_fn,

@@ -11,8 +11,7 @@ from torq.rotations.balance import (
     channel_energy,
 )
 from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
-from torq.surgery.gptq import transform_hessian
+from torq.rotations.transform import BlockRotation
 
 K = 32
 
@@ -81,13 +80,13 @@ def test_scaled_transform_fuses_exactly(with_inter: bool) -> None:
     s = balance_scales(x.pow(2).mean(0), w)
     r_inter = torch.linalg.qr(torch.randn(K, 3, 3, dtype=torch.float64))[0] if with_inter else None
     t = BlockRotation(K, r_inter, hadamard_matrix(K), dtype=torch.float64, channel_scale=s)
-    w_fused = fuse_inverse_into_weight(w, t)
+    w_fused = t.fuse_inverse(w)
     ref = x @ w.T
     assert torch.allclose(t(x) @ w_fused.T, ref, rtol=1e-10, atol=1e-10 * ref.abs().max())
     # GPTQ's Hessian of the transformed inputs is T H Tᵀ, with T now not orthogonal
     h = x.T @ x / x.shape[0]
     tx = t(x)
-    assert torch.allclose(transform_hessian(h, t), tx.T @ tx / x.shape[0], rtol=1e-9, atol=1e-9)
+    assert torch.allclose(t.conjugate_hessian(h), tx.T @ tx / x.shape[0], rtol=1e-9, atol=1e-9)
 
 
 def test_channel_scale_is_validated() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import BlockRotation
 
 F64 = torch.float64
 
@@ -38,7 +38,7 @@ def test_structured_transform_is_orthogonal_and_fuses_exactly(
     x = torch.randn(5, 3, d, dtype=F64)
     assert torch.allclose(t(x), x @ dense.T, atol=1e-12)
     w = torch.randn(7, d, dtype=F64)
-    w_fused = fuse_inverse_into_weight(w, t)
+    w_fused = t.fuse_inverse(w)
     assert torch.allclose(w_fused, w @ dense.T, atol=1e-12)
     # W' (T x) = W x: the transformed layer computes the same function in full precision.
     assert torch.allclose(t(x) @ w_fused.T, x @ w.T, atol=1e-10)
@@ -97,8 +97,6 @@ def test_a_channel_permutation_runs_after_the_scale_and_fuses_exactly(use_inter:
     """``T x = R P_π (x ⊘ s)``: the forward is the definition, ``W T⁻¹`` gathers the scaled
     columns first, so ``(W T⁻¹)(T x) = W x``; with the scale folded away the permutation
     stays online with the rotation; a non-permutation is refused."""
-    from torq.rotations.transform import without_channel_scale
-
     k, b = 8, 6
     d = k * b
     g = torch.Generator().manual_seed(3)
@@ -111,9 +109,47 @@ def test_a_channel_permutation_runs_after_the_scale_and_fuses_exactly(use_inter:
     x = torch.randn(5, d, generator=g, dtype=F64)
     assert torch.allclose(t(x), plain((x / scale)[:, perm]), atol=1e-12)
     w = torch.randn(7, d, generator=g, dtype=F64)
-    assert torch.allclose(fuse_inverse_into_weight(w, t) @ t(x).T, w @ x.T, atol=1e-10)
-    rest = without_channel_scale(t)
+    assert torch.allclose(t.fuse_inverse(w) @ t(x).T, w @ x.T, atol=1e-10)
+    rest = t.without_channel_scale()
     assert rest is not None and torch.equal(rest.channel_perm, perm)
     assert torch.allclose(rest(x / scale), t(x), atol=1e-12)
     with pytest.raises(ValueError, match="permutation"):
         BlockRotation(k, None, r_intra, dtype=F64, channel_perm=torch.zeros(d, dtype=torch.int64))
+
+
+def test_kernel_form_says_what_the_kernels_can_take() -> None:
+    """One shared 32×32 matrix is a block matrix; channel scale or inter-block rotations on
+    32-blocks go to the fused pre-pass; a permutation or other blocks stay a module."""
+    d = 128
+    intra = _random_orthogonal(32, seed=4)
+    scale = torch.rand(d, dtype=F64) + 0.5
+    inter = _random_orthogonal(32, d // 32, seed=5)
+    perm = torch.randperm(d)
+    assert BlockRotation(32, None, intra).kernel_form(32) == "block_matrix"
+    assert BlockRotation(32, inter, intra).kernel_form(32) == "prepass"
+    assert BlockRotation(32, None, intra, channel_scale=scale).kernel_form(32) == "prepass"
+    assert BlockRotation(32, None, None, channel_scale=scale).kernel_form(32) == "prepass"
+    assert BlockRotation(32, None, intra, channel_perm=perm).kernel_form(32) == "module"
+    assert BlockRotation(16, None, intra[:16, :16]).kernel_form(32) == "module"
+    assert BlockRotation(16, None, intra[:16, :16]).kernel_form(16) == "block_matrix"
+
+
+def test_conjugate_hessian_leaves_the_online_module_as_it_is() -> None:
+    """``T H Tᵀ`` in H's float64 from a float32 module equals the float64 module's result,
+    and the module the layer runs keeps its dtype (the product runs on a cast copy)."""
+    k, b = 8, 4
+    g = torch.Generator().manual_seed(6)
+    r_inter, r_intra = _random_orthogonal(k, b, seed=7), _random_orthogonal(k, seed=8)
+    scale = torch.exp(torch.randn(k * b, generator=g, dtype=F64))
+    t32 = BlockRotation(k, r_inter, r_intra, dtype=torch.float32, channel_scale=scale)
+    t64 = BlockRotation(
+        k, t32.r_inter.double(), t32.r_intra.double(), dtype=F64,
+        channel_scale=t32.channel_scale.double(),
+    )  # fmt: skip
+    x = torch.randn(50, k * b, generator=g, dtype=F64)
+    h = x.T @ x
+    got = t32.conjugate_hessian(h)
+    assert got.dtype == F64 and t32.r_inter.dtype == torch.float32
+    assert torch.equal(got, t64.conjugate_hessian(h))
+    tx = t64(x)
+    assert torch.allclose(got, tx.T @ tx, rtol=1e-10, atol=1e-10 * h.abs().max())

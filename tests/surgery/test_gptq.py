@@ -8,7 +8,7 @@ import torch
 from torq.formats import fake_quantize, get_format
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
-from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
+from torq.surgery.gptq import GPTQConfig, gptq_quantize
 
 
 def _correlated_inputs(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,14 +58,14 @@ def test_lazy_batches_are_an_exact_reformulation() -> None:
     assert (q32 != q256).float().mean() < 1e-3
 
 
-def test_transform_hessian_is_t_h_tt() -> None:
+def test_conjugate_hessian_is_t_h_tt() -> None:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(300, 64, generator=gen, dtype=torch.float64)
     h = x.T @ x
     q, _ = torch.linalg.qr(torch.randn(32, 2, 2, generator=gen, dtype=torch.float64))
     t = BlockRotation(32, q, hadamard_matrix(32), dtype=torch.float64)
     tx = t(x)
-    torch.testing.assert_close(transform_hessian(h, t), tx.T @ tx)
+    torch.testing.assert_close(t.conjugate_hessian(h), tx.T @ tx)
 
 
 def test_dead_inputs_and_bad_hessians() -> None:

@@ -119,7 +119,7 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
         return None
     if (
         isinstance(t, BlockRotation)
-        and t.intra_block_only(32)
+        and t.kernel_form(32) == "block_matrix"
         and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
     ):
         if has_bias:

@@ -99,7 +99,7 @@ def _block_part(transform: nn.Module | None) -> tuple[torch.Tensor | None, nn.Mo
     """Split an online transform into what the kernels take: a ``BlockRotation`` that is
     only a shared ``32×32`` intra-block matrix (no channel scale, permutation or inter-block
     rotation) becomes the kernels' block transform; anything else stays a torch module."""
-    if isinstance(transform, BlockRotation) and transform.intra_block_only(32):
+    if isinstance(transform, BlockRotation) and transform.kernel_form(32) == "block_matrix":
         # BlockRotation computes Z = Y R_intra on each block row, i.e. z_b = R_intraᵀ y_b
         return transform.r_intra.T.contiguous(), None
     return None, transform

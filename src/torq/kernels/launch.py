@@ -264,12 +264,9 @@ def fusable_in_prepass(rotation: nn.Module | None) -> bool:
     """Whether :func:`quantize_activation_torq_i8` can run ``rotation`` inside the integer
     GEMV's pre-pass: a :class:`BlockRotation` of 32-element blocks (the MX block the kernel
     quantizes) without a channel permutation (the pre-pass has no gather). Any other
-    transform runs as its torch module before the plain pre-pass."""
-    return (
-        isinstance(rotation, BlockRotation)
-        and rotation.block_size == BLOCK
-        and getattr(rotation, "channel_perm", None) is None
-    )
+    transform runs as its torch module before the plain pre-pass
+    (:meth:`BlockRotation.kernel_form`)."""
+    return isinstance(rotation, BlockRotation) and rotation.kernel_form(BLOCK) != "module"
 
 
 def quantize_activation_torq_i8(

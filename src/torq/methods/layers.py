@@ -25,9 +25,9 @@ from torq.calibration.capture import (
 )
 from torq.formats import fake_quantize
 from torq.methods.registry import LayerPlan, Method, MethodContext
-from torq.rotations.transform import fuse_inverse_into_weight
+from torq.rotations.transform import BlockRotation
 from torq.surgery.apply import quantize_layer
-from torq.surgery.gptq import GPTQConfig, gptq_quantize, transform_hessian
+from torq.surgery.gptq import GPTQConfig, gptq_quantize
 from torq.surgery.qlinear import (
     ActivationQuantizer,
     QuantConfig,
@@ -47,7 +47,7 @@ _SAME = object()
 def quantize_group(
     layer: nn.Module,
     group: LinearGroup,
-    transform: nn.Module | None,
+    transform: BlockRotation | None,
     qconfig: QuantConfig,
     stats: BlockStatistics | None = None,
     gptq: GPTQConfig | None = None,
@@ -64,7 +64,8 @@ def quantize_group(
     if gptq is not None and qconfig.weight is not None:
         if stats is None:
             raise ValueError("GPTQ needs the group's calibration statistics")
-        h = transform_hessian(stats.hessian(), transform)
+        h = stats.hessian()
+        h = h if transform is None else transform.conjugate_hessian(h)
     for name in group.members:
         # looked up one at a time, not from a table of the layer's modules: a float linear
         # is freed as soon as its quantized replacement is in place (an 8B layer's float
@@ -72,11 +73,7 @@ def quantize_group(
         linear = layer.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
-        weight = (
-            linear.weight
-            if transform is None
-            else fuse_inverse_into_weight(linear.weight, transform)
-        )
+        weight = linear.weight if transform is None else transform.fuse_inverse(linear.weight)
         quantized = False
         tensor_scale = None
         if h is not None:
@@ -102,20 +99,20 @@ def quantize_group(
     return record
 
 
-def _fused_experts_weight(w: torch.Tensor, transform: nn.Module | None) -> torch.Tensor:
+def _fused_experts_weight(w: torch.Tensor, transform: BlockRotation | None) -> torch.Tensor:
     """``W' = W T⁻¹`` for a stack of expert weights ``[E, N, K]`` sharing one ``T`` (a new
     tensor either way: GPTQ writes into it)."""
     if transform is None:
         return w.clone()
     e, n, k = w.shape
-    return fuse_inverse_into_weight(w.reshape(e * n, k), transform).reshape(e, n, k)
+    return transform.fuse_inverse(w.reshape(e * n, k)).reshape(e, n, k)
 
 
 def quantize_experts(
     experts: nn.Module,
     qconfig: QuantConfig,
-    input_transform: nn.Module | None = None,
-    down_transforms: list[nn.Module | None] | None = None,
+    input_transform: BlockRotation | None = None,
+    down_transforms: list[BlockRotation | None] | None = None,
     stats: ExpertsStatistics | None = None,
     gptq: GPTQConfig | None = None,
 ) -> tuple[QuantExperts, dict[str, Any]]:
@@ -135,7 +132,7 @@ def quantize_experts(
         dn = _fused_experts_weight(dn, down[0])
     else:
         dn = torch.stack(
-            [dn[e] if t is None else fuse_inverse_into_weight(dn[e], t) for e, t in enumerate(down)]
+            [dn[e] if t is None else t.fuse_inverse(dn[e]) for e, t in enumerate(down)]
         )
     record: dict[str, Any] = {}
     if qconfig.weight is not None:
@@ -152,9 +149,8 @@ def quantize_experts(
                         w[e] = fake_quantize(w[e], qconfig.weight)
                         rtn.append(f"{e}.{name}")
                         continue
-                    w[e], _ = gptq_quantize(
-                        w[e], transform_hessian(st.hessian(), t), qconfig.weight, gptq
-                    )
+                    h = st.hessian() if t is None else t.conjugate_hessian(st.hessian())
+                    w[e], _ = gptq_quantize(w[e], h, qconfig.weight, gptq)
             record["gptq_rtn_fallback"] = rtn
         else:
             gu, dn = fake_quantize(gu, qconfig.weight), fake_quantize(dn, qconfig.weight)
@@ -332,7 +328,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             transform = builder.fixed(linear.in_features, qconfig, ctx)
             if transform is not None:
-                linear.weight.data = fuse_inverse_into_weight(linear.weight, transform)
+                linear.weight.data = transform.fuse_inverse(linear.weight)
             return transform
 
         def experts(name: str, module: nn.Module) -> nn.Module:

@@ -50,11 +50,7 @@ from torq.rotations.fold import check_foldable, fold_scales, is_o_proj, o_proj_t
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
-from torq.rotations.transform import (
-    BlockRotation,
-    fuse_inverse_into_weight,
-    without_channel_scale,
-)
+from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantConfig
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
@@ -305,7 +301,7 @@ def output_error(
     err = ref = 0.0
     for r in range(0, weight.shape[0], rows):
         w = weight[r : r + rows].to(torch.float32)
-        fused = fuse_inverse_into_weight(w, transform)
+        fused = transform.fuse_inverse(w)
         wq = fused if weight_fmt is None else fake_quantize(fused, weight_fmt)
         y = x64 @ w.to(torch.float64).T
         err += float((y - xq @ wq.to(torch.float64).T).pow(2).sum())
@@ -399,7 +395,7 @@ class TorqTransform(TransformBuilder):
             if not isinstance(t, BlockRotation) or t.channel_scale is None:
                 continue
             record = fold_scales(layer, g, t.channel_scale, ctx.model_config)
-            out[g.name] = (without_channel_scale(t), record)
+            out[g.name] = (t.without_channel_scale(), record)
         return out
 
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:

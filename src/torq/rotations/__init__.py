@@ -15,7 +15,7 @@ from torq.rotations.intra_block import (
     fit_intra_block_rotation,
     select_column_pairs,
 )
-from torq.rotations.transform import BlockRotation, fuse_inverse_into_weight
+from torq.rotations.transform import BlockRotation
 
 __all__ = [
     "BlockRotation",
@@ -27,7 +27,6 @@ __all__ = [
     "equalize_givens",
     "exact_angle_search",
     "fit_intra_block_rotation",
-    "fuse_inverse_into_weight",
     "hadamard_matrix",
     "has_hadamard",
     "inter_block_rotations",

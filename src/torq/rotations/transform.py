@@ -18,14 +18,28 @@ Optionally a channel permutation ``π`` runs after the scale (``x ↦ R P_π (x 
 ``(P_π x)_i = x_{π(i)}``): which channels share a block (:mod:`torq.rotations.balance`'s
 block-mass balancing). Then ``W' = W diag(s) P_πᵀ Rᵀ``: the columns of ``W diag(s)`` gathered
 by ``π`` before the rotations.
+
+:class:`BlockRotation` is the one online-transform interface: it applies ``T``
+(``forward``), fuses ``T⁻¹`` into a weight (:meth:`~BlockRotation.fuse_inverse`),
+conjugates a GPTQ Hessian (:meth:`~BlockRotation.conjugate_hessian`), drops the channel
+scale that a preceding norm absorbed (:meth:`~BlockRotation.without_channel_scale`), says
+what form the GPU kernels and compressed-tensors can take it in
+(:meth:`~BlockRotation.kernel_form`), and is saved and loaded as its buffers.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import nn
+
+# What the kernels can take a transform as (BlockRotation.kernel_form): one block matrix for
+# every block (inside any kernel, and compressed-tensors' transform), the integer GEMV's
+# fused TORQ pre-pass, or only as this module run before the kernel.
+KernelForm = Literal["block_matrix", "prepass", "module"]
 
 
 class BlockRotation(nn.Module):
@@ -111,17 +125,21 @@ class BlockRotation(nn.Module):
             if self.n_blocks is None:
                 self.n_blocks = channel_perm.numel() // block_size
 
-    def intra_block_only(self, block_size: int = 32) -> bool:
-        """Whether ``T`` is one ``block_size×block_size`` intra-block matrix shared by every
-        block (no channel scale, permutation or inter-block rotation): the form the
-        kernels run inside their pre-pass and compressed-tensors writes as a transform."""
-        return (
-            self.block_size == block_size
-            and self.r_inter is None
-            and self.channel_scale is None
-            and getattr(self, "channel_perm", None) is None
-            and self.r_intra is not None
-        )
+    def kernel_form(self, block: int = 32) -> KernelForm:
+        """What the kernels of ``block``-element MX blocks can take ``T`` as:
+
+        * ``"block_matrix"``: one ``block×block`` intra-block matrix shared by every block
+          (no channel scale, permutation or inter-block rotation): any kernel runs it
+          inside, and compressed-tensors writes it as a transform;
+        * ``"prepass"``: channel scale, inter- and intra-block rotations on blocks of
+          ``block``, no permutation (the pre-pass has no gather): the integer GEMV's fused
+          TORQ pre-pass (Algorithm 3 in one kernel);
+        * ``"module"``: anything else, run as this module before the kernel."""
+        if self.block_size != block or getattr(self, "channel_perm", None) is not None:
+            return "module"
+        if self.r_inter is None and self.channel_scale is None and self.r_intra is not None:
+            return "block_matrix"
+        return "prepass"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
@@ -151,6 +169,67 @@ class BlockRotation(nn.Module):
         elif self.r_intra is not None:
             y = y @ self.r_intra.to(y.dtype)
         return y.reshape(*lead, d)
+
+    @torch.no_grad()
+    def fuse_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        """``W' = W T⁻¹`` (Algorithm 3, option B: ``W Tᵀ`` for an orthogonal ``T``), computed
+        in float64 and returned in W's dtype. With a channel scale ``s``, ``T⁻¹ = diag(s) Rᵀ``."""
+        w64 = weight.detach().to(torch.float64)
+        if self.channel_scale is not None:
+            scale = self.channel_scale.to(device=w64.device, dtype=torch.float64)
+            # in place on the float64 copy (the same products; one weight-sized copy fewer)
+            own = w64.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+            w64 = w64.mul_(scale) if own else w64 * scale
+        perm = getattr(self, "channel_perm", None)
+        if perm is not None:
+            w64 = w64[:, perm.to(w64.device)]
+        if self.r_inter is None and self.r_intra is None:
+            return w64.to(weight.dtype)
+        t64 = BlockRotation(
+            self.block_size,
+            None if self.r_inter is None else self.r_inter.to(torch.float64),
+            None if self.r_intra is None else self.r_intra.to(torch.float64),
+            dtype=torch.float64,
+        ).to(weight.device)
+        return t64(w64).to(weight.dtype)
+
+    @torch.no_grad()
+    def conjugate_hessian(self, h: torch.Tensor) -> torch.Tensor:
+        """``T H Tᵀ``: GPTQ's Hessian of the transformed inputs ``T x`` from that of ``x``
+        (``H`` symmetric), in ``H``'s dtype and on its device."""
+        # a copy in H's dtype and on H's device: moving or casting ``self`` would change the
+        # caller's online module
+        t = self
+        dev = next((b.device for b in self.buffers()), None)
+        floats = [b for b in self.buffers() if b.is_floating_point()]
+        if (dev is not None and dev != h.device) or (floats and floats[0].dtype != h.dtype):
+            t = copy.deepcopy(self).to(h.device)
+            for name, b in list(t.named_buffers()):
+                if b.is_floating_point():
+                    setattr(t, name, b.to(h.dtype))
+        th = t(h)  # rows of H transformed: (T Hᵀ)ᵀ = H Tᵀ since H is symmetric
+        return t(th.T.contiguous())
+
+    def without_channel_scale(self) -> BlockRotation | None:
+        """``R`` (with the permutation, if any) of ``T x = R P (x ⊘ s)``: what stays online
+        once ``⊘ s`` is done by the module that produces ``x`` (:mod:`torq.rotations.fold`);
+        ``None`` when ``T`` is the scale alone. The rotations are the same tensors (same
+        dtype, same values)."""
+        perm = getattr(self, "channel_perm", None)
+        if self.r_inter is None and self.r_intra is None and perm is None:
+            return None
+        factors = [getattr(self, f"intra_factor{i}") for i in range(self.n_factors)]
+        out = BlockRotation(
+            self.block_size,
+            self.r_inter,
+            self.r_intra,
+            dtype=(self.r_inter if self.r_inter is not None else self.r_intra).dtype,
+            intra_factors=factors or None,
+            channel_perm=perm,  # stays online with the rotations
+        )
+        if out.n_blocks is None and self.n_blocks is not None:
+            out.n_blocks = self.n_blocks  # the width check the scale gave
+        return out
 
     def _kronecker_intra(self, y: torch.Tensor) -> torch.Tensor:
         """``y R_intra`` for ``R_intra = A ⊗ B``: with each row viewed as an ``a×b`` matrix
@@ -192,48 +271,3 @@ class BlockRotation(nn.Module):
             return y.permute(1, 2, 0)
         # z[(t, a), j] = Σ_k y[k, (t, a)] R_intra[k, j]
         return torch.mm(y.view(k, t * b).T, self.r_intra.to(x.dtype))
-
-
-@torch.no_grad()
-def fuse_inverse_into_weight(weight: torch.Tensor, transform: BlockRotation) -> torch.Tensor:
-    """``W' = W T⁻¹`` (Algorithm 3, option B: ``W Tᵀ`` for an orthogonal ``T``), computed
-    in float64 and returned in W's dtype. With a channel scale ``s``, ``T⁻¹ = diag(s) Rᵀ``."""
-    w64 = weight.detach().to(torch.float64)
-    if transform.channel_scale is not None:
-        scale = transform.channel_scale.to(device=w64.device, dtype=torch.float64)
-        # in place on the float64 copy (the same products; one weight-sized copy fewer)
-        own = w64.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
-        w64 = w64.mul_(scale) if own else w64 * scale
-    perm = getattr(transform, "channel_perm", None)
-    if perm is not None:
-        w64 = w64[:, perm.to(w64.device)]
-    if transform.r_inter is None and transform.r_intra is None:
-        return w64.to(weight.dtype)
-    t64 = BlockRotation(
-        transform.block_size,
-        None if transform.r_inter is None else transform.r_inter.to(torch.float64),
-        None if transform.r_intra is None else transform.r_intra.to(torch.float64),
-        dtype=torch.float64,
-    ).to(weight.device)
-    return t64(w64).to(weight.dtype)
-
-
-def without_channel_scale(transform: BlockRotation) -> BlockRotation | None:
-    """``R`` (with the permutation, if any) of ``T x = R P (x ⊘ s)``: what stays online once
-    ``⊘ s`` is done by the module that produces ``x`` (:mod:`torq.rotations.fold`); ``None``
-    when ``T`` is the scale alone. The rotations are the same tensors (same dtype, same values)."""
-    perm = getattr(transform, "channel_perm", None)
-    if transform.r_inter is None and transform.r_intra is None and perm is None:
-        return None
-    factors = [getattr(transform, f"intra_factor{i}") for i in range(transform.n_factors)]
-    out = BlockRotation(
-        transform.block_size,
-        transform.r_inter,
-        transform.r_intra,
-        dtype=(transform.r_inter if transform.r_inter is not None else transform.r_intra).dtype,
-        intra_factors=factors or None,
-        channel_perm=perm,  # stays online with the rotations
-    )
-    if out.n_blocks is None and transform.n_blocks is not None:
-        out.n_blocks = transform.n_blocks  # the width check the scale gave
-    return out

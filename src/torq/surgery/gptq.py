@@ -13,12 +13,12 @@ block's power-of-two scale is the one of ``2^(e−1), 2^e, 2^(e+1)`` (``e`` the 
 that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 as in FP-Quant).
 
 With an online transform ``T`` (TORQ, Hadamard), the layer computes ``W' (T x)``, so the
-Hessian is that of the transformed inputs, ``T H Tᵀ``: :func:`transform_hessian`.
+Hessian is that of the transformed inputs, ``T H Tᵀ``:
+:meth:`torq.rotations.transform.BlockRotation.conjugate_hessian`.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,45 +128,6 @@ class _BlockGrid:
         v = column / scale
         q = round_to_int4(v) if self.fmt.name == "mxint4" else round_to_e2m1(v)
         return q * scale
-
-
-def transform_hessian(h: torch.Tensor, transform: torch.nn.Module | None) -> torch.Tensor:
-    """``T H Tᵀ`` for a row-wise transform module ``T`` (``x ↦ T x`` on the last dim)."""
-    if transform is None:
-        return h
-    # a copy on H's device: moving ``transform`` itself would move the caller's online module
-    t = transform
-    if _device(transform) not in (None, h.device):
-        t = copy.deepcopy(transform).to(h.device)
-    with torch.no_grad():
-        th = _apply(t, h)  # rows of H transformed: (T Hᵀ)ᵀ = H Tᵀ since H is symmetric
-        return _apply(t, th.T.contiguous())
-
-
-def _device(t: torch.nn.Module) -> torch.device | None:
-    for tensor in (*t.parameters(), *t.buffers()):
-        return tensor.device
-    return None
-
-
-def _apply(t: torch.nn.Module, m: torch.Tensor) -> torch.Tensor:
-    dtype = m.dtype
-    buffers = {n: b for n, b in t.named_buffers() if b is not None}
-    if buffers and next(iter(buffers.values())).dtype != dtype:
-        t = _cast_module(t, dtype)
-    return t(m)
-
-
-def _cast_module(t: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    c = copy.deepcopy(t)
-    for name, b in list(c.named_buffers()):
-        if b is not None and b.is_floating_point():
-            owner = c
-            *path, leaf = name.split(".")
-            for p in path:
-                owner = getattr(owner, p)
-            setattr(owner, leaf, b.to(dtype))
-    return c
 
 
 @torch.no_grad()
