@@ -25,12 +25,19 @@ points, docs/RESULTS.md §12.1). The paired standard error is still over problem
 not cover a shift that a seed gives every problem alike, so each such row also lists its
 seeds' own pass@1 (their spread is that shift, seen directly); its "only a / only b" count
 problems where one row's mean is higher, and its p is then the exact sign test over them.
+Each pair then also has an error that covers the calibration draw, ``stderr_with_seeds``:
+the paired error over problems combined with each averaged side's seed error, the standard
+deviation of its seeds' scores over √(number of seeds) (:func:`seed_stderr`). It is a little
+conservative: a problem's change from seed to seed counts in both terms. A method measured
+with one seed has no seed error to add, so a pair with such a row understates the spread
+(say so where it is read).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -77,6 +84,17 @@ def row_name(record: dict, row: dict, seed: bool = True) -> str:
     return row["method"] + (f" ({', '.join(parts)})" if parts else "")
 
 
+def seed_stderr(seed_scores: list[float]) -> float:
+    """The standard error that the calibration draw gives a mean over ``seed_scores`` (one
+    row's score per calibration seed, on the same problems): their sample standard
+    deviation over √S; 0 for one seed (nothing measured; module doc)."""
+    n = len(seed_scores)
+    if n < 2:
+        return 0.0
+    mean = sum(seed_scores) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in seed_scores) / (n - 1) / n)
+
+
 def seed_means(
     rows: dict[str, dict], scores: dict[str, dict[int, float]]
 ) -> tuple[dict[str, dict], dict[str, dict[int, float]]]:
@@ -109,6 +127,10 @@ def seed_means(
             "problems": len(mean),
             "record": [rows[n]["record"] for n in names],
             "seeds": {str(rows[n]["calib_seed"]): rows[n]["score"] for n in names},
+            # each seed's score on the problems the mean is over (a seed may have more)
+            "seed_stderr": seed_stderr(
+                [sum(scores[n][q] for q in shared) / len(shared) for n in names]
+            ),
         }
         new_scores[name] = mean
     return new_rows, new_scores
@@ -177,7 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         for b in names[i + 1 :]:
             first, second = (b, a) if a == args.reference else (a, b)
             diff = paired_difference(scores[first], scores[second])
-            pairs.append({"a": first, "b": second, **asdict(diff)})
+            pair = {"a": first, "b": second, **asdict(diff)}
+            if args.seed_means:
+                seeds_a = rows[first].get("seed_stderr", 0.0)
+                seeds_b = rows[second].get("seed_stderr", 0.0)
+                pair["stderr_with_seeds"] = math.sqrt(diff.stderr**2 + seeds_a**2 + seeds_b**2)
+            pairs.append(pair)
     subset = {}
     if protocols:
         n, seed, batch = protocols.pop()
@@ -194,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 "score": r["score"],
                 "problems": r["problems"],
                 "record": r["record"],
-                **({"seeds": r["seeds"]} if "seeds" in r else {}),
+                **({k: r[k] for k in ("seeds", "seed_stderr") if k in r}),
             }
             for m, r in rows.items()
         },
@@ -219,19 +246,28 @@ def _table(record: dict) -> str:
     seeded = {m: r["seeds"] for m, r in record["rows"].items() if "seeds" in r}
     for m, seeds in seeded.items():
         each = ", ".join(f"seed {s} {100 * v:.1f} %" for s, v in seeds.items())
-        lines.append(f"- {m}: {100 * record['rows'][m]['score']:.1f} % ({each})")
+        spread = 100 * record["rows"][m]["seed_stderr"]
+        lines.append(
+            f"- {m}: {100 * record['rows'][m]['score']:.1f} % ({each}; "
+            f"the seeds' error ± {spread:.1f} points)"
+        )
     if seeded:
         lines.append("")
-    test = "McNemar or sign-test p" if record["seed_means"] else "McNemar p"
+    means = record["seed_means"]
+    test = "McNemar or sign-test p" if means else "McNemar p"
+    seeds_col = " ± with the seeds |" if means else ""
     lines += [
-        f"| a | b | problems | a % | b % | a − b (points) | only a / only b | {test} |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| a | b | problems | a % | b % | a − b (points) |{seeds_col} only a / only b | {test} |",
+        "| --- | --- | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if means else "")
+        + " ---: | ---: |",
     ]
     for p in record["pairs"]:
+        with_seeds = f" ± {100 * p['stderr_with_seeds']:.1f} |" if means else ""
         lines.append(
             f"| {p['a']} | {p['b']} | {p['n']} | {100 * p['mean_a']:.1f} | "
-            f"{100 * p['mean_b']:.1f} | {100 * p['diff']:+.1f} ± {100 * p['stderr']:.1f} | "
-            f"{p['only_a']} / {p['only_b']} | {p['p_mcnemar']:.2g} |"
+            f"{100 * p['mean_b']:.1f} | {100 * p['diff']:+.1f} ± {100 * p['stderr']:.1f} |"
+            f"{with_seeds} {p['only_a']} / {p['only_b']} | {p['p_mcnemar']:.2g} |"
         )
     return "\n".join(lines) + "\n"
 

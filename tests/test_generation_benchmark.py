@@ -217,6 +217,19 @@ def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> 
     assert "different tasks" in paired(fp, humaneval).stderr
 
 
+def _seed_means(out: Path, *records: Path) -> dict:
+    """``humaneval_paired.py RECORDS --seed-means --out OUT`` run as a user would; its record."""
+    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    done = subprocess.run(
+        [sys.executable, script, *map(str, records), "--seed-means", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path) -> None:
     """``--seed-means``: a method's seeds become one row scored per problem by their mean,
     its seeds' own pass@1 listed; a method with one seed stays as it is."""
@@ -225,14 +238,7 @@ def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path
     q1 = _record(tmp_path / "q1.json", "q", [0, 0, 1, 0, 1, 1], calib_seed=1)
     r0 = _record(tmp_path / "r0.json", "r", [1, 1, 0, 0, 0, 0])
     out = tmp_path / "means.json"
-    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
-    done = subprocess.run(
-        [sys.executable, script, str(fp), str(q1), str(q0), str(r0), "--seed-means",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads(out.read_text())
+    record = _seed_means(out, fp, q1, q0, r0)
     mean = "q (mean of seeds 0, 1)"
     assert set(record["rows"]) == {"fp", mean, "r"}
     assert record["rows"][mean]["seeds"] == {"0": 0.5, "1": 0.5}
@@ -243,9 +249,31 @@ def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path
     against_r = pairs[mean, "r"]
     assert abs(against_r["diff"] - (3 / 6 - 2 / 6)) < 1e-12
     assert (against_r["only_a"], against_r["only_b"]) == (3, 2)
+    # both seeds score 50 %: the calibration draw adds nothing to the problems' error
+    assert record["rows"][mean]["seed_stderr"] == 0.0
+    assert against_r["stderr_with_seeds"] == pytest.approx(against_r["stderr"])
     table = out.with_suffix(".md").read_text()
-    assert f"- {mean}: 50.0 % (seed 0 50.0 %, seed 1 50.0 %)" in table
-    assert "sign-test p" in table
+    assert (
+        f"- {mean}: 50.0 % (seed 0 50.0 %, seed 1 50.0 %; the seeds' error ± 0.0 points)" in table
+    )
+    assert "sign-test p" in table and "± with the seeds" in table
+
+
+def test_the_seed_error_adds_the_calibration_draws_spread(tmp_path: Path) -> None:
+    """With seeds that score differently, a seed mean's pairs carry the problems' paired
+    error combined with its seeds' error, the standard deviation of their scores over √S."""
+    fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 1, 0, 0])
+    q0 = _record(tmp_path / "q0.json", "q", [1, 1, 1, 0, 0, 0])
+    q1 = _record(tmp_path / "q1.json", "q", [1, 0, 0, 0, 0, 0], calib_seed=1)
+    q2 = _record(tmp_path / "q2.json", "q", [1, 1, 0, 0, 0, 0], calib_seed=2)
+    record = _seed_means(tmp_path / "means.json", fp, q0, q1, q2)
+    mean = "q (mean of seeds 0, 1, 2)"
+    # seeds 3/6, 1/6, 2/6: sample standard deviation 1/6, over √3
+    expected = (1 / 6) / 3**0.5
+    assert record["rows"][mean]["seed_stderr"] == pytest.approx(expected)
+    (pair,) = record["pairs"]
+    assert pair["stderr_with_seeds"] == pytest.approx((pair["stderr"] ** 2 + expected**2) ** 0.5)
+    assert pair["stderr_with_seeds"] > pair["stderr"]
 
 
 def _benchmark(monkeypatch: pytest.MonkeyPatch, name: str = "humaneval") -> ModuleType:
@@ -398,3 +426,74 @@ def test_a_resumed_rows_time_counts_every_session(monkeypatch: pytest.MonkeyPatc
     lines = bench._table(args, [resumed, one_go]).splitlines()
     assert lines[-2].endswith("| 200 | 10070 |")
     assert lines[-1].endswith("| 200 | 42 |")
+
+
+def test_the_gsm8k_answer_forms_separate_the_format_from_the_arithmetic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``benchmarks/diagnostics/gsm8k_answers.py`` counts, per row, the answers in
+    ``#### N`` form and the right ones among them, from the answers the record keeps."""
+    forms = _benchmark(monkeypatch, "diagnostics/gsm8k_answers")
+
+    def answer(response: str, strict: str, right: float, flexible: float) -> dict:
+        return {
+            "response": response,
+            "strict-match": {"answer": strict, "exact_match": right},
+            "flexible-extract": {"answer": strict, "exact_match": flexible},
+        }
+
+    row = {
+        "method": "m",
+        "answers": {
+            "0": answer("so 2\n#### 2", "2", 1.0, 1.0),
+            "1": answer("so 3\n#### 4", "4", 0.0, 0.0),
+            "2": answer("the answer is 5", forms.INVALID, 0.0, 1.0),
+            "3": answer("", forms.INVALID, 0.0, 0.0),
+        },
+    }
+    counts = forms.answer_forms(row)
+    assert counts == {
+        "answers": 4,
+        "formatted": 2,
+        "strict": 1.0,
+        "flexible": 2.0,
+        "mean_chars": (11 + 11 + 15 + 0) / 4,
+    }
+    assert "| m | 4 | 2 | 1 | 2 | 50.0 % | 9 |" in forms.table({"rows": [row]})
+
+
+def test_humaneval_failures_are_sorted_by_what_went_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``benchmarks/diagnostics/humaneval_failures.py`` sorts the sandbox's verdicts: a
+    failed test, a program that is not Python, another error, a limit reached."""
+    failures = _benchmark(monkeypatch, "diagnostics/humaneval_failures")
+    verdicts = {
+        None: "passed",
+        "AssertionError": "wrong result",
+        "SyntaxError: invalid syntax": "not Python",
+        "IndentationError: unexpected indent": "not Python",
+        "NameError: name 'x' is not defined": "other error",
+        "timed out": "a limit",
+        "killed (a limit was reached)": "a limit",
+    }
+    for verdict, kind in verdicts.items():
+        assert failures.failure_kind(verdict) == kind
+    row = {
+        "method": "m",
+        "tasks": {
+            f"HumanEval/{i}": {"first_failure": v, "completion": "x" * (i + 1)}
+            for i, v in enumerate(verdicts)
+        },
+    }
+    counts = failures.failure_counts(row)
+    assert counts == {
+        "passed": 1,
+        "wrong result": 1,
+        "not Python": 2,
+        "other error": 1,
+        "a limit": 2,
+        "problems": 7,
+        "mean_chars": 4.0,
+    }
+    assert "| m | 7 | 1 | 1 | 2 | 1 | 2 | 4 |" in failures.table([{"rows": [row]}])

@@ -1,0 +1,84 @@
+"""How a HumanEval row's programs fail: for each row of ``benchmarks/humaneval.py``
+records, how many pass, fail a test (``AssertionError``: a program that runs and computes
+something else), are not Python (``SyntaxError``, ``IndentationError``), raise another
+error, or reach a limit (time, memory); and the completions' mean length
+(docs/RESULTS.md §12.1):
+``python benchmarks/diagnostics/humaneval_failures.py docs/humaneval/qwen-coder-{fp,rtn}.json``.
+No model: it reads the sandbox's verdicts kept in the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from humaneval_paired import row_name
+
+KINDS = ("passed", "wrong result", "not Python", "other error", "a limit")
+
+
+def failure_kind(first_failure: str | None) -> str:
+    """One of :data:`KINDS` for a problem's sandbox verdict
+    (:attr:`torq.eval.sandbox.SandboxResult.reason`: ``None`` when it passed, else the
+    last line of the program's error output, ``timed out`` or ``killed (…)``)."""
+    if first_failure is None or first_failure == "passed":
+        return "passed"
+    if first_failure == "timed out" or first_failure.startswith("killed"):
+        return "a limit"
+    error = first_failure.split(":", 1)[0].strip()
+    if error == "AssertionError":
+        return "wrong result"
+    if error in ("SyntaxError", "IndentationError", "TabError"):
+        return "not Python"
+    return "other error"
+
+
+def failure_counts(row: dict[str, Any]) -> dict[str, float]:
+    """Per kind of :data:`KINDS`, the problems of one row; with ``problems`` and
+    ``mean_chars`` (the completions' mean length, where the record keeps them)."""
+    counts: dict[str, float] = dict.fromkeys(KINDS, 0)
+    lengths = []
+    for task in row["tasks"].values():
+        counts[failure_kind(task["first_failure"])] += 1
+        if "completion" in task:
+            lengths.append(len(task["completion"]))
+    counts["problems"] = len(row["tasks"])
+    counts["mean_chars"] = sum(lengths) / len(lengths) if lengths else float("nan")
+    return counts
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| row | problems | " + " | ".join(KINDS) + " | mean characters |",
+        "| --- | ---: | " + " | ".join("---:" for _ in KINDS) + " | ---: |",
+    ]
+    for record in records:
+        for row in record["rows"]:
+            name = row_name(record, row)  # the paired tables' names
+            c = failure_counts(row)
+            kinds = " | ".join(f"{c[k]:.0f}" for k in KINDS)
+            lines.append(f"| {name} | {c['problems']:.0f} | {kinds} | {c['mean_chars']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", type=Path, nargs="+")
+    args = ap.parse_args()
+    records = []
+    for path in args.records:
+        record = json.loads(path.read_text())
+        rows = record.get("rows")
+        if record.get("task", "humaneval") != "humaneval" or not isinstance(rows, list):
+            raise SystemExit(f"{path}: not a record of benchmarks/humaneval.py's HumanEval rows")
+        records.append(record)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
