@@ -217,20 +217,17 @@ def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> 
     assert "different tasks" in paired(fp, humaneval).stderr
 
 
-def _seed_means(out: Path, *records: Path) -> dict:
-    """``humaneval_paired.py RECORDS --seed-means --out OUT`` run as a user would; its record."""
-    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
-    done = subprocess.run(
-        [sys.executable, script, *map(str, records), "--seed-means", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+def _seed_means(monkeypatch: pytest.MonkeyPatch, out: Path, *records: Path) -> dict:
+    """``humaneval_paired.py RECORDS --seed-means --out OUT`` (its ``main``, in this
+    process); the record it wrote."""
+    paired = _benchmark(monkeypatch, "humaneval_paired")
+    paired.main([*map(str, records), "--seed-means", "--out", str(out)])
     return json.loads(out.read_text())
 
 
-def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path) -> None:
+def test_seed_means_compare_methods_rather_than_calibration_draws(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--seed-means``: a method's seeds become one row scored per problem by their mean,
     its seeds' own pass@1 listed; a method with one seed stays as it is."""
     fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 0, 1, 0])
@@ -238,7 +235,7 @@ def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path
     q1 = _record(tmp_path / "q1.json", "q", [0, 0, 1, 0, 1, 1], calib_seed=1)
     r0 = _record(tmp_path / "r0.json", "r", [1, 1, 0, 0, 0, 0])
     out = tmp_path / "means.json"
-    record = _seed_means(out, fp, q1, q0, r0)
+    record = _seed_means(monkeypatch, out, fp, q1, q0, r0)
     mean = "q (mean of seeds 0, 1)"
     assert set(record["rows"]) == {"fp", mean, "r"}
     assert record["rows"][mean]["seeds"] == {"0": 0.5, "1": 0.5}
@@ -259,14 +256,16 @@ def test_seed_means_compare_methods_rather_than_calibration_draws(tmp_path: Path
     assert "sign-test p" in table and "± with the seeds" in table
 
 
-def test_the_seed_error_adds_the_calibration_draws_spread(tmp_path: Path) -> None:
+def test_the_seed_error_adds_the_calibration_draws_spread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With seeds that score differently, a seed mean's pairs carry the problems' paired
     error combined with its seeds' error, the standard deviation of their scores over √S."""
     fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 1, 0, 0])
     q0 = _record(tmp_path / "q0.json", "q", [1, 1, 1, 0, 0, 0])
     q1 = _record(tmp_path / "q1.json", "q", [1, 0, 0, 0, 0, 0], calib_seed=1)
     q2 = _record(tmp_path / "q2.json", "q", [1, 1, 0, 0, 0, 0], calib_seed=2)
-    record = _seed_means(tmp_path / "means.json", fp, q0, q1, q2)
+    record = _seed_means(monkeypatch, tmp_path / "means.json", fp, q0, q1, q2)
     mean = "q (mean of seeds 0, 1, 2)"
     # seeds 3/6, 1/6, 2/6: sample standard deviation 1/6, over √3
     expected = (1 / 6) / 3**0.5
