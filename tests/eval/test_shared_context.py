@@ -148,3 +148,30 @@ def test_mixed_precision_is_honoured_on_every_path(tiny_tokenizer) -> None:
     shared._loglikelihood_tokens(_requests(model.config.vocab_size), disable_tqdm=True)
     hook.remove()
     assert len(seen) >= 3 and all(seen)  # pass 1, pass 2 and the unshared batches
+
+
+def test_the_cache_goes_by_the_name_the_model_takes(tiny_tokenizer) -> None:
+    """The shared contexts' key/value cache is handed to the model under the name its
+    forward takes (``cache`` in transformers 5.x, where ``past_key_values`` is deprecated;
+    ``past_key_values`` before), so scoring raises no deprecation warning."""
+    import warnings
+    from types import SimpleNamespace
+
+    from torq.eval.shared_context import _cache_argument, _returned_cache
+
+    class Old(torch.nn.Module):
+        def forward(
+            self, input_ids: object = None, past_key_values: object = None
+        ) -> SimpleNamespace:
+            return SimpleNamespace(past_key_values="old")
+
+    model = tiny_model("llama").eval()
+    assert _cache_argument(Old()) == "past_key_values"
+    assert _returned_cache(Old()(input_ids=None)) == "old"
+    assert _cache_argument(model) in ("cache", "past_key_values")
+    _, shared = _wrappers(model, tiny_tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shared._loglikelihood_tokens(_requests(model.config.vocab_size), disable_tqdm=True)
+    deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert deprecated == []

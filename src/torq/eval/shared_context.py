@@ -21,6 +21,7 @@ thrown away.
 from __future__ import annotations
 
 import copy
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -198,9 +199,9 @@ class SharedContextHFLM(HFLM):
             mask[g, : len(head)] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         with self._autocast():
-            cache = model(
-                input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1
-            ).past_key_values
+            cache = _returned_cache(
+                model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            )
 
         owner = [g for g, (_, conts) in enumerate(groups) for _ in conts]
         rows = [[ctx[-1], *cont[:-1]] for ctx, conts in groups for cont in conts]
@@ -227,8 +228,8 @@ class SharedContextHFLM(HFLM):
                     input_ids=q_ids.to(dev),
                     attention_mask=torch.cat([mask[index], q_mask.to(dev)], dim=1),
                     position_ids=positions.to(dev),
-                    past_key_values=rows_cache,
                     use_cache=True,
+                    **{_cache_argument(model): rows_cache},
                 ).logits
             for b, r in enumerate(batch):
                 cont = targets[r]
@@ -251,3 +252,17 @@ def _select_rows(cache: Any, index: torch.Tensor) -> Any:
     rows.layers = [copy.copy(layer) for layer in cache.layers]
     rows.batch_select_indices(index)
     return rows
+
+
+def _cache_argument(model: Any) -> str:
+    """The name under which ``model``'s forward takes a key/value cache: ``cache`` since
+    transformers 5.x renamed it (``past_key_values`` is deprecated there, to be removed in
+    5.40), ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(output: Any) -> Any:
+    """The key/value cache of a forward's output, under its new name or its old one."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
