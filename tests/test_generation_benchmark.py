@@ -492,7 +492,14 @@ def test_humaneval_failures_are_sorted_by_what_went_wrong(
         "not Python": 2,
         "other error": 1,
         "a limit": 2,
+        "in a loop": 0,
         "problems": 7,
         "mean_chars": 4.0,
     }
-    assert "| m | 7 | 1 | 1 | 2 | 1 | 2 | 4 |" in failures.table([{"rows": [row]}])
+    assert "| m | 7 | 1 | 1 | 2 | 1 | 2 | 0 | 4 |" in failures.table([{"rows": [row]}])
+    # a line repeated to the token cap, a loop that drifts, and a long program that is not
+    body = "\n".join(f"    x{i} = {i}" for i in range(30))
+    assert failures.in_a_loop("    return 5\n" * 40)
+    assert failures.in_a_loop("\n".join(f"    return {min(i, 5)}" for i in range(40)))
+    assert not failures.in_a_loop(body)
+    assert not failures.in_a_loop("    return 5\n" * 10)  # too short to call
