@@ -47,10 +47,13 @@ from torq.errors import TorqError
 from torq.eval.generation import (
     MAX_GEN_TOKS,
     PROMPTS,
+    check_problem_count,
     check_prompt,
     evaluate_gsm8k,
     evaluate_humaneval,
+    gsm8k_test_size,
 )
+from torq.eval.humaneval import load_humaneval
 from torq.eval.portable import load_portable
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.eval.zeroshot import sessions_seconds
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--prompt applies to HumanEval only")
     if args.portable_dir is not None and args.resume_dir is None:
         ap.error("--portable-dir needs --resume-dir (the answers are copied from there)")
+    check_arguments(args, ap)
     settings = torq_settings(args)
     for method in args.methods.split(","):
         if method in done:
@@ -219,6 +223,28 @@ def main(argv: list[str] | None = None) -> None:
             "machine": machine_info(),
         }
         save(out, record, _table(args, rows))
+
+
+def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Refuse, in one line and before any model is loaded, what would fail later or run
+    something else than asked: an unknown method, an option of the other task, a problem
+    count outside the data (lm-eval reads 0 or a count past the end as every problem)."""
+    for method in args.methods.split(","):
+        try:
+            get_method(method)
+        except TorqError as exc:
+            ap.error(str(exc))
+    if args.task == "gsm8k" and args.limit is not None:
+        ap.error("--limit applies to HumanEval; GSM8K takes --n problems drawn with --seed")
+    if args.task == "humaneval" and args.n is not None:
+        ap.error("--n applies to GSM8K; HumanEval takes its first --limit problems")
+    try:
+        if args.task == "gsm8k":
+            check_problem_count(args.n, gsm8k_test_size(args.data_dir), "--n")
+        elif args.limit is not None:
+            check_problem_count(args.limit, len(load_humaneval(args.data_dir)), "--limit")
+    except TorqError as exc:
+        ap.error(str(exc))
 
 
 def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser) -> None:
@@ -381,4 +407,7 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TorqError as exc:  # a model that cannot be loaded, data that is not there
+        sys.exit(f"humaneval.py: error: {exc}")

@@ -341,24 +341,46 @@ def test_the_benchmarks_torq_is_torq_runs_and_names_its_recipe(
         assert hashlib.sha1(bench._identity(args, method).encode()).hexdigest()[:10] == digest
 
 
-def test_the_instruct_prompt_is_refused_before_any_work(
-    tmp_path: Path, tiny_checkpoint: Path
+def test_bad_arguments_are_refused_before_any_work(
+    tmp_path: Path,
+    tiny_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``--prompt instruct`` without a chat template, or on GSM8K: one line, before any
-    quantization or generation, and no record written."""
+    """``--prompt instruct`` without a chat template or on GSM8K, a problem count outside
+    the data, the other task's option, an unknown method: one line, before any
+    quantization or generation, and no record written; a model that cannot be loaded too
+    (the script as a user runs it: its error in one line, no traceback)."""
+    bench = _benchmark(monkeypatch)
     out = tmp_path / "he.json"
-    base = [str(BENCH / "humaneval.py"), "--model", str(tiny_checkpoint), "--out", str(out)]
+    base = ["--model", str(tiny_checkpoint), "--out", str(out)]
+    data = ["--data-dir", str(SHARED_DATA)]
     cases = (
-        (["--methods", "rtn", "--prompt", "instruct", "--data-dir", str(SHARED_DATA)],
-         "no chat template"),
+        (["--methods", "rtn", "--prompt", "instruct", *data], "no chat template"),
         (["--task", "gsm8k", "--prompt", "instruct"], "HumanEval only"),
-    )  # fmt: skip
+        # what lm-eval would read as "every problem", and what the other task takes
+        (["--task", "gsm8k", "--n", "0", *data], "--n must be between 1 and 1319"),
+        (["--task", "gsm8k", "--n", "5000", *data], "--n must be between 1 and 1319"),
+        (["--limit", "165", *data], "--limit must be between 1 and 164"),
+        (["--task", "gsm8k", "--limit", "3", *data], "--limit applies to HumanEval"),
+        (["--n", "3", *data], "--n applies to GSM8K"),
+        (["--methods", "rtn,nosuch", *data], "unknown method 'nosuch'"),
+    )
     for extra, needle in cases:
-        done = subprocess.run(
-            [sys.executable, *base, *extra], capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 2 and needle in done.stderr, done.stderr[-2000:]
-        assert "Traceback" not in done.stderr and not out.exists()
+        with pytest.raises(SystemExit) as stop:
+            bench.main([*base, *extra])
+        assert stop.value.code == 2
+        assert needle in capsys.readouterr().err
+        assert not out.exists()
+    no_model = [str(BENCH / "humaneval.py"), "--model", str(tmp_path / "none"), "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, *no_model, "--methods", "fp", *data],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1 and "humaneval.py: error: unknown model" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
 
 
 def test_the_table_title_names_only_the_quantization_its_rows_have(

@@ -241,3 +241,22 @@ def test_the_instruct_prompt_asks_in_the_chat_template_and_cuts_at_the_fence(
     plain = evaluate_humaneval(model, chat, str(SHARED_DATA), 1, 8)
     assert (instruct["pass@1"], plain["pass@1"]) == (1.0, 0.0)
     assert (instruct["prompt"], plain["prompt"]) == ("instruct", "completion")
+
+
+def test_a_problem_count_outside_the_data_is_refused(tiny_tokenizer) -> None:
+    """lm-eval reads a count of 0, or one past the end, as every problem: a GSM8K subset or
+    a HumanEval limit outside ``1..total`` is refused in one line before the model runs."""
+    import pytest
+
+    from tests.conftest import SHARED_DATA
+    from torq.errors import TorqError
+    from torq.eval.generation import evaluate_gsm8k, generate_humaneval, gsm8k_test_size
+
+    data = str(SHARED_DATA)
+    total = gsm8k_test_size(data)
+    assert total == 1319  # the released test split
+    for n in (0, -1, total + 1):
+        with pytest.raises(TorqError, match=f"between 1 and {total}"):
+            evaluate_gsm8k(None, tiny_tokenizer, data, n=n)  # type: ignore[arg-type]
+    with pytest.raises(TorqError, match="between 1 and 164"):
+        generate_humaneval(None, tiny_tokenizer, data, limit=0)  # type: ignore[arg-type]

@@ -177,6 +177,25 @@ metadata:
 """
 
 
+def check_problem_count(count: int | None, total: int, what: str) -> None:
+    """Refuse a problem count (``--limit``, ``--n``) outside ``1..total`` in one line,
+    rather than run every problem (lm-eval reads 0 and a count past the end as "all")."""
+    if count is not None and not 1 <= count <= total:
+        raise TorqError(
+            f"{what} must be between 1 and {total} (the problems there are), not {count}"
+        )
+
+
+def gsm8k_test_size(data_dir: str | None = None) -> int:
+    """How many problems GSM8K's local test split holds (1319 for the released file)."""
+    root = resolve_data_dir(data_dir)
+    test = None if root is None else root / GSM8K_FILES["test"]
+    if test is None or not test.is_file():
+        raise TorqError(f"GSM8K data not found: expected <data-dir>/{GSM8K_FILES['test']}")
+    with test.open(encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
 def generate_humaneval(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -197,6 +216,7 @@ def generate_humaneval(
     root = resolve_data_dir(data_dir)
     if root is None or not (root / HUMANEVAL).is_file():
         raise TorqError(f"HumanEval file not found: expected <data-dir>/{HUMANEVAL}")
+    check_problem_count(limit, len(load_humaneval(data_dir)), "the HumanEval limit")
     check_prompt(tokenizer, prompt)
     task_yaml = humaneval_task_yaml((root / HUMANEVAL).resolve(), max_gen_toks, prompt)
     instruct = prompt == "instruct"
@@ -314,7 +334,8 @@ def evaluate_gsm8k(
     if missing:
         raise TorqError(f"GSM8K data not found: expected {', '.join(missing)}")
     builtin = _lm_eval_tasks_dir() / "gsm8k" / "gsm8k.yaml"
-    total = sum(1 for _ in files["test"].open(encoding="utf-8"))  # type: ignore[union-attr]
+    total = gsm8k_test_size(data_dir)
+    check_problem_count(n, total, "the GSM8K subset's size")
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
     asked = sorted(order[: n or total])
     t0 = time.perf_counter()
