@@ -209,6 +209,7 @@ class SharedContextHFLM(HFLM):
         # pass 2 in batches of similar length (as lm-eval sorts its own), each on its own
         # selection of the cache rows it needs
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
+        cache_argument = _cache_argument(model)  # the forward's own name for the cache
         per_batch = 2 * (self.batch_size if isinstance(self.batch_size, int) else 8)
         scored: dict[int, tuple[float, bool]] = {}
         for start in range(0, len(order), per_batch):
@@ -229,7 +230,7 @@ class SharedContextHFLM(HFLM):
                     attention_mask=torch.cat([mask[index], q_mask.to(dev)], dim=1),
                     position_ids=positions.to(dev),
                     use_cache=True,
-                    **{_cache_argument(model): rows_cache},
+                    **{cache_argument: rows_cache},
                 ).logits
             for b, r in enumerate(batch):
                 cont = targets[r]
