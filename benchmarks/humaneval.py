@@ -55,7 +55,7 @@ from torq.eval.generation import (
 )
 from torq.eval.humaneval import load_humaneval
 from torq.eval.portable import load_portable
-from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
+from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
                     {"method": method, "identity": identity, "quantize_seconds": quantize_seconds},
                 )
         cache = None if resume is None else resume / "answers"
+        if cache is not None:  # the answers' folder, and their portable copy, name the row
+            record_setting(cache, identity)
         if args.task == "gsm8k":
             result = evaluate_gsm8k(
                 model,

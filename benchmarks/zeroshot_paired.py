@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,11 @@ from torq.eval.zeroshot import TASKS, parse_tasks
 from torq.results import command_line, machine_info, now_iso
 
 
-def carry_file(carry: Path, model: str, method: str) -> Path:
+def carry_file(carry: Path, model: str, method: str, fmt: str | None = None) -> Path:
     """The one portable copy of ``method``'s answers in ``carry``; ``method@<hash>`` names
-    one of several (``quarot@8c46196c62``: QuaRot's row before its signs were fixed)."""
+    one of several (``quarot@8c46196c62``: QuaRot's row before its signs were fixed).
+    With ``fmt``, the copies whose recorded setting is in another format are set aside (a
+    copy made before the setting was recorded in it can only be named by its hash)."""
     if "@" in method:
         name, digest = method.split("@", 1)
         exact = carry / f"{model}-{name}-{digest}.npz"
@@ -49,12 +52,31 @@ def carry_file(carry: Path, model: str, method: str) -> Path:
     found = [f for f in found if "-" not in f.stem[len(f"{model}-{method}-") :]]
     if not found:
         raise TorqError(f"no carried answers for {method!r} in {carry} ({model}-{method}-*.npz)")
+    formats = {f: carried_format(f) for f in found} if fmt is not None or len(found) > 1 else {}
+    if fmt is not None:
+        # a lone copy that records no setting is taken as it is; otherwise the format decides
+        unknown_lone = len(found) == 1 and formats[found[0]] is None
+        found = found if unknown_lone else [f for f in found if formats[f] == fmt]
+        if not found:
+            raise TorqError(f"no carried answers for {method!r} in {fmt} in {carry}")
     if len(found) > 1:
-        names = ", ".join(f.name for f in found)
+        names = ", ".join(f"{f.name} ({formats[f] or 'format not recorded'})" for f in found)
         raise TorqError(
             f"several carried copies for {method!r} ({names}); name one as {method}@<hash>"
+            + ("" if fmt is not None else " or give --format")
         )
     return found[0]
+
+
+def carried_format(path: Path) -> str | None:
+    """The activation format of the setting a portable copy records (its ``setting``: a
+    method's settings key, ``[name, {...}]``), or ``None`` where it records none."""
+    setting = load_portable(path)["meta"].get("setting")
+    if not setting:
+        return None
+    key = json.loads(setting)
+    fields = key[1] if isinstance(key, list) and len(key) == 2 else key
+    return fields.get("act_format", fields.get("format")) if isinstance(fields, dict) else None
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -96,6 +118,11 @@ def main() -> None:
     p.add_argument("--methods", required=True, help="comma-separated methods with carried answers")
     p.add_argument("--pairs", default=None, help="a:b,... (default: every pair of --methods)")
     p.add_argument("--carry", default="docs/zeroshot/carry")
+    p.add_argument(
+        "--format",
+        default=None,
+        help="pick, among a method's several carried copies, the one in this format",
+    )
     p.add_argument("--tasks", default="all")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results/zeroshot/paired.json")
@@ -109,15 +136,17 @@ def main() -> None:
         else:
             pairs = list(itertools.combinations(methods, 2))
         tasks = parse_tasks(args.tasks)
-        files = {m: carry_file(Path(args.carry), args.model, m) for m in methods}
+        files = {m: carry_file(Path(args.carry), args.model, m, args.format) for m in methods}
         questions = build_questions(tasks, args.data_dir)
         scores = {}
         info: dict[str, Any] = {}
         for m, path in files.items():
-            answers = load_portable(path)["answers"]
+            carried = load_portable(path)
+            answers = carried["answers"]
             scores[m], missing = question_scores(answers, questions)
             info[m] = {
                 "file": str(path),
+                "setting": carried["meta"].get("setting"),
                 "answers": len(answers),
                 "questions": {t: len(s) for t, s in scores[m].items()},
                 "missing": missing,

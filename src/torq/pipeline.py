@@ -50,7 +50,7 @@ from torq.runs.source import (
 )
 from torq.runs.store import (
     every,
-    method_resume_dir,
+    open_method_resume_dir,
     portable_path,
     ppl_checkpoint_name,
     setting_key,
@@ -127,7 +127,7 @@ def _run(
 
     rows: list[MethodRow] = []
     for method in methods:
-        resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
+        resume = open_method_resume_dir(config, method.name)
         keep_dir = resume if method.quantizes and config.keep_models and saved is None else None
         kept = None
         if keep_dir is not None:
@@ -277,7 +277,7 @@ def _run_streamed(
         source = LayerStream(folder, device)
         loaded = LoadedModel(source.model, tokenizer, source_name, str(folder))
         # the method's resume folder: its layer progress and its zero-shot answers
-        resume = None if config.resume_dir is None else Path(method_resume_dir(config, method.name))
+        resume = open_method_resume_dir(config, method.name)
         t0 = time.perf_counter()
         ctx = replace(method_context(config, tokenizer, progress), model_config=source.model.config)
         with method_rng(config.seed, setting_key(asdict(config), method.name)):

@@ -138,6 +138,47 @@ def test_carried_answers_are_scored_as_lm_eval_scores_them(
     assert bad.returncode != 0 and "no carried answers for 'absent'" in bad.stderr
 
 
+def _carried(path: Path, setting: str | None) -> None:
+    """A portable copy with no answers that records ``setting``."""
+    meta = {"version": 1, "fingerprint": None, "setting": setting, "sessions": [], "ppl": {}}
+    empty = np.zeros(0)
+    np.savez(path, keys=empty.astype(np.uint64), loglik=empty, greedy=empty.astype(bool),
+             meta=np.asarray(json.dumps(meta)))  # fmt: skip
+
+
+def test_a_format_picks_one_of_several_carried_copies(tmp_path, monkeypatch) -> None:
+    """``zeroshot_paired.py --format``: among a method's copies in several formats, the one
+    whose recorded setting is in that format; without it, the error lists each copy's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_zeroshot_paired", REPO / "benchmarks" / "zeroshot_paired.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec.loader.exec_module(bench)
+
+    for digest, fmt in (("aaaa000001", "mxfp4"), ("bbbb000002", "nvfp4")):
+        _carried(tmp_path / f"m-torq-{digest}.npz", json.dumps(["torq", {"act_format": fmt}]))
+    _carried(tmp_path / "m-torq-cccc000003.npz", None)  # made before settings were recorded
+    assert bench.carry_file(tmp_path, "m", "torq", "nvfp4").name == "m-torq-bbbb000002.npz"
+    assert bench.carry_file(tmp_path, "m", "torq", "mxfp4").name == "m-torq-aaaa000001.npz"
+    with pytest.raises(TorqError, match="in mxint4"):
+        bench.carry_file(tmp_path, "m", "torq", "mxint4")
+    with pytest.raises(TorqError, match=r"nvfp4\).*format not recorded.*--format"):
+        bench.carry_file(tmp_path, "m", "torq")
+    # a lone copy: taken when it records no setting, refused when it records another format
+    _carried(tmp_path / "m-rtn-dddd000004.npz", None)
+    assert bench.carry_file(tmp_path, "m", "rtn", "nvfp4").name == "m-rtn-dddd000004.npz"
+    _carried(tmp_path / "m-fp-eeee000005.npz", json.dumps(["fp", {"act_format": "mxfp4"}]))
+    with pytest.raises(TorqError, match="in nvfp4"):
+        bench.carry_file(tmp_path, "m", "fp", "nvfp4")
+    # a dict setting (the generation benchmarks' identity) names its format as "format"
+    _carried(tmp_path / "m-had-ffff000006.npz", json.dumps({"method": "had", "format": "nvfp4"}))
+    assert bench.carry_file(tmp_path, "m", "had", "nvfp4").name == "m-had-ffff000006.npz"
+
+
 def test_a_seeded_subset_scores_the_drawn_questions_and_pairs_with_a_full_row(
     tiny_checkpoint, tiny_data_dir, tmp_path
 ) -> None:

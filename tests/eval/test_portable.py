@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,13 @@ from torq.eval.portable import (
     load_portable,
     seed_resume_dir,
 )
-from torq.eval.resume import fingerprint_ids, logits_fingerprint
+from torq.eval.resume import (
+    MODEL_INFO,
+    fingerprint_ids,
+    logits_fingerprint,
+    record_setting,
+    recorded_setting,
+)
 
 pytest.importorskip("lm_eval")
 
@@ -60,9 +67,33 @@ def test_export_and_load_round_trip(tmp_path) -> None:
     with np.load(out) as z:
         assert z["keys"].dtype == np.uint64 and z["loglik"].dtype == np.float64
 
+    assert data["meta"]["setting"] is None  # none recorded in the directory
+
     # answers the file holds but a (new) directory does not yet are not dropped
     _fake_resume(tmp_path / "r2", [0.1, 0.2], {("ctx c", " z"): (-0.5, True)})
     assert export_portable(tmp_path / "r2", out)["answers"] == 3
+
+
+def test_the_copy_says_which_setting_made_it(tmp_path) -> None:
+    """The settings key whose hash names a resume directory goes into its portable copy,
+    so that a carried file says its method and format itself; a directory made before the
+    key was recorded gives its kept model's; a new directory without one keeps the file's."""
+    setting = json.dumps(["rtn", {"act_format": "nvfp4", "model": "m"}])
+    _fake_resume(tmp_path / "r", [0.1, 0.2], {("ctx a", " x"): (-1.0, True)})
+    record_setting(tmp_path / "r", setting)
+    assert recorded_setting(tmp_path / "r") == setting
+    out = tmp_path / "m.npz"
+    export_portable(tmp_path / "r", out)
+    assert load_portable(out)["meta"]["setting"] == setting
+
+    _fake_resume(tmp_path / "r2", [0.1, 0.2], {("ctx c", " z"): (-0.5, True)})
+    assert recorded_setting(tmp_path / "r2") is None
+    export_portable(tmp_path / "r2", out)
+    assert load_portable(out)["meta"]["setting"] == setting
+
+    older = json.dumps(["torq", {"act_format": "mxfp4"}])
+    (tmp_path / "r2" / MODEL_INFO).write_text(json.dumps({"setting_key": older}))
+    assert recorded_setting(tmp_path / "r2") == older
 
 
 def test_generated_answers_are_carried_as_text(tmp_path) -> None:
@@ -205,6 +236,11 @@ def test_eval_command_carries_answers_to_a_new_resume_dir(
     first = run(str(tmp_path / "a"))
     files = sorted(p.name for p in carry.glob("*.npz"))
     assert len(files) == 1 and "-rtn-" in files[0]
+    # the copy names its setting: the key whose hash is in its name
+    setting = load_portable(carry / files[0])["meta"]["setting"]
+    name, key = json.loads(setting)
+    assert name == "rtn" and key["act_format"] == "mxfp4"
+    assert hashlib.sha1(setting.encode()).hexdigest()[:10] in files[0]
     second = run(str(tmp_path / "b"))
     for r1, r2 in zip(first, second, strict=True):
         assert r2["zeroshot"]["request_cache"]["seeded_answers"] == 4

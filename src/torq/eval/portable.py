@@ -36,6 +36,7 @@ from torq.eval.resume import (
     check_fingerprint,
     fingerprint_ids,
     logits_fingerprint,
+    recorded_setting,
     write_json_atomic,
 )
 
@@ -104,10 +105,13 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
     ppl = {p.name: json.loads(p.read_text()) for p in sorted(resume.glob("ppl-*.json"))}
     # the zero-shot fingerprint (fingerprint_ids); a perplexity checkpoint keeps its own
     fingerprint = meta.get("fingerprint")
+    setting = recorded_setting(resume)
     if path.is_file():
         old = load_portable(path)
         if fingerprint is None:
             fingerprint = old["meta"].get("fingerprint")
+        if setting is None:
+            setting = old["meta"].get("setting")
         known = set(keys.tolist())
         extra = [(k, v) for k, v in old["answers"].items() if k not in known]
         if extra:
@@ -121,6 +125,8 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
     info = {
         "version": PORTABLE_VERSION,
         "fingerprint": fingerprint,
+        # what the file's hash names (method, format, calibration): the file says it itself
+        "setting": setting,
         "sessions": meta.get("sessions", []),
         "ppl": ppl,
         # JSON keys are strings: the 64-bit prefix in hex, as in lm-eval's own key

@@ -32,6 +32,7 @@ FINGERPRINT_TOL = 0.05
 FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
 MODEL_FILE = "quantized-model.pt"
 MODEL_INFO = "quantized-model.json"  # written last: a model file without it is incomplete
+SETTING_FILE = "setting.json"  # the settings whose hash names the directory
 
 
 @torch.no_grad()
@@ -73,6 +74,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def record_setting(root: Path, setting: str) -> None:
+    """Write into ``root`` the settings key whose hash names it (a method's setting key,
+    JSON text), so that the directory, and the portable copy made from it, say which
+    method, format and calibration they hold: a hash alone does not."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / SETTING_FILE, {"setting": setting})
+
+
+def recorded_setting(root: Path) -> str | None:
+    """The settings key :func:`record_setting` wrote in ``root``; for a directory made before
+    it, the one its kept model's info holds (:func:`keep_model`); else ``None``."""
+    for name, field in ((SETTING_FILE, "setting"), (MODEL_INFO, "setting_key")):
+        path = root / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get(field)
+            if isinstance(value, str):
+                return value
+    return None
 
 
 def fingerprint_ids(tokenizer: Any) -> torch.Tensor:

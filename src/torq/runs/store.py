@@ -14,6 +14,7 @@ import torch
 
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS
+from torq.eval.resume import record_setting
 from torq.methods.registry import get_method
 
 if TYPE_CHECKING:
@@ -63,6 +64,16 @@ def method_resume_dir(config: RunConfig, method: str) -> str:
     digest = setting_digest(asdict(config), method)
     model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
     return str(Path(config.resume_dir) / model / f"{method}-{digest}")
+
+
+def open_method_resume_dir(config: RunConfig, method: str) -> Path | None:
+    """The method's resume folder (:func:`method_resume_dir`) with its setting key written
+    in it (:func:`torq.eval.resume.record_setting`), or ``None`` when the run keeps none."""
+    if config.resume_dir is None:
+        return None
+    resume = Path(method_resume_dir(config, method))
+    record_setting(resume, setting_key(asdict(config), method))
+    return resume
 
 
 def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
