@@ -5,7 +5,8 @@ python benchmarks/zeroshot_paired.py --model smollm2-135m \
     --out results/zeroshot/smollm2-paired.json
 
 A method with several carried copies (another setting) is named with its file's hash:
-``--methods quarot@3fa46f9946,quarot@8c46196c62``.
+``--methods quarot@3fa46f9946,quarot@8c46196c62``; copies in several formats that record
+their setting (written since 2026-11-27) are picked with ``--format nvfp4``.
 
 Each method's answers come from its portable copy in ``--carry`` (``<model>-<method>-*.npz``,
 written by ``zeroshot_table.py --portable-dir``); every question is scored again with
