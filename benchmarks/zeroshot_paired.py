@@ -34,6 +34,7 @@ from torq.errors import TorqError
 from torq.eval.paired import build_questions, compare_rows, question_scores
 from torq.eval.portable import load_portable
 from torq.eval.zeroshot import TASKS, parse_tasks
+from torq.formats import FORMAT_NAMES
 from torq.results import command_line, machine_info, now_iso
 
 
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument(
         "--format",
         default=None,
+        choices=FORMAT_NAMES,
         help="pick, among a method's several carried copies, the one in this format",
     )
     p.add_argument("--tasks", default="all")
