@@ -35,6 +35,7 @@ from torq.eval.paired import build_questions, compare_rows, question_scores
 from torq.eval.portable import load_portable
 from torq.eval.zeroshot import TASKS, parse_tasks
 from torq.formats import FORMAT_NAMES
+from torq.methods import get_method
 from torq.results import command_line, machine_info, now_iso
 
 
@@ -58,7 +59,7 @@ def carry_file(carry: Path, model: str, method: str, fmt: str | None = None) -> 
     if fmt is not None:
         # a lone copy that records no setting is taken as it is; otherwise the format decides
         unknown_lone = len(found) == 1 and formats[found[0]] is None
-        found = found if unknown_lone else [f for f in found if formats[f] == fmt]
+        found = found if unknown_lone else [f for f in found if formats[f] in (fmt, ANY_FORMAT)]
         if not found:
             raise TorqError(f"no carried answers for {method!r} in {fmt} in {carry}")
     if len(found) > 1:
@@ -70,15 +71,26 @@ def carry_file(carry: Path, model: str, method: str, fmt: str | None = None) -> 
     return found[0]
 
 
+ANY_FORMAT = "any format"  # an unquantized row (FP): its answers hold in every format's table
+
+
 def carried_format(path: Path) -> str | None:
     """The activation format of the setting a portable copy records (its ``setting``: a
-    method's settings key, ``[name, {...}]``), or ``None`` where it records none."""
+    method's settings key, ``[name, {...}]``), :data:`ANY_FORMAT` for a method that does not
+    quantize, or ``None`` where it records none."""
     setting = load_portable(path)["meta"].get("setting")
     if not setting:
         return None
     key = json.loads(setting)
     fields = key[1] if isinstance(key, list) and len(key) == 2 else key
-    return fields.get("act_format", fields.get("format")) if isinstance(fields, dict) else None
+    if not isinstance(fields, dict):
+        return None
+    name = key[0] if isinstance(key, list) else fields.get("method")
+    try:
+        quantizes = get_method(str(name)).quantizes
+    except TorqError:  # a method this checkout does not know: its format is what it says
+        quantizes = True
+    return fields.get("act_format", fields.get("format")) if quantizes else ANY_FORMAT
 
 
 def markdown(record: dict[str, Any]) -> str:

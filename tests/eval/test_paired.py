@@ -171,9 +171,12 @@ def test_a_format_picks_one_of_several_carried_copies(tmp_path, monkeypatch) -> 
     # a lone copy: taken when it records no setting, refused when it records another format
     _carried(tmp_path / "m-rtn-dddd000004.npz", None)
     assert bench.carry_file(tmp_path, "m", "rtn", "nvfp4").name == "m-rtn-dddd000004.npz"
-    _carried(tmp_path / "m-fp-eeee000005.npz", json.dumps(["fp", {"act_format": "mxfp4"}]))
+    _carried(tmp_path / "m-had32-eeee000005.npz", json.dumps(["had32", {"act_format": "mxfp4"}]))
     with pytest.raises(TorqError, match="in nvfp4"):
-        bench.carry_file(tmp_path, "m", "fp", "nvfp4")
+        bench.carry_file(tmp_path, "m", "had32", "nvfp4")
+    # FP quantizes nothing: its answers belong to every format's table
+    _carried(tmp_path / "m-fp-abcd000007.npz", json.dumps(["fp", {"act_format": "mxfp4"}]))
+    assert bench.carry_file(tmp_path, "m", "fp", "nvfp4").name == "m-fp-abcd000007.npz"
     # a dict setting (the generation benchmarks' identity) names its format as "format"
     _carried(tmp_path / "m-had-ffff000006.npz", json.dumps({"method": "had", "format": "nvfp4"}))
     assert bench.carry_file(tmp_path, "m", "had", "nvfp4").name == "m-had-ffff000006.npz"
