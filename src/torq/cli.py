@@ -95,6 +95,7 @@ def _format_name(value: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `torq` command line: `run`, `eval` and the other subcommands over the Python API."""
     parser = _Parser(
         prog="torq", description="TORQ: rotation-based MXFP4 W4A4 quantization of LLMs"
     )

@@ -500,6 +500,9 @@ def _release(old: Any, new: Any) -> None:
 
 @dataclass
 class CaptureTimes:
+    """Seconds of a layer-by-layer calibration: the capture forwards, the rotation solves
+    (Algorithms 1 and 2), and both per layer."""
+
     forward_seconds: float = 0.0
     solve_seconds: float = 0.0
     per_layer: list[dict[str, float]] = field(default_factory=list)

@@ -29,6 +29,7 @@ def _cpu_model() -> str:
 
 
 def machine_info() -> dict[str, Any]:
+    """The machine a number was measured on, recorded beside it: host, CPU, threads, GPU, memory."""
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
@@ -46,6 +47,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
+    """The versions of torq, torch, transformers and Python behind a record."""
     import transformers
 
     return {
@@ -57,6 +59,7 @@ def versions() -> dict[str, str]:
 
 
 def command_line(argv: list[str] | None = None) -> str:
+    """The command that made a record, quoted so that it can be pasted into a shell."""
     argv = sys.argv if argv is None else argv
     prog = Path(argv[0]).name if argv else "torq"
     if prog in ("__main__.py", "cli.py"):
@@ -65,6 +68,7 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def now_iso() -> str:
+    """The current UTC time to the second, ISO 8601, for a record's date."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 

@@ -26,6 +26,8 @@ FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
 
 @dataclass(frozen=True)
 class Problem:
+    """One HumanEval problem as its ``.jsonl.gz`` holds it."""
+
     task_id: str
     prompt: str
     entry_point: str

@@ -32,10 +32,13 @@ def triton_importable() -> bool:
 
 
 def interpreter_enabled() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``), where inline PTX and
+    bf16 dots are unavailable."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_block_transform(t: torch.Tensor | None) -> None:
+    """Refuse an online block transform that is not one 32×32 matrix (the MX block)."""
     if t is not None and tuple(t.shape) != (BLOCK, BLOCK):
         raise ValueError(f"the block transform must be {BLOCK}×{BLOCK}, got {tuple(t.shape)}")
 
@@ -213,6 +216,8 @@ _GEMV_WORKSPACES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def gemv_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K decode GEMV's accumulator and tile counter for ``n`` outputs, kept per
+    device and size so that a decode step allocates nothing."""
     key = (str(device), n)
     if key not in _GEMV_WORKSPACES:
         _GEMV_WORKSPACES[key] = (
@@ -357,6 +362,9 @@ def launch_gemv_i8(
     out: torch.Tensor,
     rotation: BlockRotation | None = None,
 ) -> None:
+    """Decode (few tokens): the activation quantized per MX block (eq. 1, with the online
+    transform) inside the GEMV (``a_mode`` 0) or by an int8 pre-pass, then the integer GEMV
+    on the packed weight, written into ``out``."""
     from torq.kernels import triton_mxfp4 as tk
 
     k = x2.shape[1]
@@ -471,6 +479,9 @@ def launch_tensor_core(
     cfg: KernelConfig,
     out: torch.Tensor,
 ) -> None:
+    """Prefill (many tokens): the activation quantized to MXFP4 (eq. 1) inside the kernel
+    (``a_mode`` 0) or by a pre-pass, then the tiled tensor-core matmul that decodes the packed
+    weight tile by tile, written into ``out``."""
     from torq.kernels import triton_mxfp4 as tk
 
     m, k = x2.shape

@@ -1189,4 +1189,5 @@ def _mx_weight_fp8_kernel(
 
 
 def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``, the number of tiles of ``b`` that cover ``a``."""
     return triton.cdiv(a, b)

@@ -101,6 +101,7 @@ class LoadedModel:
 
 
 def known_models() -> list[str]:
+    """The names ``--model`` accepts for the embedded checkpoints (GGUF index packages)."""
     return sorted(EMBEDDED_MODELS)
 
 

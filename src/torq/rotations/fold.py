@@ -92,6 +92,8 @@ def producer_of(group: LinearGroup, model_config: Any) -> Producer:
 
 
 def is_o_proj(group: LinearGroup) -> bool:
+    """Whether a group is attention's output projection, whose balancing folds into
+    ``v_proj``'s rows and so must be equal across the query heads of one value head."""
     return group.members[0] == "self_attn.o_proj"
 
 

@@ -60,6 +60,10 @@ class InterBlockConfig:
 
 @dataclass
 class EqualizationInfo:
+    """How Algorithm 1's Givens equalization ended: rotations applied, whether the block
+    energies met the tolerance, and the largest relative deviation of a block's energy from
+    their mean."""
+
     rotations: int
     converged: bool
     max_rel_deviation: float
