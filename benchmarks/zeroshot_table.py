@@ -168,7 +168,8 @@ def main() -> None:
     for c in merged_commands:
         if c not in commands:
             commands.append(c)
-    commands.append(command_line())
+    # a resumed run repeats its command: listed once, last, as the one that wrote the record
+    commands = [c for c in commands if c != command_line()] + [command_line()]
     for method in methods:
         if method in done:
             rows.append(done[method])

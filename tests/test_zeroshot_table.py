@@ -43,6 +43,12 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
     assert merged["complete"] is True
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
     assert not (tmp_path / "requests").exists() or not any((tmp_path / "requests").iterdir())
+    # the same command again (as a resumed run does) lists it once, still last
+    again = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rerun = json.loads(out.read_text())
+    assert len(rerun["commands"]) == len(set(rerun["commands"])) == len(merged["commands"])
+    assert rerun["commands"][-1] == rerun["command"]
 
 
 def test_perplexities_are_reused_only_from_the_same_windows(tmp_path: Path) -> None:
