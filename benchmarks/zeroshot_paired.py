@@ -38,6 +38,8 @@ from torq.formats import FORMAT_NAMES
 from torq.methods import get_method
 from torq.results import command_line, machine_info, now_iso
 
+ANY_FORMAT = "any format"  # an unquantized row (FP): its answers hold in every format's table
+
 
 def carry_file(carry: Path, model: str, method: str, fmt: str | None = None) -> Path:
     """The one portable copy of ``method``'s answers in ``carry``; ``method@<hash>`` names
@@ -69,9 +71,6 @@ def carry_file(carry: Path, model: str, method: str, fmt: str | None = None) -> 
             + ("" if fmt is not None else " or give --format")
         )
     return found[0]
-
-
-ANY_FORMAT = "any format"  # an unquantized row (FP): its answers hold in every format's table
 
 
 def carried_format(path: Path) -> str | None:

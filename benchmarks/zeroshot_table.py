@@ -169,7 +169,8 @@ def main() -> None:
         if c not in commands:
             commands.append(c)
     # a resumed run repeats its command: listed once, last, as the one that wrote the record
-    commands = [c for c in commands if c != command_line()] + [command_line()]
+    current = command_line()
+    commands = [c for c in commands if c != current] + [current]
     for method in methods:
         if method in done:
             rows.append(done[method])
