@@ -16,6 +16,8 @@ from torq.errors import TorqError
 from torq.eval import zeroshot as zs
 from torq.eval.portable import (
     answer_key,
+    carry_summary,
+    describe_setting,
     export_portable,
     load_portable,
     seed_resume_dir,
@@ -120,6 +122,51 @@ def test_generated_answers_are_carried_as_text(tmp_path) -> None:
     assert "generations" not in data["meta"]
     _fake_resume(tmp_path / "r2", [0.1], {})
     assert export_portable(tmp_path / "r2", out)["generations"] == 1
+
+
+def test_a_copy_describes_its_row(tmp_path) -> None:
+    """``carry_summary`` reads both settings-key shapes (a zero-shot row's list, a
+    generation row's object), counts the answers and sums the sessions' seconds as a
+    record does (a stopped session's last heartbeat, a finished one's ``seconds``)."""
+    zs_key = json.dumps(
+        [
+            "torq",
+            {
+                "act_format": "nvfp4",
+                "model": "m",
+                "torq": {"calibration": {"corpus": "c", "seed": 1}},
+            },
+        ]
+    )
+    assert describe_setting(zs_key) == {
+        "method": "torq",
+        "task": "zero-shot",
+        "format": "nvfp4",
+        "model": "m",
+        "calib_corpus": "c",
+        "calib_seed": 1,
+    }
+    gen_key = json.dumps({"method": "rtn", "task": "gsm8k", "format": "mxfp4", "model": "m"})
+    assert describe_setting(gen_key)["task"] == "gsm8k"
+    assert describe_setting(gen_key)["calib_corpus"] is None
+    assert describe_setting(None) == {}
+    with pytest.raises(TorqError, match="unrecognised settings key"):
+        describe_setting(json.dumps(3))
+
+    _fake_resume(
+        tmp_path / "r", [0.1], {("ctx a", " x"): (-1.0, True), ("ctx b", " y"): (-2.0, False)}
+    )
+    record_setting(tmp_path / "r", zs_key)
+    meta = json.loads((tmp_path / "r" / "meta.json").read_text())
+    meta["sessions"] = [{"seconds_so_far": 7.0}, {"seconds_so_far": 1.0, "seconds": 2.5}]
+    (tmp_path / "r" / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "m.npz"
+    export_portable(tmp_path / "r", out)
+    summary = carry_summary(out)
+    assert summary["file"] == "m.npz"
+    assert (summary["method"], summary["format"], summary["calib_seed"]) == ("torq", "nvfp4", 1)
+    assert (summary["answers"], summary["generations"], summary["ppl_windows"]) == (2, 0, 2)
+    assert summary["sessions"] == 2 and summary["seconds"] == 9.5
 
 
 def test_bad_files_are_clear_errors(tmp_path) -> None:

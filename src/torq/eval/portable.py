@@ -167,6 +167,57 @@ def load_portable(path: Path) -> dict[str, Any]:
     return {"answers": answers, "generations": generations, "meta": meta}
 
 
+def describe_setting(setting: str | None) -> dict[str, Any]:
+    """The method, task, formats and calibration corpus that a copy's settings key names.
+    Two key shapes exist: a zero-shot row's ``[method, {..., "act_format": F}]`` and a
+    generation row's ``{"method": M, "task": T, "format": F, ...}``; an older copy without a
+    key names nothing (``{}``)."""
+    if not setting:
+        return {}
+    key = json.loads(setting)
+    if isinstance(key, list) and len(key) == 2 and isinstance(key[1], dict):
+        method, rest = key
+        task = "zero-shot"
+        fmt = rest.get("act_format")
+    elif isinstance(key, dict):
+        method, rest = key.get("method"), key
+        task = key.get("task")
+        fmt = key.get("format")
+    else:
+        raise TorqError(f"unrecognised settings key {setting[:60]!r}")
+    recipe = rest.get("torq") or rest.get("recipe", {}).get("torq") or {}
+    calibration = recipe.get("calibration", {})
+    return {
+        "method": method,
+        "task": task,
+        "format": fmt,
+        "model": rest.get("model"),
+        "calib_corpus": calibration.get("corpus"),
+        "calib_seed": calibration.get("seed"),
+    }
+
+
+def carry_summary(path: Path) -> dict[str, Any]:
+    """What the portable copy ``path`` holds, without its answers: the setting it names
+    (:func:`describe_setting`), how many answers (scored and generated) and perplexity
+    windows, and its sessions' count and wall time (summed as
+    :func:`torq.eval.zeroshot.sessions_seconds` sums them)."""
+    from torq.eval.zeroshot import sessions_seconds
+
+    data = load_portable(path)
+    meta = data["meta"]
+    sessions = meta.get("sessions", [])
+    return {
+        "file": Path(path).name,
+        **describe_setting(meta.get("setting")),
+        "answers": len(data["answers"]),
+        "generations": len(data["generations"]),
+        "ppl_windows": sum(len(c.get("nll", [])) for c in meta.get("ppl", {}).values()),
+        "sessions": len(sessions),
+        "seconds": sessions_seconds(sessions),
+    }
+
+
 def seed_resume_dir(
     path: Path, resume: Path, model: torch.nn.Module, tokenizer: Any
 ) -> dict[int, Answer]:
