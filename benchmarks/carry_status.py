@@ -1,6 +1,6 @@
 """What the carried rows hold: one line per portable copy (``torq.eval.portable``) under
-the given folders, so that a session sees at a glance which rows are finished and which
-still generate, without loading a model.
+the given folders, with its answers so far, so that a session sees at a glance how far each
+row has got, without loading a model.
 
     python benchmarks/carry_status.py docs/formats/carry docs/humaneval/carry docs/gsm8k/carry
 

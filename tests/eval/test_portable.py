@@ -152,6 +152,10 @@ def test_a_copy_describes_its_row(tmp_path) -> None:
     assert describe_setting(None) == {}
     with pytest.raises(TorqError, match="unrecognised settings key"):
         describe_setting(json.dumps(3))
+    with pytest.raises(TorqError, match="unrecognised settings key"):
+        describe_setting("[not json")
+    no_recipe = json.dumps({"method": "fp", "task": "humaneval", "recipe": None})
+    assert describe_setting(no_recipe)["calib_corpus"] is None
 
     _fake_resume(
         tmp_path / "r", [0.1], {("ctx a", " x"): (-1.0, True), ("ctx b", " y"): (-2.0, False)}

@@ -168,13 +168,16 @@ def load_portable(path: Path) -> dict[str, Any]:
 
 
 def describe_setting(setting: str | None) -> dict[str, Any]:
-    """The method, task, formats and calibration corpus that a copy's settings key names.
-    Two key shapes exist: a zero-shot row's ``[method, {..., "act_format": F}]`` and a
-    generation row's ``{"method": M, "task": T, "format": F, ...}``; an older copy without a
-    key names nothing (``{}``)."""
+    """The method, task, format, model and calibration (corpus, seed) that a copy's
+    settings key names. Two key shapes exist: a zero-shot row's ``[method, {...,
+    "act_format": F}]`` and a generation row's ``{"method": M, "task": T, "format": F, ...}``;
+    an older copy without a key names nothing (``{}``)."""
     if not setting:
         return {}
-    key = json.loads(setting)
+    try:
+        key = json.loads(setting)
+    except ValueError as e:
+        raise TorqError(f"unrecognised settings key {setting[:60]!r} ({e})") from e
     if isinstance(key, list) and len(key) == 2 and isinstance(key[1], dict):
         method, rest = key
         task = "zero-shot"
@@ -185,8 +188,9 @@ def describe_setting(setting: str | None) -> dict[str, Any]:
         fmt = key.get("format")
     else:
         raise TorqError(f"unrecognised settings key {setting[:60]!r}")
-    recipe = rest.get("torq") or rest.get("recipe", {}).get("torq") or {}
-    calibration = recipe.get("calibration", {})
+    # the calibrated methods' settings sit under "torq" (zero-shot) or "recipe" (generation)
+    recipe = rest.get("torq") or (rest.get("recipe") or {}).get("torq") or {}
+    calibration = recipe.get("calibration") or {}
     return {
         "method": method,
         "task": task,
