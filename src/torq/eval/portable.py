@@ -39,6 +39,7 @@ from torq.eval.resume import (
     recorded_setting,
     write_json_atomic,
 )
+from torq.eval.zeroshot import sessions_seconds
 
 PORTABLE_VERSION = 1
 ANSWERS_DB = "requests_rank0.db"  # lm-eval's CachingLM file for the stem "requests"
@@ -206,8 +207,6 @@ def carry_summary(path: Path) -> dict[str, Any]:
     (:func:`describe_setting`), how many answers (scored and generated) and perplexity
     windows, and its sessions' count and wall time (summed as
     :func:`torq.eval.zeroshot.sessions_seconds` sums them)."""
-    from torq.eval.zeroshot import sessions_seconds
-
     data = load_portable(path)
     meta = data["meta"]
     sessions = meta.get("sessions", [])
