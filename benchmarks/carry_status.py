@@ -28,6 +28,7 @@ COLUMNS = (
     ("generations", "generated"),
     ("sessions", "sessions"),
     ("seconds", "s, all sessions"),
+    ("cpus", "CPU"),
 )
 
 
@@ -43,6 +44,8 @@ def table(rows: list[dict]) -> str:
             value = row.get(key)
             if key == "seconds":
                 value = f"{value:.0f}"
+            elif key == "cpus":  # a calibrated row goes on only on its CPU (RESULTS §12.5)
+                value = ", ".join(value) or None
             cells.append("" if value is None else str(value))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

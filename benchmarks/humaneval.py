@@ -54,8 +54,14 @@ from torq.eval.generation import (
     gsm8k_test_size,
 )
 from torq.eval.humaneval import load_humaneval
-from torq.eval.portable import load_portable
-from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
+from torq.eval.portable import check_carried_cpu, load_portable
+from torq.eval.resume import (
+    fingerprint_ids,
+    keep_model,
+    kept_model_exists,
+    load_kept_model,
+    record_setting,
+)
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -141,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--portable-dir needs --resume-dir (the answers are copied from there)")
     check_arguments(args, ap)
     settings = torq_settings(args)
-    for method in args.methods.split(","):
-        if method in done:
-            continue
+    todo = [m for m in args.methods.split(",") if m not in done]
+    for method in todo:  # every row's carried CPU before any model is quantized
+        _check_carried_cpu(args, method, ap)
+    for method in todo:
         loaded = load(args.model)
         try:  # before any quantization
             check_prompt(loaded.tokenizer, args.prompt)
@@ -151,14 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--prompt {args.prompt}: {args.model}: {exc}")
         model, quantize_seconds = loaded.model, 0.0
         identity = _identity(args, method)
-        resume = None
-        if args.resume_dir is not None:
-            digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
-            resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
+        resume, portable = _row_paths(args, method)
+        if resume is not None:
             _check_batch_size(resume / "answers", args.batch_size, ap)  # before quantizing
-        portable = None
-        if args.portable_dir is not None and resume is not None:
-            portable = Path(args.portable_dir) / f"{resume.name}.npz"
+        if portable is not None:
             _check_carried_batch_size(portable, args.batch_size, ap)
         kept = None
         if resume is not None and method != "fp":
@@ -245,6 +248,31 @@ def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
             check_problem_count(args.n, gsm8k_test_size(args.data_dir), "--n")
         elif args.limit is not None:
             check_problem_count(args.limit, len(load_humaneval(args.data_dir)), "--limit")
+    except TorqError as exc:
+        ap.error(str(exc))
+
+
+def _row_paths(args: argparse.Namespace, method: str) -> tuple[Path | None, Path | None]:
+    """The method's resume directory (named by the hash of :func:`_identity`) and its
+    portable copy; ``None`` where the run keeps none."""
+    if args.resume_dir is None:
+        return None, None
+    digest = hashlib.sha1(_identity(args, method).encode()).hexdigest()[:10]
+    resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
+    portable = None if args.portable_dir is None else Path(args.portable_dir) / f"{resume.name}.npz"
+    return resume, portable
+
+
+def _check_carried_cpu(args: argparse.Namespace, method: str, ap: argparse.ArgumentParser) -> None:
+    """A calibrated row carried from another kind of CPU is not calibrated again here: the
+    model would differ and its answers be refused after the calibration
+    (:func:`torq.eval.portable.check_carried_cpu`). A model kept in the resume directory is
+    reloaded, not calibrated, so it goes on on any CPU."""
+    resume, portable = _row_paths(args, method)
+    if portable is None or (resume is not None and kept_model_exists(resume)):
+        return
+    try:
+        check_carried_cpu(portable, get_method(method).calibrates())
     except TorqError as exc:
         ap.error(str(exc))
 

@@ -18,7 +18,10 @@ import torq
 from torq.paths import usual_permissions
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``): recorded with every number, and with each
+    session of a kept evaluation, since a calibrated method's float rounding, and so its
+    quantized model, differs between CPU kinds (docs/RESULTS.md §12.5)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -33,7 +36,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -42,3 +42,32 @@ def test_a_methods_resume_folder_and_portable_copy_are_named_by_its_settings(
     assert portable_path(config, resume) == tmp_path / f"m-torq-{digest}.npz"
     other = replace(config, weight_format="nvfp4", act_format="nvfp4")
     assert setting_digest(asdict(other), "torq") != digest
+
+
+def test_a_run_refuses_a_calibrated_copy_made_on_another_cpu(tmp_path: Path) -> None:
+    """``torq run --portable-dir``: a calibrated method's copy from another CPU is refused by
+    the run's checks, before any model is loaded (calibrated here it would be another
+    model, RESULTS §12.5); RTN's goes on, and so does one whose model is kept."""
+    from tests.test_generation_benchmark import _carry_from
+    from torq.errors import TorqError
+    from torq.eval.resume import MODEL_FILE, MODEL_INFO
+    from torq.methods import get_method
+    from torq.runs.config import check_carried_cpus
+
+    config = RunConfig(
+        model="m", methods=["torq", "rtn"], resume_dir=str(tmp_path / "r"),
+        portable_dir=str(tmp_path / "carry"),
+    )  # fmt: skip
+    methods = [get_method("torq"), get_method("rtn")]
+    for method in methods:
+        _carry_from(portable_path(config, Path(method_resume_dir(config, method.name))), "X")
+    refused = r"m-torq-\w+\.npz holds answers of a model calibrated on X"
+    with pytest.raises(TorqError, match=refused):
+        check_carried_cpus(config, methods)
+    check_carried_cpus(config, methods[1:])
+    kept = Path(method_resume_dir(config, "torq"))
+    kept.mkdir(parents=True)
+    (kept / MODEL_FILE).write_bytes(b"")
+    (kept / MODEL_INFO).write_text("{}")
+    check_carried_cpus(config, methods)
+    check_carried_cpus(replace(config, portable_dir=None), methods)

@@ -40,6 +40,7 @@ from torq.eval.resume import (
     write_json_atomic,
 )
 from torq.eval.zeroshot import sessions_seconds
+from torq.results import cpu_model
 
 PORTABLE_VERSION = 1
 ANSWERS_DB = "requests_rank0.db"  # lm-eval's CachingLM file for the stem "requests"
@@ -218,7 +219,45 @@ def carry_summary(path: Path) -> dict[str, Any]:
         "ppl_windows": sum(len(c.get("nll", [])) for c in meta.get("ppl", {}).values()),
         "sessions": len(sessions),
         "seconds": sessions_seconds(sessions),
+        "cpus": carried_cpus(path),
     }
+
+
+def carried_cpus(path: Path) -> list[str]:
+    """The CPUs (:func:`torq.results.cpu_model`) the sessions of the portable copy ``path``
+    ran on, in the order they first appear; sessions from before the CPU was recorded name
+    none."""
+    cpus: list[str] = []
+    for session in load_portable(path)["meta"].get("sessions", []):
+        cpu = session.get("cpu")
+        if cpu and cpu not in cpus:
+            cpus.append(cpu)
+    return cpus
+
+
+def check_carried_cpu(path: Path, calibrates: bool, cpu: str | None = None) -> None:
+    """Refuse, before any calibration, to go on with the portable copy ``path`` on a CPU
+    (``cpu``, default this machine's) other than the one its answers were made on, for a
+    method that ``calibrates``.
+
+    Why: a calibrated method's float sums (MKL's matrix products) round differently on
+    another kind of CPU, and the calibration amplifies that into another quantized model
+    (``torq-had32`` calibrated on Wikipedia: its logits fingerprint moves by 1.32 from an
+    Intel Xeon to an AMD EPYC), which :func:`seed_resume_dir` would refuse only after the
+    calibration's minutes or hours. An uncalibrated model is the same on both (within
+    1e-5; docs/RESULTS.md §12.5). An absent copy, or one whose sessions name no CPU,
+    passes."""
+    path = Path(path)
+    if not calibrates or not path.is_file():
+        return
+    here = cpu or cpu_model()
+    other = [c for c in carried_cpus(path) if c != here]
+    if other:
+        raise TorqError(
+            f"{path} holds answers of a model calibrated on {other[0]}; calibrated on this "
+            f"{here} the model differs (docs/RESULTS.md §12.5): go on with it on a "
+            f"{other[0]} machine, or remove the file to start the row again here"
+        )
 
 
 def seed_resume_dir(

@@ -38,7 +38,7 @@ from torq.eval.resume import (
     logits_fingerprint,
     write_json_atomic,
 )
-from torq.results import now_iso
+from torq.results import cpu_model, now_iso
 
 
 @dataclass(frozen=True)
@@ -401,7 +401,8 @@ def open_request_cache(
         meta = json.loads(meta_path.read_text())
         check_fingerprint(meta["fingerprint"], fingerprint, root)
     before = _cache_entries(_answers_db(root))
-    session: dict[str, Any] = {"started": now_iso(), "entries_before": before}
+    # the CPU: a calibrated model made on another kind is another model (RESULTS §12.5)
+    session: dict[str, Any] = {"started": now_iso(), "entries_before": before, "cpu": cpu_model()}
     if batch_size is not None:
         session["batch_size"] = batch_size
     meta["sessions"].append(session)

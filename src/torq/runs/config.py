@@ -12,12 +12,12 @@ import torch
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path
-from torq.eval.resume import MODEL_INFO
+from torq.eval.resume import MODEL_INFO, kept_model_exists
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import context_length
 from torq.paths import check_destination
-from torq.runs.store import method_resume_dir
+from torq.runs.store import method_resume_dir, portable_path
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
@@ -296,8 +296,25 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
         raise TorqError(f"--subset must be a positive number of questions: {config.task_subset}")
     if config.portable_dir is not None and config.resume_dir is None:
         raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
+    check_carried_cpus(config, checked)
     # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
     check_data(config, checked)
+
+
+def check_carried_cpus(config: RunConfig, methods: list[Method]) -> None:
+    """Refuse, before any calibration, a calibrated method whose portable copy
+    (``--portable-dir``) was made on another kind of CPU and whose model is not kept in its
+    resume directory: calibrated here it would be another model
+    (:func:`torq.eval.portable.check_carried_cpu`)."""
+    if config.portable_dir is None or config.resume_dir is None:
+        return
+    from torq.eval.portable import check_carried_cpu  # (lm-eval's, only when carrying)
+
+    for method in methods:
+        resume = Path(method_resume_dir(config, method.name))
+        if config.keep_models and kept_model_exists(resume):
+            continue
+        check_carried_cpu(portable_path(config, resume), method.calibrates(config.quant_config()))
 
 
 def resolve_device(name: str) -> torch.device:
