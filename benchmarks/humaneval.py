@@ -22,7 +22,9 @@ stopped (the same command again: no calibration, only the answers not yet genera
 ``DIR2`` as they come (:mod:`torq.eval.portable`); on another machine, or a fresh checkout,
 the same command with that file in place quantizes again, checks that the model gives the
 same logits, and generates only the answers the file does not hold: a row longer than a
-machine is lent for is made over several.
+machine is lent for is made over several. A calibrated method's model is another on another
+kind of CPU (docs/RESULTS.md §12.5), so its file goes on only on the CPU it names; that is
+checked for every method before any model is loaded.
 Writes JSON and a markdown table (``<out>.md``).
 """
 
