@@ -12,6 +12,7 @@ import torch
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path
+from torq.eval.portable import check_carried_cpu
 from torq.eval.resume import MODEL_INFO, kept_model_exists
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
@@ -308,8 +309,6 @@ def check_carried_cpus(config: RunConfig, methods: list[Method]) -> None:
     (:func:`torq.eval.portable.check_carried_cpu`)."""
     if config.portable_dir is None or config.resume_dir is None:
         return
-    from torq.eval.portable import check_carried_cpu  # (lm-eval's, only when carrying)
-
     for method in methods:
         resume = Path(method_resume_dir(config, method.name))
         if config.keep_models and kept_model_exists(resume):
