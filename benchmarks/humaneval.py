@@ -23,8 +23,9 @@ stopped (the same command again: no calibration, only the answers not yet genera
 the same command with that file in place quantizes again, checks that the model gives the
 same logits, and generates only the answers the file does not hold: a row longer than a
 machine is lent for is made over several. A calibrated method's model is another on another
-kind of CPU (docs/RESULTS.md §12.5), so its file goes on only on the CPU it names; that is
-checked for every method before any model is loaded.
+kind of CPU, and the same W4A4 model answers otherwise there (docs/RESULTS.md §12.5), so a
+quantized row goes on only on the CPU its file names; that is checked for every method
+before any model is loaded.
 Writes JSON and a markdown table (``<out>.md``).
 """
 
@@ -56,11 +57,10 @@ from torq.eval.generation import (
     gsm8k_test_size,
 )
 from torq.eval.humaneval import load_humaneval
-from torq.eval.portable import check_carried_cpu, load_portable
+from torq.eval.portable import check_carried_cpu, check_sessions_cpu, load_portable
 from torq.eval.resume import (
     fingerprint_ids,
     keep_model,
-    kept_model_exists,
     load_kept_model,
     record_setting,
 )
@@ -266,15 +266,18 @@ def _row_paths(args: argparse.Namespace, method: str) -> tuple[Path | None, Path
 
 
 def _check_carried_cpu(args: argparse.Namespace, method: str, ap: argparse.ArgumentParser) -> None:
-    """A calibrated row carried from another kind of CPU is not calibrated again here: the
-    model would differ and its answers be refused after the calibration
-    (:func:`torq.eval.portable.check_carried_cpu`). A model kept in the resume directory is
-    reloaded, not calibrated, so it goes on on any CPU."""
+    """A W4A4 row's answers come from one kind of CPU: on another the same model answers
+    otherwise (:func:`torq.eval.portable.check_sessions_cpu`), so a row kept or carried from
+    another is not continued here. Checked for the resume directory and the portable copy,
+    before any model is loaded."""
     resume, portable = _row_paths(args, method)
-    if portable is None or (resume is not None and kept_model_exists(resume)):
-        return
+    quantized = get_method(method).quantizes
     try:
-        check_carried_cpu(portable, get_method(method).calibrates())
+        if resume is not None and (resume / "answers" / "meta.json").is_file():
+            meta = json.loads((resume / "answers" / "meta.json").read_text())
+            check_sessions_cpu(meta.get("sessions", []), resume, quantized)
+        if portable is not None:
+            check_carried_cpu(portable, quantized)
     except TorqError as exc:
         ap.error(str(exc))
 

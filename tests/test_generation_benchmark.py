@@ -393,15 +393,12 @@ def _carry_from(path: Path, cpu: str) -> None:
              meta=np.asarray(json.dumps(meta)))  # fmt: skip
 
 
-def test_a_calibrated_row_from_another_cpu_is_refused_before_any_model_is_loaded(
+def test_a_quantized_row_from_another_cpu_is_refused_before_any_model_is_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A carried row of a calibrated method made on another CPU would be calibrated into
-    another model here (RESULTS §12.5): every method's copy is checked first, in one line,
-    before any model is loaded. An uncalibrated row's copy goes on anywhere, and so does a
-    calibrated one whose quantized model is kept in the resume directory."""
-    from torq.eval.resume import MODEL_FILE, MODEL_INFO
-
+    """A W4A4 row carried (or kept) from another CPU would be answered otherwise here
+    (RESULTS §12.5): every method's copy and resume directory are checked first, in one
+    line, before any model is loaded. An FP row goes on anywhere."""
     bench = _benchmark(monkeypatch)
 
     def no_load(*_a: object, **_k: object) -> None:
@@ -409,23 +406,26 @@ def test_a_calibrated_row_from_another_cpu_is_refused_before_any_model_is_loaded
 
     monkeypatch.setattr(bench, "load", no_load)
     out, resume, carry = tmp_path / "he.json", tmp_path / "resume", tmp_path / "carry"
-    argv = ["--model", "qwen2.5-coder-0.5b", "--methods", "rtn,torq-had32", "--out", str(out)]
+    argv = ["--model", "qwen2.5-coder-0.5b", "--methods", "fp,rtn,torq-had32", "--out", str(out)]
     argv += ["--resume-dir", str(resume), "--portable-dir", str(carry)]
     args = bench.parser().parse_args(argv)
-    for method in ("rtn", "torq-had32"):
+    for method in ("fp", "rtn", "torq-had32"):
         _carry_from(bench._row_paths(args, method)[1], "Another CPU")
     with pytest.raises(SystemExit) as stop:
         bench.main(argv)
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "humaneval-torq-had32-" in err and "calibrated on Another CPU" in err
-    assert "humaneval-rtn-" not in err and not out.exists()
-    bench._check_carried_cpu(args, "rtn", bench.parser())  # uncalibrated: no error
-    kept = bench._row_paths(args, "torq-had32")[0]
-    kept.mkdir(parents=True)
-    (kept / MODEL_FILE).write_bytes(b"")
-    (kept / MODEL_INFO).write_text("{}")
-    bench._check_carried_cpu(args, "torq-had32", bench.parser())  # reloaded, not calibrated
+    assert "humaneval-rtn-" in err and "W4A4 answers made on Another CPU" in err
+    assert not out.exists()
+    bench._check_carried_cpu(args, "fp", bench.parser())  # the float model: no error
+    # a resume directory's sessions are checked as its copy's are
+    bench._row_paths(args, "rtn")[1].unlink()
+    answers = bench._row_paths(args, "rtn")[0] / "answers"
+    answers.mkdir(parents=True)
+    (answers / "meta.json").write_text(json.dumps({"sessions": [{"cpu": "Another CPU"}]}))
+    with pytest.raises(SystemExit):
+        bench._check_carried_cpu(args, "rtn", bench.parser())
+    assert "humaneval-rtn-" in capsys.readouterr().err
 
 
 def test_the_table_title_names_only_the_quantization_its_rows_have(

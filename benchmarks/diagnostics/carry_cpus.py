@@ -1,7 +1,7 @@
 """Name the CPU of the carried sessions that ran before torq recorded it (2026-11-28).
 
-A calibrated row goes on only on the kind of CPU it was started on (docs/RESULTS.md §12.5;
-``torq.eval.portable.check_carried_cpu``), so each session of a portable copy now records
+A quantized row goes on only on the kind of CPU it was started on (docs/RESULTS.md §12.5;
+``torq.eval.portable.check_sessions_cpu``), so each session of a portable copy now records
 its CPU. The sessions before that name none. Each record (``docs/**/*.json``) names the
 machine it was made on, and those records give these periods:
 

@@ -20,8 +20,8 @@ from torq.paths import usual_permissions
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``): recorded with every number, and with each
-    session of a kept evaluation, since a calibrated method's float rounding, and so its
-    quantized model, differs between CPU kinds (docs/RESULTS.md §12.5)."""
+    session of a kept evaluation, since a W4A4 model's answers differ between CPU kinds
+    (their float rounding; docs/RESULTS.md §12.5)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -19,6 +19,7 @@ from torq.eval.portable import (
     carried_cpus,
     carry_summary,
     check_carried_cpu,
+    check_sessions_cpu,
     describe_setting,
     export_portable,
     load_portable,
@@ -176,10 +177,10 @@ def test_a_copy_describes_its_row(tmp_path) -> None:
     assert summary["cpus"] == []  # sessions from before the CPU was recorded name none
 
 
-def test_a_calibrated_row_goes_on_only_on_the_cpu_it_was_made_on(tmp_path) -> None:
-    """A copy whose sessions ran on another CPU is refused for a calibrated method (its
-    model would differ here, RESULTS §12.5), before any calibration; an uncalibrated one, a
-    copy of this CPU's, one that names no CPU and an absent one pass."""
+def test_a_quantized_row_goes_on_only_on_the_cpu_it_was_made_on(tmp_path) -> None:
+    """A copy whose sessions ran on another CPU is refused for a quantized method (the same
+    W4A4 model answers otherwise there, RESULTS §12.5), before any model is loaded; an FP
+    row's, a copy of this CPU's, one that names no CPU and an absent one pass."""
     _fake_resume(tmp_path / "r", [0.1], {("ctx a", " x"): (-1.0, True)})
     meta = json.loads((tmp_path / "r" / "meta.json").read_text())
     meta["sessions"] = [{"seconds": 1.0}, {"seconds": 1.0, "cpu": "Xeon"}]
@@ -189,20 +190,22 @@ def test_a_calibrated_row_goes_on_only_on_the_cpu_it_was_made_on(tmp_path) -> No
     export_portable(tmp_path / "r", out)
     assert carried_cpus(out) == ["Xeon", "EPYC"]
     assert carry_summary(out)["cpus"] == ["Xeon", "EPYC"]
-    with pytest.raises(TorqError, match=r"m\.npz holds answers of a model calibrated on EPYC"):
-        check_carried_cpu(out, calibrates=True, cpu="Xeon")
-    with pytest.raises(TorqError, match="calibrated on Xeon; calibrated on this Opteron"):
-        check_carried_cpu(out, calibrates=True, cpu="Opteron")
-    check_carried_cpu(out, calibrates=False, cpu="Opteron")
-    check_carried_cpu(tmp_path / "absent.npz", calibrates=True, cpu="Opteron")
+    with pytest.raises(TorqError, match=r"m\.npz holds W4A4 answers made on EPYC; this Xeon"):
+        check_carried_cpu(out, quantized=True, cpu="Xeon")
+    with pytest.raises(TorqError, match="made on Xeon; this Opteron would answer otherwise"):
+        check_carried_cpu(out, quantized=True, cpu="Opteron")
+    check_carried_cpu(out, quantized=False, cpu="Opteron")
+    check_carried_cpu(tmp_path / "absent.npz", quantized=True, cpu="Opteron")
+    with pytest.raises(TorqError, match="r holds W4A4 answers made on Xeon"):
+        check_sessions_cpu(meta["sessions"][:2], tmp_path / "r", quantized=True, cpu="EPYC")
     meta["sessions"] = [{"seconds": 1.0, "cpu": "Xeon"}, {"seconds": 1.0}]
     (tmp_path / "r" / "meta.json").write_text(json.dumps(meta))
     export_portable(tmp_path / "r", out)
-    check_carried_cpu(out, calibrates=True, cpu="Xeon")
+    check_carried_cpu(out, quantized=True, cpu="Xeon")
     meta["sessions"] = [{"seconds": 1.0}]
     (tmp_path / "r" / "meta.json").write_text(json.dumps(meta))
     export_portable(tmp_path / "r", out)
-    check_carried_cpu(out, calibrates=True, cpu="Opteron")
+    check_carried_cpu(out, quantized=True, cpu="Opteron")
 
 
 def test_bad_files_are_clear_errors(tmp_path) -> None:

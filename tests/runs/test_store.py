@@ -44,30 +44,30 @@ def test_a_methods_resume_folder_and_portable_copy_are_named_by_its_settings(
     assert setting_digest(asdict(other), "torq") != digest
 
 
-def test_a_run_refuses_a_calibrated_copy_made_on_another_cpu(tmp_path: Path) -> None:
-    """``torq run --portable-dir``: a calibrated method's copy from another CPU is refused by
-    the run's checks, before any model is loaded (calibrated here it would be another
-    model, RESULTS §12.5); RTN's goes on, and so does one whose model is kept."""
+def test_a_run_refuses_a_quantized_row_made_on_another_cpu(tmp_path: Path) -> None:
+    """``torq run --resume-dir/--portable-dir``: a quantized method's copy or resume
+    directory from another CPU is refused by the run's checks, before any model is loaded
+    (the same W4A4 model answers otherwise there, RESULTS §12.5); FP's goes on."""
     from tests.test_generation_benchmark import _carry_from
     from torq.errors import TorqError
-    from torq.eval.resume import MODEL_FILE, MODEL_INFO
     from torq.methods import get_method
     from torq.runs.config import check_carried_cpus
 
     config = RunConfig(
-        model="m", methods=["torq", "rtn"], resume_dir=str(tmp_path / "r"),
+        model="m", methods=["rtn", "fp"], resume_dir=str(tmp_path / "r"),
         portable_dir=str(tmp_path / "carry"),
     )  # fmt: skip
-    methods = [get_method("torq"), get_method("rtn")]
+    methods = [get_method("rtn"), get_method("fp")]
     for method in methods:
         _carry_from(portable_path(config, Path(method_resume_dir(config, method.name))), "X")
-    refused = r"m-torq-\w+\.npz holds answers of a model calibrated on X"
+    refused = r"m-rtn-\w+\.npz holds W4A4 answers made on X"
     with pytest.raises(TorqError, match=refused):
         check_carried_cpus(config, methods)
     check_carried_cpus(config, methods[1:])
-    kept = Path(method_resume_dir(config, "torq"))
-    kept.mkdir(parents=True)
-    (kept / MODEL_FILE).write_bytes(b"")
-    (kept / MODEL_INFO).write_text("{}")
-    check_carried_cpus(config, methods)
-    check_carried_cpus(replace(config, portable_dir=None), methods)
+    resume = Path(method_resume_dir(config, "rtn"))
+    resume.mkdir(parents=True)
+    (resume / "meta.json").write_text(json.dumps({"sessions": [{"cpu": "X"}]}))
+    no_copy = replace(config, portable_dir=None)
+    with pytest.raises(TorqError, match=r"rtn-\w+ holds W4A4 answers made on X"):
+        check_carried_cpus(no_copy, methods)
+    check_carried_cpus(replace(no_copy, resume_dir=None), methods)

@@ -223,41 +223,56 @@ def carry_summary(path: Path) -> dict[str, Any]:
     }
 
 
-def carried_cpus(path: Path) -> list[str]:
-    """The CPUs (:func:`torq.results.cpu_model`) the sessions of the portable copy ``path``
-    ran on, in the order they first appear; sessions from before the CPU was recorded name
-    none."""
+def sessions_cpus(sessions: list[dict[str, Any]]) -> list[str]:
+    """The CPUs (:func:`torq.results.cpu_model`) ``sessions`` ran on, in the order they
+    first appear; sessions from before the CPU was recorded name none."""
     cpus: list[str] = []
-    for session in load_portable(path)["meta"].get("sessions", []):
+    for session in sessions:
         cpu = session.get("cpu")
         if cpu and cpu not in cpus:
             cpus.append(cpu)
     return cpus
 
 
-def check_carried_cpu(path: Path, calibrates: bool, cpu: str | None = None) -> None:
-    """Refuse, before any calibration, to go on with the portable copy ``path`` on a CPU
-    (``cpu``, default this machine's) other than the one its answers were made on, for a
-    method that ``calibrates``.
+def carried_cpus(path: Path) -> list[str]:
+    """The CPUs the sessions of the portable copy ``path`` ran on (:func:`sessions_cpus`)."""
+    return sessions_cpus(load_portable(path)["meta"].get("sessions", []))
 
-    Why: a calibrated method's float sums (MKL's matrix products) round differently on
-    another kind of CPU, and the calibration amplifies that into another quantized model
-    (``torq-had32`` calibrated on Wikipedia: its logits fingerprint moves by 1.32 from an
-    Intel Xeon to an AMD EPYC), which :func:`seed_resume_dir` would refuse only after the
-    calibration's minutes or hours. An uncalibrated model is the same on both (within
-    1e-5; docs/RESULTS.md §12.5). An absent copy, or one whose sessions name no CPU,
-    passes."""
-    path = Path(path)
-    if not calibrates or not path.is_file():
+
+def check_sessions_cpu(
+    sessions: list[dict[str, Any]], where: Path, quantized: bool, cpu: str | None = None
+) -> None:
+    """Refuse to go on on a CPU (``cpu``, default this machine's) other than the one a
+    quantized row's ``sessions`` (kept in ``where``) made its answers on.
+
+    Why: the same W4A4 model answers otherwise on another kind of CPU. Its matrix products
+    round differently there (another MKL code path), and the dynamic activation quantization
+    turns a difference of one rounding into another 4-bit code, so greedy generations part
+    within a few tokens: 0 of 8 GSM8K answers of ``had32`` (uncalibrated) and 0 of 4
+    HumanEval answers of ``torq-had32`` were the same on an AMD EPYC as on an Intel Xeon,
+    and the calibration itself gives another model (``torq-had32``'s logits fingerprint
+    moves by 1.32). The float model's 8 GSM8K answers were the same on both, so FP rows
+    (``quantized`` false) go on anywhere (docs/RESULTS.md §12.5). Sessions that name no
+    CPU pass."""
+    if not quantized:
         return
     here = cpu or cpu_model()
-    other = [c for c in carried_cpus(path) if c != here]
+    other = [c for c in sessions_cpus(sessions) if c != here]
     if other:
         raise TorqError(
-            f"{path} holds answers of a model calibrated on {other[0]}; calibrated on this "
-            f"{here} the model differs (docs/RESULTS.md §12.5): go on with it on a "
-            f"{other[0]} machine, or remove the file to start the row again here"
+            f"{where} holds W4A4 answers made on {other[0]}; this {here} would answer "
+            f"otherwise (docs/RESULTS.md §12.5): go on with the row on a {other[0]} machine, "
+            "or remove the file to start it again here"
         )
+
+
+def check_carried_cpu(path: Path, quantized: bool, cpu: str | None = None) -> None:
+    """:func:`check_sessions_cpu` for the portable copy ``path``, before any model is loaded
+    (rather than after its calibration); an absent copy passes."""
+    path = Path(path)
+    if quantized and path.is_file():
+        sessions = load_portable(path)["meta"].get("sessions", [])
+        check_sessions_cpu(sessions, path, quantized, cpu)
 
 
 def seed_resume_dir(

@@ -401,7 +401,7 @@ def open_request_cache(
         meta = json.loads(meta_path.read_text())
         check_fingerprint(meta["fingerprint"], fingerprint, root)
     before = _cache_entries(_answers_db(root))
-    # the CPU: a calibrated model made on another kind is another model (RESULTS §12.5)
+    # the CPU: on another kind the same W4A4 model answers otherwise (RESULTS §12.5)
     session: dict[str, Any] = {"started": now_iso(), "entries_before": before, "cpu": cpu_model()}
     if batch_size is not None:
         session["batch_size"] = batch_size

@@ -3,6 +3,7 @@ results) and the checks that refuse a run which cannot work, before any model is
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ import torch
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path
-from torq.eval.portable import check_carried_cpu
-from torq.eval.resume import MODEL_INFO, kept_model_exists
+from torq.eval.portable import check_carried_cpu, check_sessions_cpu
+from torq.eval.resume import MODEL_INFO
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import context_length
@@ -303,17 +304,20 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
 
 
 def check_carried_cpus(config: RunConfig, methods: list[Method]) -> None:
-    """Refuse, before any calibration, a calibrated method whose portable copy
-    (``--portable-dir``) was made on another kind of CPU and whose model is not kept in its
-    resume directory: calibrated here it would be another model
-    (:func:`torq.eval.portable.check_carried_cpu`)."""
-    if config.portable_dir is None or config.resume_dir is None:
+    """Refuse, before any model is loaded, a quantized method whose kept evaluation (its
+    resume directory's sessions, or its portable copy, ``--portable-dir``) was made on
+    another kind of CPU: there the same W4A4 model answers otherwise
+    (:func:`torq.eval.portable.check_sessions_cpu`)."""
+    if config.resume_dir is None:
         return
     for method in methods:
         resume = Path(method_resume_dir(config, method.name))
-        if config.keep_models and kept_model_exists(resume):
-            continue
-        check_carried_cpu(portable_path(config, resume), method.calibrates(config.quant_config()))
+        meta = resume / "meta.json"
+        if meta.is_file():
+            sessions = json.loads(meta.read_text()).get("sessions", [])
+            check_sessions_cpu(sessions, resume, method.quantizes)
+        if config.portable_dir is not None:
+            check_carried_cpu(portable_path(config, resume), method.quantizes)
 
 
 def resolve_device(name: str) -> torch.device:
