@@ -44,7 +44,7 @@ def table(rows: list[dict]) -> str:
             value = row.get(key)
             if key == "seconds":
                 value = f"{value:.0f}"
-            elif key == "cpus":  # a calibrated row goes on only on its CPU (RESULTS §12.5)
+            elif key == "cpus":  # a W4A4 row goes on only on its CPU (RESULTS §12.5)
                 value = ", ".join(value) or None
             cells.append("" if value is None else str(value))
         lines.append("| " + " | ".join(cells) + " |")

@@ -57,13 +57,8 @@ from torq.eval.generation import (
     gsm8k_test_size,
 )
 from torq.eval.humaneval import load_humaneval
-from torq.eval.portable import check_carried_cpu, check_sessions_cpu, load_portable
-from torq.eval.resume import (
-    fingerprint_ids,
-    keep_model,
-    load_kept_model,
-    record_setting,
-)
+from torq.eval.portable import check_carried_cpu, check_resume_cpu, load_portable
+from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -273,9 +268,8 @@ def _check_carried_cpu(args: argparse.Namespace, method: str, ap: argparse.Argum
     resume, portable = _row_paths(args, method)
     quantized = get_method(method).quantizes
     try:
-        if resume is not None and (resume / "answers" / "meta.json").is_file():
-            meta = json.loads((resume / "answers" / "meta.json").read_text())
-            check_sessions_cpu(meta.get("sessions", []), resume, quantized)
+        if resume is not None:
+            check_resume_cpu(resume / "answers", quantized)
         if portable is not None:
             check_carried_cpu(portable, quantized)
     except TorqError as exc:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torq.eval.portable import ANSWERS_DB, _db_answers, load_portable
+from torq.eval.portable import ANSWERS_DB, _db_answers, load_portable, sessions_cpus
 from torq.results import cpu_model, now_iso
 
 
@@ -65,7 +65,8 @@ def _generate(args: argparse.Namespace) -> None:
 def compare(cache: Path, carry: Path) -> dict[str, Any]:
     """The answers in ``cache`` against those ``carry`` holds for the same requests."""
     here = _db_answers(cache / ANSWERS_DB)[3]
-    there = load_portable(carry)["generations"]
+    copy = load_portable(carry)
+    there = copy["generations"]
     rows = []
     for key, text in here.items():
         if key not in there:
@@ -75,10 +76,9 @@ def compare(cache: Path, carry: Path) -> dict[str, Any]:
         part = next((i for i in range(n) if text[i] != other[i]), n)
         rows.append({"key": f"{key:016x}", "same": text == other, "parts_at": part,
                      "length_here": len(text), "length_there": len(other)})  # fmt: skip
-    sessions = load_portable(carry)["meta"].get("sessions", [])
     return {
         "carry": str(carry),
-        "carry_cpus": sorted({s["cpu"] for s in sessions if s.get("cpu")}),
+        "carry_cpus": sessions_cpus(copy["meta"].get("sessions", [])),
         "answers_compared": len(rows),
         "the_same": sum(r["same"] for r in rows),
         "answers": rows,

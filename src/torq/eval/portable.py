@@ -219,7 +219,7 @@ def carry_summary(path: Path) -> dict[str, Any]:
         "ppl_windows": sum(len(c.get("nll", [])) for c in meta.get("ppl", {}).values()),
         "sessions": len(sessions),
         "seconds": sessions_seconds(sessions),
-        "cpus": carried_cpus(path),
+        "cpus": sessions_cpus(sessions),
     }
 
 
@@ -264,6 +264,15 @@ def check_sessions_cpu(
             f"otherwise (docs/RESULTS.md §12.5): go on with the row on a {other[0]} machine, "
             "or remove the file to start it again here"
         )
+
+
+def check_resume_cpu(root: Path, quantized: bool, cpu: str | None = None) -> None:
+    """:func:`check_sessions_cpu` for the sessions a request cache ``root`` logged in its
+    ``meta.json`` (:func:`torq.eval.zeroshot.open_request_cache`); none there passes."""
+    meta = Path(root) / "meta.json"
+    if quantized and meta.is_file():
+        sessions = json.loads(meta.read_text()).get("sessions", [])
+        check_sessions_cpu(sessions, Path(root), quantized, cpu)
 
 
 def check_carried_cpu(path: Path, quantized: bool, cpu: str | None = None) -> None:

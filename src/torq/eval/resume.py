@@ -124,12 +124,6 @@ def keep_model(root: Path, model: nn.Module, input_ids: torch.Tensor, info: dict
     return path
 
 
-def kept_model_exists(root: Path) -> bool:
-    """Whether :func:`keep_model` finished keeping a model in ``root`` (its info, written
-    last, is there)."""
-    return (root / MODEL_FILE).is_file() and (root / MODEL_INFO).is_file()
-
-
 def load_kept_model(
     root: Path, input_ids: torch.Tensor, device: torch.device | str = "cpu"
 ) -> tuple[nn.Module, dict[str, Any]] | None:
@@ -138,7 +132,7 @@ def load_kept_model(
     caller quantizes again). A model that reads back but computes something else than it
     did when it was kept (its fingerprint, :data:`FINGERPRINT_TOL`) is refused."""
     path, info_path = root / MODEL_FILE, root / MODEL_INFO
-    if not kept_model_exists(root):
+    if not (path.is_file() and info_path.is_file()):
         return None
     t0 = time.perf_counter()
     try:

@@ -3,7 +3,6 @@ results) and the checks that refuse a run which cannot work, before any model is
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import torch
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path
-from torq.eval.portable import check_carried_cpu, check_sessions_cpu
+from torq.eval.portable import check_carried_cpu, check_resume_cpu
 from torq.eval.resume import MODEL_INFO
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
@@ -312,10 +311,7 @@ def check_carried_cpus(config: RunConfig, methods: list[Method]) -> None:
         return
     for method in methods:
         resume = Path(method_resume_dir(config, method.name))
-        meta = resume / "meta.json"
-        if meta.is_file():
-            sessions = json.loads(meta.read_text()).get("sessions", [])
-            check_sessions_cpu(sessions, resume, method.quantizes)
+        check_resume_cpu(resume, method.quantizes)
         if config.portable_dir is not None:
             check_carried_cpu(portable_path(config, resume), method.quantizes)
 
