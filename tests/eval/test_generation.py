@@ -174,6 +174,46 @@ def test_a_generation_goes_on_from_a_copy_made_on_another_machine(
         )
 
 
+def test_a_copy_is_scored_again_without_running_the_model(tiny_tokenizer, tmp_path, monkeypatch):
+    """A replaying class (:func:`torq.eval.portable.replaying_class`) hands lm-eval the
+    answers a portable copy holds and marks every other request unanswered, running no
+    model: the kept completions come back exactly, the missing ones are marked, and no
+    generation is made, though the model passed in is another one."""
+    import pytest
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.eval.generation import evaluate_gsm8k, generate_humaneval
+    from torq.eval.portable import UNANSWERED, load_portable, replaying_class
+    from torq.eval.stopping import StopEachSequenceHFLM
+
+    model = tiny_model("llama")
+    data = str(SHARED_DATA)
+    whole, _ = generate_humaneval(model, tiny_tokenizer, data, 3, 6)
+    carry = tmp_path / "row.npz"
+    _count_generations(monkeypatch, stop_after=1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        generate_humaneval(
+            model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "a", portable=carry
+        )
+    kept = load_portable(carry)["generations"]
+    assert len(kept) == 1
+
+    calls = _count_generations(monkeypatch)
+    cls = replaying_class(StopEachSequenceHFLM, kept)
+    other = tiny_model("llama", seed=1)  # only its tokenizer's requests matter
+    replay, _ = generate_humaneval(other, tiny_tokenizer, data, 3, 6, lm_class=cls)
+    assert calls == []
+    answered = {t: c for t, c in replay.items() if c != UNANSWERED}
+    assert len(answered) == 1 and all(whole[t] == c for t, c in answered.items())
+    assert list(replay) == list(whole)
+
+    run = evaluate_gsm8k(other, tiny_tokenizer, data, n=3, lm_class=replaying_class(
+        StopEachSequenceHFLM, {}))  # fmt: skip
+    assert calls == [] and len(run["answers"]) == 3
+    assert all(a["response"] == UNANSWERED for a in run["answers"].values())
+    assert run["flexible-extract"]["exact_match"] == 0.0
+
+
 CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{% if not loop.last %}\n{% endif %}{% endfor %}"

@@ -392,3 +392,31 @@ class SeededGenerations:
             for i, text in zip(todo, made, strict=True):
                 results[i] = text
         return [r for r in results if r is not None]
+
+
+# What a replayed request without a kept answer gets: no model wrote it, so no text can be
+# mistaken for it (NUL bytes never come out of a tokenizer's decode of a generation here)
+UNANSWERED = "\x00torq: no kept answer\x00"
+
+
+class _Unanswered:
+    """Mixin: every ``generate_until`` request that reaches it gets :data:`UNANSWERED`."""
+
+    def generate_until(  # type: ignore[no-untyped-def]
+        self, requests, disable_tqdm: bool = False
+    ) -> list[str]:
+        return [UNANSWERED] * len(requests)
+
+
+def replaying_class(base: type, generations: dict[int, str]) -> type:
+    """An lm-eval class (built on ``base``, whose tokenizer and chat template it keeps) that
+    answers ``generate_until`` only from ``generations`` (key prefix → text, as
+    :func:`load_portable` gives them) and every other request with :data:`UNANSWERED`,
+    running no model: a row's kept answers scored again, or a part-done row scored on the
+    problems it has (RESULTS §12.5). It counts the answers handed out in
+    ``seeded_generations``."""
+    return type(
+        f"Replayed{base.__name__}",
+        (SeededGenerations, _Unanswered, base),
+        {"generation_seeds": dict(generations)},
+    )
