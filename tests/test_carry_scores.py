@@ -32,6 +32,7 @@ def test_a_carried_row_scores_as_it_did_and_a_foreign_subset_is_refused(
     its requests and is refused rather than scored as if it had none."""
     from tests.conftest import SHARED_DATA, tiny_model
     from torq.eval.generation import evaluate_gsm8k, evaluate_humaneval
+    from torq.eval.portable import load_portable
     from torq.eval.resume import record_setting
 
     model = tiny_model("llama")
@@ -43,14 +44,16 @@ def test_a_carried_row_scores_as_it_did_and_a_foreign_subset_is_refused(
     )
     args = argparse.Namespace(data_dir=data, n=2, seed=0)
     script = _script()
-    row = script.carried_scores("humaneval", tmp_path / "he.npz", model, tiny_tokenizer, args)
+    he = tmp_path / "he.npz"
+    row = script.carried_scores("humaneval", he, load_portable(he), model, tiny_tokenizer, args)
     assert row["answers"] == 2
     assert row["scores"]["pass@1"] == {t: r["pass@1"] for t, r in made["tasks"].items()}
 
     evaluate_gsm8k(model, tiny_tokenizer, data, n=2, gen_kwargs="max_gen_toks=4",
                    request_cache=tmp_path / "g", portable=tmp_path / "g.npz")  # fmt: skip
     with pytest.raises(SystemExit, match="holds 2 answers but 0 were asked for"):
-        script.carried_scores("gsm8k", tmp_path / "g.npz", model, tiny_tokenizer, args)
+        g = tmp_path / "g.npz"
+        script.carried_scores("gsm8k", g, load_portable(g), model, tiny_tokenizer, args)
 
 
 def test_two_copies_of_a_row_are_compared_problem_by_problem() -> None:

@@ -10,7 +10,7 @@ exact McNemar): the move that the CPU's float rounding alone makes in the row's 
 how many of the answers both hold are the same text.
 
     python benchmarks/diagnostics/carry_scores.py --task humaneval \\
-        --carry results/cpu/intel/humaneval-torq-had32-158a663b47.npz \\
+        --carry docs/humaneval/carry/intel-xeon/humaneval-torq-had32-158a663b47.npz \\
         --carry docs/humaneval/carry/humaneval-torq-had32-158a663b47.npz \\
         --out docs/cpu/humaneval-torq-had32-wikipedia-scores.json
 
@@ -29,20 +29,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from torq.errors import TorqError
 from torq.eval.paired import paired_difference
 from torq.eval.portable import UNANSWERED, load_portable, replaying_class, sessions_cpus
 from torq.results import now_iso
 
 
-def carried_scores(task: str, carry: Path, model: Any, tokenizer: Any, args: Any) -> dict[str, Any]:
-    """The score of each problem that ``carry`` answered (problem → 0 or 1; for GSM8K the
-    flexible and the strict filter), the CPUs it was made on and how many answers it
-    holds; every carried answer must be asked for."""
+def carried_scores(
+    task: str, carry: Path, copy: dict[str, Any], model: Any, tokenizer: Any, args: Any
+) -> dict[str, Any]:
+    """The score of each problem that the copy ``carry`` (read by :func:`load_portable`
+    into ``copy``) answered (problem → 0 or 1; for GSM8K the flexible and the strict
+    filter), the CPUs it was made on and how many answers it holds; every carried answer
+    must be asked for."""
     from torq.eval.generation import evaluate_gsm8k, generate_humaneval
     from torq.eval.humaneval import load_humaneval, score
     from torq.eval.stopping import StopEachSequenceHFLM
 
-    copy = load_portable(carry)
     generations = copy["generations"]
     setting = json.loads(copy["meta"].get("setting") or "{}")
     cls = replaying_class(StopEachSequenceHFLM, generations)
@@ -126,9 +129,15 @@ def main() -> None:
     args = ap.parse_args()
     if len(args.carry) > 2:
         ap.error("give one copy, or two to compare")
+    try:  # a bad copy fails, in one line, before the model is loaded
+        copies = [load_portable(path) for path in args.carry]
+    except TorqError as exc:
+        ap.error(str(exc))
     models = set()
-    for path in args.carry:  # a bad copy fails before any model is loaded
-        setting = json.loads(load_portable(path)["meta"].get("setting") or "{}")
+    for path, copy in zip(args.carry, copies, strict=True):
+        if not copy["generations"]:
+            ap.error(f"{path} holds no generated answers")
+        setting = json.loads(copy["meta"].get("setting") or "{}")
         models.add(setting.get("model") or args.model)
     if args.model is not None:
         models.add(args.model)
@@ -139,10 +148,12 @@ def main() -> None:
 
     t0 = time.perf_counter()
     loaded = load(models.pop())
-    rows = [carried_scores(args.task, c, loaded.model, loaded.tokenizer, args) for c in args.carry]
+    rows = [
+        carried_scores(args.task, path, copy, loaded.model, loaded.tokenizer, args)
+        for path, copy in zip(args.carry, copies, strict=True)
+    ]
     record: dict[str, Any] = {"task": args.task, "n": args.n, "seed": args.seed, "rows": rows}
-    copies = [load_portable(c)["generations"] for c in args.carry]
-    lines = compare_copies(rows, copies, record)
+    lines = compare_copies(rows, [c["generations"] for c in copies], record)
     record["seconds"] = time.perf_counter() - t0
     record["date"] = now_iso()
     args.out.parent.mkdir(parents=True, exist_ok=True)
