@@ -26,6 +26,13 @@ machine is lent for is made over several. A calibrated method's model is another
 kind of CPU, and the same W4A4 model answers otherwise there (docs/RESULTS.md §12.5), so a
 quantized row goes on only on the CPU its file names; that is checked for every method
 before any model is loaded.
+
+A row can be made by two processes at once, one on each core: the row's command with
+``--partner`` naming the second's copy, and a second with ``--order shortest-first``, its
+own ``--resume-dir`` and ``--portable-dir`` and ``--partner`` naming the row's copy. Each
+takes from the other's copy what it has already made, so they meet in the middle
+(``docs/humaneval/carry/README.md``; ``benchmarks/carry_merge.py`` adds the second's
+sessions to the row's copy at the end). ``--problems 120-163`` asks only those problems.
 Writes JSON and a markdown table (``<out>.md``).
 """
 
@@ -51,6 +58,7 @@ from torq.eval.generation import (
     MAX_GEN_TOKS,
     PROMPTS,
     check_problem_count,
+    check_problem_indices,
     check_prompt,
     evaluate_gsm8k,
     evaluate_humaneval,
@@ -59,6 +67,7 @@ from torq.eval.generation import (
 from torq.eval.humaneval import load_humaneval
 from torq.eval.portable import check_carried_cpu, check_resume_cpu, load_portable
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
+from torq.eval.stopping import ORDERS
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -96,6 +105,13 @@ def parser() -> argparse.ArgumentParser:
         "reported)",
     )
     ap.add_argument("--limit", type=int, default=None, help="HumanEval: the first N problems")
+    ap.add_argument(
+        "--problems",
+        type=parse_problems,
+        default=None,
+        metavar="SPEC",
+        help="HumanEval: only these problems, by index (0..163), as '120-163' or '3,7,10-12'",
+    )
     ap.add_argument("--n", type=int, default=None, help="GSM8K: N problems drawn with --seed")
     ap.add_argument("--seed", type=int, default=0, help="GSM8K: which problems")
     ap.add_argument("--max-gen-toks", type=int, default=MAX_GEN_TOKS)
@@ -106,6 +122,22 @@ def parser() -> argparse.ArgumentParser:
         help="problems generated together (each answer stops at its own stop string; the "
         "answers may differ from one-at-a-time where two tokens are nearly tied: "
         "benchmarks/generation_batch.py measures both); not part of a row's identity",
+    )
+    ap.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="longest-first",
+        help="the order the problems are generated in: lm-eval's (longest prompt first) or "
+        "its reverse, for a second process on a row that another is making (one problem at "
+        "a time; see docs/humaneval/carry/README.md); not part of a row's identity",
+    )
+    ap.add_argument(
+        "--partner",
+        default=None,
+        metavar="FILE",
+        help="the portable copy of another process making the same row from the other end "
+        "(--order): before each problem, an answer it already holds is taken from it, so "
+        "the two meet in the middle and each ends with the whole row (one at a time)",
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
@@ -191,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 batch_size=args.batch_size,
                 request_cache=cache,
                 portable=portable,
+                order=args.order,
+                partner=args.partner,
             )
             result["batch_size"] = args.batch_size
             print(method, result["flexible-extract"], flush=True)
@@ -205,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                 prompt=args.prompt,
                 batch_size=args.batch_size,
                 portable=portable,
+                problems=args.problems,
+                order=args.order,
+                partner=args.partner,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
@@ -217,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             "calib_seed": args.calib_seed,
             "prompt": args.prompt,
             "limit": args.limit,
+            "problems": args.problems,
             "n": args.n,
             "seed": args.seed,
             "rows": rows,
@@ -238,6 +276,16 @@ def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
             ap.error(str(exc))
     if args.task == "gsm8k" and args.limit is not None:
         ap.error("--limit applies to HumanEval; GSM8K takes --n problems drawn with --seed")
+    if args.task == "gsm8k" and args.problems is not None:
+        ap.error("--problems applies to HumanEval; GSM8K takes --n problems drawn with --seed")
+    if args.limit is not None and args.problems is not None:
+        ap.error("give --limit or --problems, not both")
+    if args.order != "longest-first" and args.batch_size != 1:
+        ap.error(f"--order {args.order} generates one problem at a time: --batch-size 1")
+    if args.partner is not None and args.batch_size != 1:
+        ap.error("--partner takes answers one problem at a time: --batch-size 1")
+    if args.partner is not None and len(args.methods.split(",")) != 1:
+        ap.error("--partner is one row's copy: give one method")
     if args.task == "humaneval" and args.n is not None:
         ap.error("--n applies to GSM8K; HumanEval takes its first --limit problems")
     try:
@@ -245,6 +293,8 @@ def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
             check_problem_count(args.n, gsm8k_test_size(args.data_dir), "--n")
         elif args.limit is not None:
             check_problem_count(args.limit, len(load_humaneval(args.data_dir)), "--limit")
+        elif args.problems is not None:
+            check_problem_indices(args.problems, len(load_humaneval(args.data_dir)))
     except TorqError as exc:
         ap.error(str(exc))
 
@@ -402,6 +452,30 @@ def _row_seconds(row: dict[str, Any], key: str) -> float:
     return sessions_seconds(sessions) if sessions else float(row[key])
 
 
+def parse_problems(spec: str) -> list[int]:
+    """``--problems``: indices and ranges, ``'3,7,10-12'`` → ``[3, 7, 10, 11, 12]``."""
+    indices: list[int] = []
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            lo, hi = int(first), int(last or first)
+            if hi < lo:
+                raise ValueError
+            indices.extend(range(lo, hi + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{spec!r} is not a list of problem indices such as '3,7,10-12'"
+        ) from None
+    return indices
+
+
+def _problem_count(args: argparse.Namespace) -> int:
+    """How many HumanEval problems the run asks."""
+    if args.problems is not None:
+        return len(args.problems)
+    return args.limit or 164
+
+
 def _table(args: argparse.Namespace, rows: list[dict]) -> str:
     """The markdown table of the rows so far."""
     if args.task == "gsm8k":
@@ -421,7 +495,7 @@ def _table(args: argparse.Namespace, rows: list[dict]) -> str:
             )
         return "\n".join(lines) + "\n"
     lines = [
-        f"{args.model}, HumanEval ({args.limit or 164} problems, {args.prompt} prompt), "
+        f"{args.model}, HumanEval ({_problem_count(args)} problems, {args.prompt} prompt), "
         f"greedy, pass@1{_setting(args, rows)}",
         "",
         "| method | pass@1 % | problems | generate s, all sessions |",

@@ -31,3 +31,27 @@ def test_carry_status_lists_the_carried_rows(tmp_path: Path) -> None:
         timeout=300,
     )
     assert bad.returncode == 2 and "not a folder" in bad.stderr
+
+
+def test_carry_merge_adds_a_second_process_answers_in_one_line(tmp_path: Path) -> None:
+    """``benchmarks/carry_merge.py``: the second copy's answers added to the row's, said in
+    one line; a refused merge, or the same file twice, is one line of error, no traceback."""
+    from tests.eval.test_portable import _generation_copy
+
+    row, helper, other = tmp_path / "row.npz", tmp_path / "helper.npz", tmp_path / "other.npz"
+    _generation_copy(row, {"a": "1"}, "EPYC", "t1")
+    _generation_copy(helper, {"a": "1", "b": "2"}, "EPYC", "t2")
+    _generation_copy(other, {"a": "9"}, "EPYC", "t3")
+    script = str(ROOT / "benchmarks" / "carry_merge.py")
+
+    def run(*args: Path) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, script, *map(str, args)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    done = run(helper, row)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"{row}: 1 answers added, 1 held by both (the same), 2 in all"
+    for args, needle in (((other, row), "1 answers of"), ((row, row), "one file")):
+        bad = run(*args)
+        assert bad.returncode != 0 and needle in bad.stderr
+        assert "Traceback" not in bad.stderr

@@ -347,8 +347,9 @@ def test_bad_arguments_are_refused_before_any_work(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``--prompt instruct`` without a chat template or on GSM8K, a problem count outside
-    the data, the other task's option, an unknown method: one line, before any
+    """``--prompt instruct`` without a chat template or on GSM8K, a problem count or index
+    outside the data, the other task's option, a generation order that needs one problem
+    at a time with a batch, an unknown method: one line, before any
     quantization or generation, and no record written; a model that cannot be loaded too
     (the script as a user runs it: its error in one line, no traceback)."""
     bench = _benchmark(monkeypatch)
@@ -365,6 +366,13 @@ def test_bad_arguments_are_refused_before_any_work(
         (["--task", "gsm8k", "--limit", "3", *data], "--limit applies to HumanEval"),
         (["--n", "3", *data], "--n applies to GSM8K"),
         (["--methods", "rtn,nosuch", *data], "unknown method 'nosuch'"),
+        (["--problems", "160-164", *data], "problem index 164 is outside 0..163"),
+        (["--problems", "3,1-4", *data], "a problem index is given twice"),
+        (["--problems", "5-2", *data], "not a list of problem indices"),
+        (["--problems", "1,x", *data], "not a list of problem indices"),
+        (["--limit", "3", "--problems", "1", *data], "--limit or --problems, not both"),
+        (["--task", "gsm8k", "--problems", "1", *data], "--problems applies to HumanEval"),
+        (["--order", "shortest-first", "--batch-size", "4", *data], "--batch-size 1"),
     )
     for extra, needle in cases:
         with pytest.raises(SystemExit) as stop:
@@ -381,6 +389,12 @@ def test_bad_arguments_are_refused_before_any_work(
     )
     assert done.returncode == 1 and "humaneval.py: error: unknown model" in done.stderr
     assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_problem_lists_read_as_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _benchmark(monkeypatch)
+    assert bench.parse_problems("3,7,10-12") == [3, 7, 10, 11, 12]
+    assert bench.parse_problems("163") == [163]
 
 
 def _carry_from(path: Path, cpu: str) -> None:

@@ -64,18 +64,20 @@ def test_gsm8k_runs_offline_on_a_seeded_subset(tiny_tokenizer, monkeypatch) -> N
 
 
 def _count_generations(monkeypatch, stop_after: int | None = None) -> list[int]:
-    """Count the generations of torq's generating class (one entry each); with
+    """Count the generations of torq's generating class (one entry each, its prompt's
+    length); with
     ``stop_after`` the next one after that many raises, as a run stopped there would."""
     from torq.eval.stopping import StopEachSequenceHFLM as HFLM  # the class torq generates with
 
     # the class's own method, not an earlier call's counter
     real = getattr(HFLM._model_generate, "__wrapped__", HFLM._model_generate)
-    calls: list[int] = []
+    calls: list[int] = []  # each generation's prompt length, in tokens
 
     def counted(self, *args, **kwargs):
         if stop_after is not None and len(calls) >= stop_after:
             raise RuntimeError("stopped")
-        calls.append(1)
+        context = args[0] if args else kwargs["context"]
+        calls.append(int(context.shape[1]))
         return real(self, *args, **kwargs)
 
     counted.__wrapped__ = real  # type: ignore[attr-defined]
@@ -172,6 +174,75 @@ def test_a_generation_goes_on_from_a_copy_made_on_another_machine(
             request_cache=tmp_path / "c",
             portable=carry,
         )
+
+
+def test_two_processes_make_one_row_from_its_two_ends(tiny_tokenizer, tmp_path, monkeypatch):
+    """A row made by two processes side by side, each reading the other's portable copy
+    (``partner``) before each problem: the row's own run takes the longest prompts first
+    and is stopped; the second takes the shortest first, takes what the first made from its
+    copy and generates only the rest. The first again then generates nothing, and both end
+    with the completions of one uninterrupted run; merging the second's copy into the
+    first's adds only its session. A partner of another model, the run's own copy as its
+    partner, and a batch: refused. ``problems`` asks only the problems given."""
+    import pytest
+
+    from tests.conftest import SHARED_DATA, tiny_model
+    from torq.errors import TorqError
+    from torq.eval.generation import generate_humaneval
+    from torq.eval.humaneval import load_humaneval
+    from torq.eval.portable import load_portable, merge_portable
+
+    model = tiny_model("llama")
+    data = str(SHARED_DATA)
+    asked = [5, 1, 3, 0, 2]
+    ids = {load_humaneval(data)[i].task_id for i in asked}
+    whole, _ = generate_humaneval(model, tiny_tokenizer, data, None, 6, problems=asked)
+    assert set(whole) == ids
+
+    row, helper = tmp_path / "row.npz", tmp_path / "helper.npz"
+    first = _count_generations(monkeypatch, stop_after=2)
+    with pytest.raises(RuntimeError, match="stopped"):
+        generate_humaneval(
+            model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "a", portable=row,
+            problems=asked, partner=helper,
+        )  # fmt: skip
+    assert first == sorted(first, reverse=True)  # lm-eval's order: the longest first
+    second = _count_generations(monkeypatch)
+    theirs, info = generate_humaneval(
+        model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "b", portable=helper,
+        problems=asked, order="shortest-first", partner=row,
+    )  # fmt: skip
+    assert theirs == whole
+    assert len(second) == 3 and second == sorted(second)  # only the rest, shortest first
+    assert max(second) <= min(first)
+    assert info is not None and info["partner"]["answers_used"] == 2
+
+    third = _count_generations(monkeypatch)
+    again, info = generate_humaneval(
+        model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "a", portable=row,
+        problems=asked, partner=helper,
+    )  # fmt: skip
+    assert again == whole and third == []
+    assert info is not None and info["partner"]["answers_used"] == 3
+    assert len(load_portable(row)["generations"]) == 5
+    assert merge_portable(helper, row) == {"added": 0, "shared": 5, "answers": 5}
+    assert len(load_portable(row)["meta"]["sessions"]) == 3  # both processes' sessions
+
+    other = tmp_path / "other.npz"
+    generate_humaneval(
+        tiny_model("llama", seed=1), tiny_tokenizer, data, None, 6,
+        request_cache=tmp_path / "c", portable=other, problems=[4],
+    )  # fmt: skip
+    for kwargs, needle in (
+        ({"partner": other}, "logits differ"),
+        ({"partner": row, "portable": row, "request_cache": tmp_path / "a"}, "own portable"),
+        ({"order": "shortest-first", "batch_size": 2}, "one problem at a time"),
+        ({"partner": helper, "batch_size": 2}, "one problem at a time"),
+    ):
+        with pytest.raises(TorqError, match=needle):
+            generate_humaneval(model, tiny_tokenizer, data, 2, 6, **kwargs)
+    with pytest.raises(TorqError, match="logits differ"):
+        merge_portable(other, row)
 
 
 def test_a_copy_is_scored_again_without_running_the_model(tiny_tokenizer, tmp_path, monkeypatch):

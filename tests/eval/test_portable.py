@@ -23,6 +23,7 @@ from torq.eval.portable import (
     describe_setting,
     export_portable,
     load_portable,
+    merge_portable,
     seed_resume_dir,
 )
 from torq.eval.resume import (
@@ -206,6 +207,68 @@ def test_a_quantized_row_goes_on_only_on_the_cpu_it_was_made_on(tmp_path) -> Non
     (tmp_path / "r" / "meta.json").write_text(json.dumps(meta))
     export_portable(tmp_path / "r", out)
     check_carried_cpu(out, quantized=True, cpu="Opteron")
+
+
+def _generation_copy(
+    path: Path, texts: dict[str, str], cpu: str, started: str, method: str = "torq"
+) -> None:
+    """A generation row's portable copy: ``texts`` (prompt → answer), one session."""
+    from lm_eval.api.model import hash_args
+    from sqlitedict import SqliteDict
+
+    root = path.parent / f"{path.stem}-resume"
+    _fake_resume(root, [0.1, 0.2], {})
+    db = SqliteDict(str(root / "requests_rank0.db"), autocommit=True)
+    for prompt, text in texts.items():
+        db[hash_args("generate_until", (prompt, {"until": ["\ndef"]}))] = text
+    db.close()
+    meta = {"fingerprint": [0.1, 0.2], "sessions": [{"started": started, "cpu": cpu}]}
+    (root / "meta.json").write_text(json.dumps(meta))
+    record_setting(root, json.dumps({"method": method, "task": "humaneval", "format": "mxfp4"}))
+    export_portable(root, path)
+
+
+def test_two_copies_of_one_row_merge_and_others_are_refused(tmp_path) -> None:
+    """A second process's copy of a row adds its answers and sessions to the row's copy;
+    answers both hold must be the same text. Another row, another model, another CPU for
+    a quantized row, or one differing answer: refused, the row's copy left as it was. A
+    float row's copies merge across CPUs (the float model answers alike on both)."""
+    row, helper = tmp_path / "row.npz", tmp_path / "helper.npz"
+    _generation_copy(row, {"a": "1", "b": "2"}, "EPYC", "t1")
+    _generation_copy(helper, {"b": "2", "c": "3", "d": "4"}, "EPYC", "t2")
+    assert merge_portable(helper, row) == {"added": 2, "shared": 1, "answers": 4}
+    merged = load_portable(row)
+    assert sorted(merged["generations"].values()) == ["1", "2", "3", "4"]
+    assert [s["started"] for s in merged["meta"]["sessions"]] == ["t1", "t2"]
+    assert merge_portable(helper, row)["added"] == 0  # merging again changes nothing
+    assert len(load_portable(row)["meta"]["sessions"]) == 2
+
+    before = row.read_bytes()
+    cases = (
+        ({"e": "5"}, "Xeon", "torq", "made on Xeon; this EPYC would answer otherwise"),
+        ({"a": "9"}, "EPYC", "torq", "1 answers of .* differ"),
+        ({"e": "5"}, "EPYC", "rtn", "another row"),
+    )
+    for i, (texts, cpu, method, needle) in enumerate(cases):
+        other = tmp_path / f"other{i}.npz"
+        _generation_copy(other, texts, cpu, f"u{i}", method)
+        with pytest.raises(TorqError, match=needle):
+            merge_portable(other, row)
+        assert row.read_bytes() == before
+    moved = tmp_path / "moved.npz"
+    _generation_copy(moved, {"e": "5"}, "EPYC", "u9")
+    data = np.load(moved)
+    meta = json.loads(str(data["meta"]))
+    meta["fingerprint"] = [0.1, 0.9]
+    np.savez(moved, keys=data["keys"], loglik=data["loglik"], greedy=data["greedy"],
+             meta=np.asarray(json.dumps(meta)))  # fmt: skip
+    with pytest.raises(TorqError, match="logits differ"):
+        merge_portable(moved, row)
+
+    fp_row, fp_other = tmp_path / "fp.npz", tmp_path / "fp-xeon.npz"
+    _generation_copy(fp_row, {"a": "1"}, "EPYC", "v1", "fp")
+    _generation_copy(fp_other, {"b": "2"}, "Xeon", "v2", "fp")
+    assert merge_portable(fp_other, fp_row)["added"] == 1
 
 
 def test_bad_files_are_clear_errors(tmp_path) -> None:

@@ -134,17 +134,136 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
         # JSON keys are strings: the 64-bit prefix in hex, as in lm-eval's own key
         "generations": {f"{k:016x}": t for k, t in sorted(texts.items())},
     }
+    _write_portable(path, keys, lls, greedy, info)
+    return {
+        "answers": int(keys.size),
+        "ppl_windows": sum(len(c["nll"]) for c in ppl.values()),
+        "generations": len(texts),
+    }
+
+
+def _write_portable(
+    path: Path, keys: np.ndarray, lls: np.ndarray, greedy: np.ndarray, info: dict[str, Any]
+) -> None:
+    """Write a portable copy under a temporary name and rename it: a stop mid-write leaves
+    the previous copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(
         tmp, keys=keys, loglik=lls, greedy=greedy, meta=np.asarray(json.dumps(info))
     )
     os.replace(tmp, path)
-    return {
-        "answers": int(keys.size),
-        "ppl_windows": sum(len(c["nll"]) for c in ppl.values()),
-        "generations": len(texts),
+
+
+def merge_portable(src: Path, dst: Path) -> dict[str, int]:
+    """Add to the portable copy ``dst`` the answers, perplexity windows and sessions of
+    ``src``, another copy of the same row (two processes that made one row side by side,
+    ``--order shortest-first``). Refused, with ``dst`` left as it was, unless the two name
+    the same setting, come from the same model (logits fingerprint within
+    :data:`~torq.eval.resume.FINGERPRINT_TOL`) and, for a quantized row, the same kind of
+    CPU (:func:`check_sessions_cpu`), and unless every answer both hold is the same: with
+    one problem at a time an answer does not depend on the process that made it, so a
+    difference means another model. Returns how many answers ``src`` added, how many
+    both held, and how many ``dst`` holds now."""
+    src, dst = Path(src), Path(dst)
+    a, b = load_portable(dst), load_portable(src)
+    meta_a, meta_b = a["meta"], b["meta"]
+    if meta_a.get("setting") and meta_b.get("setting") and meta_a["setting"] != meta_b["setting"]:
+        raise TorqError(f"{src} holds another row than {dst} (their settings differ)")
+    if meta_a.get("fingerprint") is not None and meta_b.get("fingerprint") is not None:
+        check_fingerprint(meta_a["fingerprint"], meta_b["fingerprint"], src)
+    method = describe_setting(meta_a.get("setting") or meta_b.get("setting")).get("method")
+    cpus = sessions_cpus(meta_a.get("sessions", []))
+    if cpus:
+        check_sessions_cpu(meta_b.get("sessions", []), src, _quantizes(method), cpus[0])
+    differ = [k for k, t in b["generations"].items() if a["generations"].get(k, t) != t]
+    differ += [k for k, v in b["answers"].items() if a["answers"].get(k, v) != v]
+    if differ:
+        raise TorqError(
+            f"{len(differ)} answers of {src} differ from those {dst} holds for the same "
+            "requests: another model made them; nothing merged"
+        )
+    shared = sum(k in a["generations"] for k in b["generations"])
+    shared += sum(k in a["answers"] for k in b["answers"])
+    answers = {**b["answers"], **a["answers"]}
+    generations = {**b["generations"], **a["generations"]}
+    ppl = dict(meta_a.get("ppl", {}))
+    for name, content in meta_b.get("ppl", {}).items():
+        if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
+            ppl[name] = content
+    seen = {s.get("started") for s in meta_a.get("sessions", [])}
+    sessions = meta_a.get("sessions", []) + [
+        s for s in meta_b.get("sessions", []) if s.get("started") not in seen
+    ]
+    info = {
+        **meta_a,
+        "version": PORTABLE_VERSION,
+        "fingerprint": meta_a.get("fingerprint") or meta_b.get("fingerprint"),
+        "setting": meta_a.get("setting") or meta_b.get("setting"),
+        "sessions": sessions,
+        "ppl": ppl,
+        "generations": {f"{k:016x}": t for k, t in sorted(generations.items())},
     }
+    keys = sorted(answers)
+    _write_portable(
+        dst,
+        np.asarray(keys, dtype=np.uint64),
+        np.asarray([answers[k][0] for k in keys], dtype=np.float64),
+        np.asarray([answers[k][1] for k in keys], dtype=bool),
+        info,
+    )
+    added = len(answers) + len(generations) - len(a["answers"]) - len(a["generations"])
+    return {"added": added, "shared": shared, "answers": len(answers) + len(generations)}
+
+
+class PartnerCopy:
+    """The portable copy ``path`` that another process making the same row rewrites as it
+    goes (its ``--portable-dir`` copy; ``--order shortest-first``): read again whenever the
+    file changes, each time checked to be this model's (``fingerprint``), this row's
+    (``setting``, where both name one) and, for a quantized row, this CPU's
+    (:func:`check_sessions_cpu`). An absent file holds nothing yet."""
+
+    def __init__(self, path: Path, fingerprint: list[float], setting: str | None = None) -> None:
+        self.path, self.fingerprint, self.setting = Path(path), fingerprint, setting
+        self._stamp: tuple[int, int] | None = None
+        self._generations: dict[int, str] = {}
+
+    def get(self, key: int) -> str | None:
+        """The partner's answer to the request ``key`` (:func:`answer_key`), if it has one."""
+        self.refresh()
+        return self._generations.get(key)
+
+    def refresh(self) -> None:
+        """Read the file again if it changed since it was last read."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        data = load_portable(self.path)
+        meta = data["meta"]
+        if meta.get("fingerprint") is not None:
+            check_fingerprint(meta["fingerprint"], self.fingerprint, self.path)
+        setting = meta.get("setting")
+        if self.setting and setting and setting != self.setting:
+            raise TorqError(f"{self.path} holds another row than this one (their settings differ)")
+        method = describe_setting(self.setting or setting).get("method")
+        check_sessions_cpu(meta.get("sessions", []), self.path, _quantizes(method))
+        self._generations, self._stamp = data["generations"], stamp
+
+
+def _quantizes(method: str | None) -> bool:
+    """Whether ``method`` quantizes (an unnamed or unknown one is taken to)."""
+    from torq.methods import get_method
+
+    if method is None:
+        return True
+    try:
+        return get_method(method).quantizes
+    except TorqError:
+        return True
 
 
 def load_portable(path: Path) -> dict[str, Any]:
