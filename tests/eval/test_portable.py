@@ -210,7 +210,12 @@ def test_a_quantized_row_goes_on_only_on_the_cpu_it_was_made_on(tmp_path) -> Non
 
 
 def _generation_copy(
-    path: Path, texts: dict[str, str], cpu: str, started: str, method: str = "torq"
+    path: Path,
+    texts: dict[str, str],
+    cpu: str,
+    started: str,
+    method: str = "torq",
+    entries_before: int = 0,
 ) -> None:
     """A generation row's portable copy: ``texts`` (prompt → answer), one session."""
     from lm_eval.api.model import hash_args
@@ -222,7 +227,8 @@ def _generation_copy(
     for prompt, text in texts.items():
         db[hash_args("generate_until", (prompt, {"until": ["\ndef"]}))] = text
     db.close()
-    meta = {"fingerprint": [0.1, 0.2], "sessions": [{"started": started, "cpu": cpu}]}
+    session = {"started": started, "cpu": cpu, "entries_before": entries_before}
+    meta = {"fingerprint": [0.1, 0.2], "sessions": [session]}
     (root / "meta.json").write_text(json.dumps(meta))
     record_setting(root, json.dumps({"method": method, "task": "humaneval", "format": "mxfp4"}))
     export_portable(root, path)
@@ -242,6 +248,11 @@ def test_two_copies_of_one_row_merge_and_others_are_refused(tmp_path) -> None:
     assert [s["started"] for s in merged["meta"]["sessions"]] == ["t1", "t2"]
     assert merge_portable(helper, row)["added"] == 0  # merging again changes nothing
     assert len(load_portable(row)["meta"]["sessions"]) == 2
+    # a second process started in the same second as the row's own: both sessions kept
+    same_second = tmp_path / "same-second.npz"
+    _generation_copy(same_second, {"b": "2"}, "EPYC", "t1", entries_before=7)
+    merge_portable(same_second, row)
+    assert len(load_portable(row)["meta"]["sessions"]) == 3
 
     before = row.read_bytes()
     cases = (

@@ -191,9 +191,9 @@ def merge_portable(src: Path, dst: Path) -> dict[str, int]:
     for name, content in meta_b.get("ppl", {}).items():
         if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
             ppl[name] = content
-    seen = {s.get("started") for s in meta_a.get("sessions", [])}
+    seen = {session_key(s) for s in meta_a.get("sessions", [])}
     sessions = meta_a.get("sessions", []) + [
-        s for s in meta_b.get("sessions", []) if s.get("started") not in seen
+        s for s in meta_b.get("sessions", []) if session_key(s) not in seen
     ]
     info = {
         **meta_a,
@@ -342,6 +342,13 @@ def carry_summary(path: Path) -> dict[str, Any]:
     }
 
 
+def session_key(session: dict[str, Any]) -> Any:
+    """What tells one session of a row from another in two copies of it: its ``id``, or,
+    for a session recorded before ids, its start and the answers it found. A session's
+    ``seconds`` grow as it runs, so two copies may hold it at different points."""
+    return session.get("id") or (session.get("started"), session.get("entries_before"))
+
+
 def sessions_cpus(sessions: list[dict[str, Any]]) -> list[str]:
     """The CPUs (:func:`torq.results.cpu_model`) ``sessions`` ran on, in the order they
     first appear; sessions from before the CPU was recorded name none."""
@@ -437,8 +444,8 @@ def _seed(path: Path, resume: Path, model: torch.nn.Module, tokenizer: Any) -> d
         check_fingerprint(meta["fingerprint"], fingerprint, meta_path)
     else:  # claimed for this model now, so that every later copy carries its fingerprint
         meta = {"fingerprint": fingerprint, "sessions": []}
-    seen = {s.get("started") for s in meta["sessions"]}
-    earlier = [s for s in meta_in.get("sessions", []) if s.get("started") not in seen]
+    seen = {session_key(s) for s in meta["sessions"]}
+    earlier = [s for s in meta_in.get("sessions", []) if session_key(s) not in seen]
     meta["sessions"] = earlier + meta["sessions"]
     write_json_atomic(meta_path, meta)
     for name, content in meta_in.get("ppl", {}).items():

@@ -22,6 +22,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -403,6 +404,9 @@ def open_request_cache(
     before = _cache_entries(_answers_db(root))
     # the CPU: on another kind the same W4A4 model answers otherwise (RESULTS §12.5)
     session: dict[str, Any] = {"started": now_iso(), "entries_before": before, "cpu": cpu_model()}
+    # two processes on one row can start in the same second: the id tells their sessions
+    # apart when their copies are merged (torq.eval.portable.session_key)
+    session["id"] = uuid.uuid4().hex[:12]
     if batch_size is not None:
         session["batch_size"] = batch_size
     meta["sessions"].append(session)
