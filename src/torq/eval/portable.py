@@ -121,9 +121,7 @@ def export_portable(resume: Path, path: Path) -> dict[str, int]:
             lls = np.concatenate([lls, np.asarray([v[0] for _, v in extra], dtype=np.float64)])
             greedy = np.concatenate([greedy, np.asarray([v[1] for _, v in extra], dtype=bool)])
         texts = {**old["generations"], **texts}
-        for name, content in old["meta"].get("ppl", {}).items():
-            if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
-                ppl[name] = content
+        ppl = _longer_ppl(ppl, old["meta"].get("ppl", {}))
     info = {
         "version": PORTABLE_VERSION,
         "fingerprint": fingerprint,
@@ -168,11 +166,7 @@ def merge_portable(src: Path, dst: Path) -> dict[str, int]:
     src, dst = Path(src), Path(dst)
     a, b = load_portable(dst), load_portable(src)
     meta_a, meta_b = a["meta"], b["meta"]
-    if meta_a.get("setting") and meta_b.get("setting") and meta_a["setting"] != meta_b["setting"]:
-        raise TorqError(f"{src} holds another row than {dst} (their settings differ)")
-    if meta_a.get("fingerprint") is not None and meta_b.get("fingerprint") is not None:
-        check_fingerprint(meta_a["fingerprint"], meta_b["fingerprint"], src)
-    method = describe_setting(meta_a.get("setting") or meta_b.get("setting")).get("method")
+    method = _check_same_row(meta_b, meta_a.get("fingerprint"), meta_a.get("setting"), src)
     cpus = sessions_cpus(meta_a.get("sessions", []))
     if cpus:
         check_sessions_cpu(meta_b.get("sessions", []), src, _quantizes(method), cpus[0])
@@ -187,10 +181,7 @@ def merge_portable(src: Path, dst: Path) -> dict[str, int]:
     shared += sum(k in a["answers"] for k in b["answers"])
     answers = {**b["answers"], **a["answers"]}
     generations = {**b["generations"], **a["generations"]}
-    ppl = dict(meta_a.get("ppl", {}))
-    for name, content in meta_b.get("ppl", {}).items():
-        if len(content.get("nll", [])) > len(ppl.get(name, {}).get("nll", [])):
-            ppl[name] = content
+    ppl = _longer_ppl(meta_a.get("ppl", {}), meta_b.get("ppl", {}))
     seen = {session_key(s) for s in meta_a.get("sessions", [])}
     sessions = meta_a.get("sessions", []) + [
         s for s in meta_b.get("sessions", []) if session_key(s) not in seen
@@ -244,14 +235,33 @@ class PartnerCopy:
             return
         data = load_portable(self.path)
         meta = data["meta"]
-        if meta.get("fingerprint") is not None:
-            check_fingerprint(meta["fingerprint"], self.fingerprint, self.path)
-        setting = meta.get("setting")
-        if self.setting and setting and setting != self.setting:
-            raise TorqError(f"{self.path} holds another row than this one (their settings differ)")
-        method = describe_setting(self.setting or setting).get("method")
+        method = _check_same_row(meta, self.fingerprint, self.setting, self.path)
         check_sessions_cpu(meta.get("sessions", []), self.path, _quantizes(method))
         self._generations, self._stamp = data["generations"], stamp
+
+
+def _check_same_row(
+    meta: dict[str, Any], fingerprint: list[float] | None, setting: str | None, where: Path
+) -> str | None:
+    """Refuse the copy ``where`` (its ``meta``) unless it is of the model whose logits
+    fingerprint is ``fingerprint`` and of the row ``setting`` names (each checked where
+    both sides have one); return the row's method, where either names it."""
+    if fingerprint is not None and meta.get("fingerprint") is not None:
+        check_fingerprint(meta["fingerprint"], fingerprint, where)
+    theirs = meta.get("setting")
+    if setting and theirs and setting != theirs:
+        raise TorqError(f"{where} holds another row (their settings differ)")
+    return describe_setting(setting or theirs).get("method")
+
+
+def _longer_ppl(ppl: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """``ppl`` (perplexity checkpoints by name) with each of ``other``'s that holds more
+    windows taken instead."""
+    merged = dict(ppl)
+    for name, content in other.items():
+        if len(content.get("nll", [])) > len(merged.get(name, {}).get("nll", [])):
+            merged[name] = content
+    return merged
 
 
 def _quantizes(method: str | None) -> bool:
