@@ -17,22 +17,8 @@ again (a stopped run goes on with the next method). Generation is slow on a CPU 
 ``--resume-dir DIR`` each method's quantized model is kept in ``DIR`` once it is made, and
 each answer as it is generated, so a run stopped in the middle of a method goes on where it
 stopped (the same command again: no calibration, only the answers not yet generated;
-:mod:`torq.eval.resume` checks that the directory holds this model). With
-``--portable-dir DIR2`` as well, each method's answers are also copied to one small file in
-``DIR2`` as they come (:mod:`torq.eval.portable`); on another machine, or a fresh checkout,
-the same command with that file in place quantizes again, checks that the model gives the
-same logits, and generates only the answers the file does not hold: a row longer than a
-machine is lent for is made over several. A calibrated method's model is another on another
-kind of CPU, and the same W4A4 model answers otherwise there (docs/RESULTS.md §12.5), so a
-quantized row goes on only on the CPU its file names; that is checked for every method
-before any model is loaded.
-
-A row can be made by two processes at once, one on each core: the row's command with
-``--partner`` naming the second's copy, and a second with ``--order shortest-first``, its
-own ``--resume-dir`` and ``--portable-dir`` and ``--partner`` naming the row's copy. Each
-takes from the other's copy what it has already made, so they meet in the middle
-(``docs/humaneval/carry/README.md``; ``benchmarks/carry_merge.py`` adds the second's
-sessions to the row's copy at the end). ``--problems 120-163`` asks only those problems.
+:mod:`torq.eval.resume` checks that the directory holds this model). ``--problems 120-163``
+asks only those problems.
 Writes JSON and a markdown table (``<out>.md``).
 """
 
@@ -65,9 +51,7 @@ from torq.eval.generation import (
     gsm8k_test_size,
 )
 from torq.eval.humaneval import load_humaneval
-from torq.eval.portable import check_carried_cpu, check_resume_cpu, load_portable
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
-from torq.eval.stopping import ORDERS
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
@@ -123,22 +107,6 @@ def parser() -> argparse.ArgumentParser:
         "answers may differ from one-at-a-time where two tokens are nearly tied: "
         "benchmarks/generation_batch.py measures both); not part of a row's identity",
     )
-    ap.add_argument(
-        "--order",
-        choices=ORDERS,
-        default="longest-first",
-        help="the order the problems are generated in: lm-eval's (longest prompt first) or "
-        "its reverse, for a second process on a row that another is making (one problem at "
-        "a time; see docs/humaneval/carry/README.md); not part of a row's identity",
-    )
-    ap.add_argument(
-        "--partner",
-        default=None,
-        metavar="FILE",
-        help="the portable copy of another process making the same row from the other end "
-        "(--order): before each problem, an answer it already holds is taken from it, so "
-        "the two meet in the middle and each ends with the whole row (one at a time)",
-    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", required=True)
@@ -147,14 +115,6 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="keep each method's quantized model and its answers here as they come; "
         "the same command again goes on where a stopped run stopped",
-    )
-    ap.add_argument(
-        "--portable-dir",
-        default=None,
-        metavar="DIR",
-        help="with --resume-dir: also keep a small copy of each method's answers in DIR "
-        "(one .npz per method, rewritten as they come); the same command on another machine "
-        "reads it, checks the model, and generates only what is missing",
     )
     return ap
 
@@ -172,13 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--batch-size must be 1 or more, not {args.batch_size}")
     if args.task != "humaneval" and args.prompt != "completion":
         ap.error("--prompt applies to HumanEval only")
-    if args.portable_dir is not None and args.resume_dir is None:
-        ap.error("--portable-dir needs --resume-dir (the answers are copied from there)")
     check_arguments(args, ap)
     settings = torq_settings(args)
     todo = [m for m in args.methods.split(",") if m not in done]
-    for method in todo:  # every row's carried CPU before any model is quantized
-        _check_carried_cpu(args, method, ap)
     for method in todo:
         loaded = load(args.model)
         try:  # before any quantization
@@ -187,11 +143,9 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--prompt {args.prompt}: {args.model}: {exc}")
         model, quantize_seconds = loaded.model, 0.0
         identity = _identity(args, method)
-        resume, portable = _row_paths(args, method)
+        resume = _row_path(args, method)
         if resume is not None:
             _check_batch_size(resume / "answers", args.batch_size, ap)  # before quantizing
-        if portable is not None:
-            _check_carried_batch_size(portable, args.batch_size, ap)
         kept = None
         if resume is not None and method != "fp":
             kept = load_kept_model(resume, fingerprint_ids(loaded.tokenizer))
@@ -211,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                     {"method": method, "identity": identity, "quantize_seconds": quantize_seconds},
                 )
         cache = None if resume is None else resume / "answers"
-        if cache is not None:  # the answers' folder, and their portable copy, name the row
+        if cache is not None:  # the answers' folder names the row
             record_setting(cache, identity)
         if args.task == "gsm8k":
             result = evaluate_gsm8k(
@@ -222,9 +176,6 @@ def main(argv: list[str] | None = None) -> None:
                 args.seed,
                 batch_size=args.batch_size,
                 request_cache=cache,
-                portable=portable,
-                order=args.order,
-                partner=args.partner,
             )
             result["batch_size"] = args.batch_size
             print(method, result["flexible-extract"], flush=True)
@@ -238,10 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                 request_cache=cache,
                 prompt=args.prompt,
                 batch_size=args.batch_size,
-                portable=portable,
                 problems=args.problems,
-                order=args.order,
-                partner=args.partner,
             )
             print(method, result["pass@1"], flush=True)
         rows.append({"method": method, "quantize_seconds": quantize_seconds, **result})
@@ -280,12 +228,6 @@ def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
         ap.error("--problems applies to HumanEval; GSM8K takes --n problems drawn with --seed")
     if args.limit is not None and args.problems is not None:
         ap.error("give --limit or --problems, not both")
-    if args.order != "longest-first" and args.batch_size != 1:
-        ap.error(f"--order {args.order} generates one problem at a time: --batch-size 1")
-    if args.partner is not None and args.batch_size != 1:
-        ap.error("--partner takes answers one problem at a time: --batch-size 1")
-    if args.partner is not None and len(args.methods.split(",")) != 1:
-        ap.error("--partner is one row's copy: give one method")
     if args.task == "humaneval" and args.n is not None:
         ap.error("--n applies to GSM8K; HumanEval takes its first --limit problems")
     try:
@@ -299,31 +241,13 @@ def check_arguments(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
         ap.error(str(exc))
 
 
-def _row_paths(args: argparse.Namespace, method: str) -> tuple[Path | None, Path | None]:
-    """The method's resume directory (named by the hash of :func:`_identity`) and its
-    portable copy; ``None`` where the run keeps none."""
+def _row_path(args: argparse.Namespace, method: str) -> Path | None:
+    """The method's resume directory (named by the hash of :func:`_identity`); ``None``
+    where the run keeps none."""
     if args.resume_dir is None:
-        return None, None
+        return None
     digest = hashlib.sha1(_identity(args, method).encode()).hexdigest()[:10]
-    resume = Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
-    portable = None if args.portable_dir is None else Path(args.portable_dir) / f"{resume.name}.npz"
-    return resume, portable
-
-
-def _check_carried_cpu(args: argparse.Namespace, method: str, ap: argparse.ArgumentParser) -> None:
-    """A W4A4 row's answers come from one kind of CPU: on another the same model answers
-    otherwise (:func:`torq.eval.portable.check_sessions_cpu`), so a row kept or carried from
-    another is not continued here. Checked for the resume directory and the portable copy,
-    before any model is loaded."""
-    resume, portable = _row_paths(args, method)
-    quantized = get_method(method).quantizes
-    try:
-        if resume is not None:
-            check_resume_cpu(resume / "answers", quantized)
-        if portable is not None:
-            check_carried_cpu(portable, quantized)
-    except TorqError as exc:
-        ap.error(str(exc))
+    return Path(args.resume_dir) / f"{args.task}-{method}-{digest}"
 
 
 def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser) -> None:
@@ -334,18 +258,6 @@ def _check_batch_size(cache: Path, batch_size: int, ap: argparse.ArgumentParser)
     if meta.is_file():
         sessions = json.loads(meta.read_text()).get("sessions", [])
         _check_sessions(sessions, cache, "--resume-dir", batch_size, ap)
-
-
-def _check_carried_batch_size(portable: Path, batch_size: int, ap: argparse.ArgumentParser) -> None:
-    """:func:`_check_batch_size` for the sessions a portable copy carries (answers made on
-    another machine), before quantizing."""
-    if not portable.is_file():
-        return
-    try:
-        sessions = load_portable(portable)["meta"].get("sessions", [])
-    except TorqError as exc:
-        ap.error(str(exc))
-    _check_sessions(sessions, portable, "--portable-dir", batch_size, ap)
 
 
 def _check_sessions(

@@ -101,13 +101,6 @@ def main() -> None:
         help="where each method's answers and perplexity windows are kept as they are "
         "measured (default: <out>-requests/); a stopped run resumes from it",
     )
-    p.add_argument(
-        "--portable-dir",
-        default=None,
-        help="also keep a small portable copy of each method's answers and perplexity "
-        "windows here (one .npz per method): a run on another machine with the same "
-        "directory scores only what is missing (torq.eval.portable)",
-    )
     args = p.parse_args()
     if args.threads:
         import torch
@@ -130,7 +123,6 @@ def main() -> None:
         shared_context=not args.no_shared_context,
         device=args.device,
         resume_dir=args.resume_dir or str(Path(args.out).with_suffix("")) + "-requests",
-        portable_dir=args.portable_dir,
     )
     base_dict = asdict(base)
     subset = None if args.subset is None else {"n": args.subset, "seed": args.subset_seed}

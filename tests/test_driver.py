@@ -244,13 +244,6 @@ def test_streaming_refuses_what_it_cannot_do_before_any_work(tmp_path, data_dir,
         run(cfg, progress=False)
     with pytest.raises(TorqError, match="--packed loads a saved"):
         run(_config(folder, data_dir, ["rtn"], packed=True), progress=False)
-    with pytest.raises(TorqError, match="--portable-dir"):
-        cfg = _config(
-            folder, data_dir, ["rtn"], stream=True, resume_dir=str(tmp_path / "r"),
-            portable_dir=str(tmp_path / "p"),
-        )  # fmt: skip
-        run(cfg, progress=False)
-    assert not (tmp_path / "r").exists()
 
 
 class _Stop(Exception):

@@ -63,42 +63,6 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     assert not out.exists()
 
 
-def test_a_row_goes_on_from_its_portable_copy_on_a_fresh_checkout(
-    tmp_path: Path, tiny_checkpoint: Path
-) -> None:
-    """``--portable-dir``: the answers of a row are copied to one small file as they come;
-    with the resume directory gone (another machine, a fresh checkout) the same command
-    quantizes again, checks the model against the copy, and generates nothing it holds."""
-    out, carry = tmp_path / "gsm8k.json", tmp_path / "carry"
-
-    def run(resume: str | None, batch: str = "2") -> subprocess.CompletedProcess:
-        args = [*_gsm8k_rtn(tiny_checkpoint), "--portable-dir", str(carry)]
-        args += ["--batch-size", batch, "--out", str(out)]
-        if resume is not None:
-            args += ["--resume-dir", resume]
-        out.unlink(missing_ok=True)
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
-
-    first = run(str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr[-2000:]
-    row_a = json.loads(out.read_text())["rows"][0]
-    (copy,) = carry.glob("gsm8k-rtn-*.npz")
-    assert row_a["request_cache"]["portable"]["answers_carried"] == 0
-    again = run(str(tmp_path / "b"))
-    assert again.returncode == 0, again.stderr[-2000:]
-    row_b = json.loads(out.read_text())["rows"][0]
-    assert row_b["answers"] == row_a["answers"]
-    assert row_b["request_cache"]["entries_before"] == 0  # a new directory
-    assert row_b["request_cache"]["portable"]["answers_used"] == 2  # nothing generated
-    assert [s["batch_size"] for s in row_b["request_cache"]["sessions"]] == [2, 2]
-    # the copy's batch size holds as the resume directory's does, checked before quantizing
-    other = run(str(tmp_path / "c"), batch="1")
-    assert other.returncode != 0 and f"{copy} holds answers generated with" in other.stderr
-    assert not (tmp_path / "c").exists()
-    bare = run(None)
-    assert bare.returncode == 2 and "--portable-dir needs --resume-dir" in bare.stderr
-
-
 def _record(path: Path, method: str, passed: list[int], calib_seed: int = 0) -> Path:
     tasks = {f"HumanEval/{i}": {"pass@1": float(p)} for i, p in enumerate(passed)}
     row = {"method": method, "pass@1": sum(passed) / len(passed), "problems": len(passed)}
@@ -348,8 +312,7 @@ def test_bad_arguments_are_refused_before_any_work(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--prompt instruct`` without a chat template or on GSM8K, a problem count or index
-    outside the data, the other task's option, a generation order that needs one problem
-    at a time with a batch, an unknown method: one line, before any
+    outside the data, the other task's option, an unknown method: one line, before any
     quantization or generation, and no record written; a model that cannot be loaded too
     (the script as a user runs it: its error in one line, no traceback)."""
     bench = _benchmark(monkeypatch)
@@ -372,7 +335,6 @@ def test_bad_arguments_are_refused_before_any_work(
         (["--problems", "1,x", *data], "not a list of problem indices"),
         (["--limit", "3", "--problems", "1", *data], "--limit or --problems, not both"),
         (["--task", "gsm8k", "--problems", "1", *data], "--problems applies to HumanEval"),
-        (["--order", "shortest-first", "--batch-size", "4", *data], "--batch-size 1"),
     )
     for extra, needle in cases:
         with pytest.raises(SystemExit) as stop:
@@ -395,51 +357,6 @@ def test_problem_lists_read_as_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _benchmark(monkeypatch)
     assert bench.parse_problems("3,7,10-12") == [3, 7, 10, 11, 12]
     assert bench.parse_problems("163") == [163]
-
-
-def _carry_from(path: Path, cpu: str) -> None:
-    """A portable copy (``torq.eval.portable``) with one answer, made on ``cpu``."""
-    import numpy as np
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"version": 1, "fingerprint": [0.0], "sessions": [{"batch_size": 1, "cpu": cpu}]}
-    np.savez(path, keys=np.ones(1, np.uint64), loglik=np.zeros(1), greedy=np.ones(1, bool),
-             meta=np.asarray(json.dumps(meta)))  # fmt: skip
-
-
-def test_a_quantized_row_from_another_cpu_is_refused_before_any_model_is_loaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A W4A4 row carried (or kept) from another CPU would be answered otherwise here
-    (RESULTS §12.5): every method's copy and resume directory are checked first, in one
-    line, before any model is loaded. An FP row goes on anywhere."""
-    bench = _benchmark(monkeypatch)
-
-    def no_load(*_a: object, **_k: object) -> None:
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(bench, "load", no_load)
-    out, resume, carry = tmp_path / "he.json", tmp_path / "resume", tmp_path / "carry"
-    argv = ["--model", "qwen2.5-coder-0.5b", "--methods", "fp,rtn,torq-had32", "--out", str(out)]
-    argv += ["--resume-dir", str(resume), "--portable-dir", str(carry)]
-    args = bench.parser().parse_args(argv)
-    for method in ("fp", "rtn", "torq-had32"):
-        _carry_from(bench._row_paths(args, method)[1], "Another CPU")
-    with pytest.raises(SystemExit) as stop:
-        bench.main(argv)
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert "humaneval-rtn-" in err and "W4A4 answers made on Another CPU" in err
-    assert not out.exists()
-    bench._check_carried_cpu(args, "fp", bench.parser())  # the float model: no error
-    # a resume directory's sessions are checked as its copy's are
-    bench._row_paths(args, "rtn")[1].unlink()
-    answers = bench._row_paths(args, "rtn")[0] / "answers"
-    answers.mkdir(parents=True)
-    (answers / "meta.json").write_text(json.dumps({"sessions": [{"cpu": "Another CPU"}]}))
-    with pytest.raises(SystemExit):
-        bench._check_carried_cpu(args, "rtn", bench.parser())
-    assert "humaneval-rtn-" in capsys.readouterr().err
 
 
 def test_the_table_title_names_only_the_quantization_its_rows_have(

@@ -229,15 +229,6 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "last layer kept",
     )
     run.add_argument(
-        "--portable-dir",
-        default=None,
-        metavar="DIR",
-        help="with --resume-dir: also keep a small portable copy of each method's answers, "
-        "perplexity windows and sessions in DIR (one .npz per method, rewritten as it goes); "
-        "on another machine the same command reads it, checks the model, and scores only "
-        "what is missing",
-    )
-    run.add_argument(
         "--no-keep-models",
         action="store_true",
         help="with --resume-dir, keep the measurements but not the quantized models",
@@ -565,7 +556,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         resume_dir=args.resume_dir,
         keep_models=not args.no_keep_models,
-        portable_dir=args.portable_dir,
         torq=torq_settings,
         gptq=GPTQConfig(
             damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales

@@ -17,7 +17,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ import torch
 from torq.errors import TorqError
 from torq.eval.data import load_eval_text
 from torq.eval.perplexity import perplexity, windows_from_text
-from torq.eval.portable import export_portable, seed_resume_dir
 from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
 from torq.methods.registry import Method, MethodContext, get_method
 from torq.models.loading import LoadedModel, load
@@ -48,13 +46,7 @@ from torq.runs.source import (
     saved_model_dir,
     streamed_save_dir,
 )
-from torq.runs.store import (
-    every,
-    open_method_resume_dir,
-    portable_path,
-    ppl_checkpoint_name,
-    setting_key,
-)
+from torq.runs.store import open_method_resume_dir, ppl_checkpoint_name, setting_key
 from torq.seeding import method_rng
 from torq.surgery.qlinear import QuantConfig
 
@@ -174,11 +166,6 @@ def _run(
                 }
         if config.save_dir is not None and method.quantizes and saved is None:
             details["saved"] = save_model(config, method.name, model, loaded, t_quant, details)
-        portable, seeds = None, None
-        if config.portable_dir is not None and resume is not None:
-            portable = portable_path(config, resume)
-            seeds = seed_resume_dir(portable, resume, model, loaded.tokenizer)
-            details["portable"] = {"file": str(portable), "answers_carried": len(seeds)}
         res = (
             None
             if windows is None
@@ -191,13 +178,8 @@ def _run(
                 checkpoint=None
                 if resume is None
                 else resume / ppl_checkpoint_name(config.eval_corpus, windows),
-                on_checkpoint=None
-                if portable is None or resume is None
-                else every(60.0, partial(export_portable, resume, portable)),
             )
         )
-        if portable is not None and resume is not None:
-            export_portable(resume, portable)
         zeroshot = None
         if config.tasks:
             zeroshot = _zeroshot(
@@ -207,8 +189,6 @@ def _run(
                 progress,
                 details,
                 request_cache=resume,
-                seeds=seeds,
-                portable=portable,
             )
         rows.append(
             MethodRow(
@@ -401,16 +381,7 @@ def _saved_zeroshot(
         model, tokenizer, manifest = load_quantized(
             folder, device=config.device, packed=config.packed, offload_dir=offload
         )
-        resume = cache.get("request_cache")
-        if config.portable_dir is not None and resume is not None:
-            # answers carried from another machine: checked against this model, then used
-            portable = portable_path(config, resume)
-            cache["seeds"] = seed_resume_dir(portable, resume, model, tokenizer)
-            cache["portable"] = portable
-            details["portable"] = {"file": str(portable), "answers_carried": len(cache["seeds"])}
         row = _zeroshot(config, model, tokenizer, progress, details, **cache)
-        if "portable" in cache:
-            export_portable(resume, cache["portable"])
         del model
     finally:
         gc.collect()
@@ -429,7 +400,7 @@ def _zeroshot(
     **cache: Any,
 ) -> dict[str, Any]:
     """The run's zero-shot tasks on ``model`` (lm-eval's full output into ``details``);
-    returns the row's zero-shot part. ``cache``: the resume and portable options."""
+    returns the row's zero-shot part. ``cache``: where its answers are kept."""
     from torq.eval.zeroshot import evaluate_zeroshot
 
     zs = evaluate_zeroshot(

@@ -120,169 +120,21 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
         )
 
 
-def test_a_generation_goes_on_from_a_copy_made_on_another_machine(
-    tiny_tokenizer, tmp_path, monkeypatch
-):
-    """With a portable copy the answers of a run stopped on "machine A" (its resume
-    directory then lost) are used on "machine B" without generating them again: B generates
-    only the rest, the completions are those of a run that never stopped, and the copy then
-    holds them all. The copy belongs to its model: another model is refused."""
-    import shutil
-
-    import pytest
-
+def test_problems_by_index_ask_only_those(tiny_tokenizer):
+    """``problems`` asks only the problems given by index, and each gets the completion
+    the whole run gives it (a prompt does not depend on the others)."""
     from tests.conftest import SHARED_DATA, tiny_model
-    from torq.errors import TorqError
-    from torq.eval.generation import generate_humaneval
-    from torq.eval.portable import load_portable
-
-    model = tiny_model("llama")
-    data = str(SHARED_DATA)
-    whole, _ = generate_humaneval(model, tiny_tokenizer, data, 3, 6)
-    carry = tmp_path / "carry" / "row.npz"
-    with pytest.raises(TorqError, match="request cache"):
-        generate_humaneval(model, tiny_tokenizer, data, 3, 6, portable=carry)
-
-    _count_generations(monkeypatch, stop_after=1)
-    with pytest.raises(RuntimeError, match="stopped"):
-        generate_humaneval(
-            model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "a", portable=carry
-        )
-    # the answer made before the stop reached the copy, though no heartbeat came
-    assert len(load_portable(carry)["generations"]) == 1
-    shutil.rmtree(tmp_path / "a")  # machine A is gone
-
-    calls = _count_generations(monkeypatch)
-    again, info = generate_humaneval(
-        model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "b", portable=carry
-    )
-    assert again == whole
-    assert len(calls) == 2  # the carried answer was not generated again
-    assert info is not None
-    assert info["portable"]["answers_carried"] == 1 and info["portable"]["answers_used"] == 1
-    assert info["entries_after"] == 3
-    assert len(info["sessions"]) == 2  # A's session came along in the copy
-    assert len(load_portable(carry)["generations"]) == 3
-
-    with pytest.raises(TorqError, match="another model"):
-        generate_humaneval(
-            tiny_model("llama", seed=1),
-            tiny_tokenizer,
-            data,
-            3,
-            6,
-            request_cache=tmp_path / "c",
-            portable=carry,
-        )
-
-
-def test_two_processes_make_one_row_from_its_two_ends(tiny_tokenizer, tmp_path, monkeypatch):
-    """A row made by two processes side by side, each reading the other's portable copy
-    (``partner``) before each problem: the row's own run takes the longest prompts first
-    and is stopped; the second takes the shortest first, takes what the first made from its
-    copy and generates only the rest. The first again then generates nothing, and both end
-    with the completions of one uninterrupted run; merging the second's copy into the
-    first's adds only its session. A partner of another model, the run's own copy as its
-    partner, and a batch: refused. ``problems`` asks only the problems given."""
-    import pytest
-
-    from tests.conftest import SHARED_DATA, tiny_model
-    from torq.errors import TorqError
     from torq.eval.generation import generate_humaneval
     from torq.eval.humaneval import load_humaneval
-    from torq.eval.portable import load_portable, merge_portable
 
     model = tiny_model("llama")
     data = str(SHARED_DATA)
-    asked = [5, 1, 3, 0, 2]
-    ids = {load_humaneval(data)[i].task_id for i in asked}
-    whole, _ = generate_humaneval(model, tiny_tokenizer, data, None, 6, problems=asked)
-    assert set(whole) == ids
-
-    row, helper = tmp_path / "row.npz", tmp_path / "helper.npz"
-    first = _count_generations(monkeypatch, stop_after=2)
-    with pytest.raises(RuntimeError, match="stopped"):
-        generate_humaneval(
-            model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "a", portable=row,
-            problems=asked, partner=helper,
-        )  # fmt: skip
-    assert first == sorted(first, reverse=True)  # lm-eval's order: the longest first
-    second = _count_generations(monkeypatch)
-    theirs, info = generate_humaneval(
-        model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "b", portable=helper,
-        problems=asked, order="shortest-first", partner=row,
-    )  # fmt: skip
-    assert theirs == whole
-    assert len(second) == 3 and second == sorted(second)  # only the rest, shortest first
-    assert max(second) <= min(first)
-    assert info is not None and info["partner"]["answers_used"] == 2
-
-    third = _count_generations(monkeypatch)
-    again, info = generate_humaneval(
-        model, tiny_tokenizer, data, None, 6, request_cache=tmp_path / "a", portable=row,
-        problems=asked, partner=helper,
-    )  # fmt: skip
-    assert again == whole and third == []
-    assert info is not None and info["partner"]["answers_used"] == 3
-    assert len(load_portable(row)["generations"]) == 5
-    assert merge_portable(helper, row) == {"added": 0, "shared": 5, "answers": 5}
-    assert len(load_portable(row)["meta"]["sessions"]) == 3  # both processes' sessions
-
-    other = tmp_path / "other.npz"
-    generate_humaneval(
-        tiny_model("llama", seed=1), tiny_tokenizer, data, None, 6,
-        request_cache=tmp_path / "c", portable=other, problems=[4],
-    )  # fmt: skip
-    for kwargs, needle in (
-        ({"partner": other}, "logits differ"),
-        ({"partner": row, "portable": row, "request_cache": tmp_path / "a"}, "own portable"),
-        ({"order": "shortest-first", "batch_size": 2}, "one problem at a time"),
-        ({"partner": helper, "batch_size": 2}, "one problem at a time"),
-    ):
-        with pytest.raises(TorqError, match=needle):
-            generate_humaneval(model, tiny_tokenizer, data, 2, 6, **kwargs)
-    with pytest.raises(TorqError, match="logits differ"):
-        merge_portable(other, row)
-
-
-def test_a_copy_is_scored_again_without_running_the_model(tiny_tokenizer, tmp_path, monkeypatch):
-    """A replaying class (:func:`torq.eval.portable.replaying_class`) hands lm-eval the
-    answers a portable copy holds and marks every other request unanswered, running no
-    model: the kept completions come back exactly, the missing ones are marked, and no
-    generation is made, though the model passed in is another one."""
-    import pytest
-
-    from tests.conftest import SHARED_DATA, tiny_model
-    from torq.eval.generation import evaluate_gsm8k, generate_humaneval
-    from torq.eval.portable import UNANSWERED, load_portable, replaying_class
-    from torq.eval.stopping import StopEachSequenceHFLM
-
-    model = tiny_model("llama")
-    data = str(SHARED_DATA)
-    whole, _ = generate_humaneval(model, tiny_tokenizer, data, 3, 6)
-    carry = tmp_path / "row.npz"
-    _count_generations(monkeypatch, stop_after=1)
-    with pytest.raises(RuntimeError, match="stopped"):
-        generate_humaneval(
-            model, tiny_tokenizer, data, 3, 6, request_cache=tmp_path / "a", portable=carry
-        )
-    kept = load_portable(carry)["generations"]
-    assert len(kept) == 1
-
-    calls = _count_generations(monkeypatch)
-    cls = replaying_class(StopEachSequenceHFLM, kept)
-    other = tiny_model("llama", seed=1)  # only its tokenizer's requests matter
-    replay, _ = generate_humaneval(other, tiny_tokenizer, data, 3, 6, lm_class=cls)
-    assert calls == []
-    answered = {t: c for t, c in replay.items() if c != UNANSWERED}
-    assert len(answered) == 1 and all(whole[t] == c for t, c in answered.items())
-    assert list(replay) == list(whole)
-
-    run = evaluate_gsm8k(other, tiny_tokenizer, data, n=3, lm_class=replaying_class(
-        StopEachSequenceHFLM, {}))  # fmt: skip
-    assert calls == [] and len(run["answers"]) == 3
-    assert all(a["response"] == UNANSWERED for a in run["answers"].values())
-    assert run["flexible-extract"]["exact_match"] == 0.0
+    whole, _ = generate_humaneval(model, tiny_tokenizer, data, 4, 6)
+    asked = [3, 1]
+    some, _ = generate_humaneval(model, tiny_tokenizer, data, None, 6, problems=asked)
+    ids = [load_humaneval(data)[i].task_id for i in asked]
+    assert set(some) == set(ids)
+    assert all(some[t] == whole[t] for t in ids)
 
 
 CHAT = (

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from torq.errors import TorqError
@@ -20,13 +22,25 @@ from torq.eval.paired import (
     paired_difference,
     question_scores,
 )
-from torq.eval.portable import load_portable
 
 pytest.importorskip("lm_eval")
 
 from tests.eval.test_zeroshot import _zeroshot_dir
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _paired_benchmark(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_zeroshot_paired", REPO / "benchmarks" / "zeroshot_paired.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_mcnemar_exact_is_the_two_sided_binomial_test() -> None:
@@ -65,26 +79,25 @@ def _lambada(root: Path) -> None:
     (root / "zeroshot" / "lambada_openai_test.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def test_carried_answers_are_scored_as_lm_eval_scores_them(
-    tiny_checkpoint, tiny_data_dir, tmp_path
+def test_kept_answers_are_scored_as_lm_eval_scores_them(
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch
 ) -> None:
-    """One evaluation of a tiny model (kept as a portable copy): every question scored
-    again from the copy gives lm-eval's numbers; a row with a missing answer leaves that
-    question out; the benchmark script compares two carried rows end to end."""
+    """One evaluation of a tiny model (its answers kept in a resume folder): every question
+    scored again from the kept answers gives lm-eval's numbers; a row with a missing answer
+    leaves that question out; the benchmark script compares two kept rows end to end."""
     from torq.models import load
 
+    bench = _paired_benchmark(monkeypatch)
     data = _zeroshot_dir(tiny_data_dir)
     _lambada(data)
     lm = load(str(tiny_checkpoint))
-    carry = tmp_path / "carry"
-    carry.mkdir()
-    fp_file = carry / "tiny-fp-0123abcd.npz"
+    resume = tmp_path / "resume" / "tiny"
+    fp_dir = resume / "fp-0123abcd"
     tasks = ["arc_easy", "piqa", "lambada_openai"]
     out = zs.evaluate_zeroshot(
-        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False,
-        request_cache=tmp_path / "r", portable=fp_file,
-    )  # fmt: skip
-    answers = load_portable(fp_file)["answers"]
+        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, request_cache=fp_dir
+    )
+    answers = bench.kept_answers(fp_dir)
     questions = build_questions(tasks, str(data))
     scores, missing = question_scores(answers, questions)
     assert missing == {t: 0 for t in tasks}
@@ -107,14 +120,21 @@ def test_carried_answers_are_scored_as_lm_eval_scores_them(
 
     # a second row whose every log-likelihood is negated picks the other PIQA solution on
     # every question (both rules: acc compares ll, acc_norm ll / length)
-    with np.load(fp_file) as z:
-        arrays = {k: z[k] for k in z.files}
-    np.savez(carry / "tiny-flip-4567ef01.npz", **{**arrays, "loglik": -arrays["loglik"]})
-    (carry / "tiny-fp+x-0123abcd.npz").write_bytes(b"")  # another method: must not match
+    flip = resume / "flip-4567ef01"
+    shutil.copytree(fp_dir, flip)
+    con = sqlite3.connect(flip / bench.ANSWERS_DB)
+    with con:
+        for key, value in con.execute("SELECT key, value FROM unnamed").fetchall():
+            answer = pickle.loads(value)
+            if isinstance(answer, tuple) and len(answer) == 2:
+                negated = pickle.dumps((-answer[0], answer[1]))
+                con.execute("UPDATE unnamed SET value = ? WHERE key = ?", (negated, key))
+    con.close()
+    shutil.copytree(fp_dir, resume / "fp+x-0123abcd")  # another method: must not match
     record_path = tmp_path / "paired.json"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "zeroshot_paired.py"), "--model", "tiny",
-        "--methods", "fp,flip", "--tasks", "piqa", "--carry", str(carry),
+        "--methods", "fp,flip", "--tasks", "piqa", "--resume-dir", str(tmp_path / "resume"),
         "--data-dir", str(data), "--out", str(record_path),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
@@ -135,86 +155,46 @@ def test_carried_answers_are_scored_as_lm_eval_scores_them(
     bad = subprocess.run(
         [*cmd[:5], "fp,absent", *cmd[6:]], capture_output=True, text=True, cwd=tmp_path
     )
-    assert bad.returncode != 0 and "no carried answers for 'absent'" in bad.stderr
-
-
-def _carried(path: Path, setting: str | None) -> None:
-    """A portable copy with no answers that records ``setting``."""
-    meta = {"version": 1, "fingerprint": None, "setting": setting, "sessions": [], "ppl": {}}
-    empty = np.zeros(0)
-    np.savez(path, keys=empty.astype(np.uint64), loglik=empty, greedy=empty.astype(bool),
-             meta=np.asarray(json.dumps(meta)))  # fmt: skip
-
-
-def test_a_format_picks_one_of_several_carried_copies(tmp_path, monkeypatch) -> None:
-    """``zeroshot_paired.py --format``: among a method's copies in several formats, the one
-    whose recorded setting is in that format; without it, the error lists each copy's."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_zeroshot_paired", REPO / "benchmarks" / "zeroshot_paired.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    spec.loader.exec_module(bench)
-
-    for digest, fmt in (("aaaa000001", "mxfp4"), ("bbbb000002", "nvfp4")):
-        _carried(tmp_path / f"m-torq-{digest}.npz", json.dumps(["torq", {"act_format": fmt}]))
-    _carried(tmp_path / "m-torq-cccc000003.npz", None)  # made before settings were recorded
-    assert bench.carry_file(tmp_path, "m", "torq", "nvfp4").name == "m-torq-bbbb000002.npz"
-    assert bench.carry_file(tmp_path, "m", "torq", "mxfp4").name == "m-torq-aaaa000001.npz"
-    with pytest.raises(TorqError, match="in mxint4"):
-        bench.carry_file(tmp_path, "m", "torq", "mxint4")
-    with pytest.raises(TorqError, match=r"nvfp4\).*format not recorded.*--format"):
-        bench.carry_file(tmp_path, "m", "torq")
-    # a lone copy: taken when it records no setting, refused when it records another format
-    _carried(tmp_path / "m-rtn-dddd000004.npz", None)
-    assert bench.carry_file(tmp_path, "m", "rtn", "nvfp4").name == "m-rtn-dddd000004.npz"
-    _carried(tmp_path / "m-had32-eeee000005.npz", json.dumps(["had32", {"act_format": "mxfp4"}]))
-    with pytest.raises(TorqError, match="in nvfp4"):
-        bench.carry_file(tmp_path, "m", "had32", "nvfp4")
-    # FP quantizes nothing: its answers belong to every format's table
-    _carried(tmp_path / "m-fp-abcd000007.npz", json.dumps(["fp", {"act_format": "mxfp4"}]))
-    assert bench.carry_file(tmp_path, "m", "fp", "nvfp4").name == "m-fp-abcd000007.npz"
-    # a dict setting (the generation benchmarks' identity) names its format as "format"
-    _carried(tmp_path / "m-had-ffff000006.npz", json.dumps({"method": "had", "format": "nvfp4"}))
-    assert bench.carry_file(tmp_path, "m", "had", "nvfp4").name == "m-had-ffff000006.npz"
+    assert bad.returncode != 0 and "no kept answers for 'absent'" in bad.stderr
+    # two settings of one method: named by the folder's hash
+    shutil.copytree(fp_dir, resume / "fp-89abcdef")
+    with pytest.raises(TorqError, match="several kept settings"):
+        bench.method_folder(tmp_path / "resume", "tiny", "fp")
+    assert bench.method_folder(tmp_path / "resume", "tiny", "fp@89abcdef").name == "fp-89abcdef"
 
 
 def test_a_seeded_subset_scores_the_drawn_questions_and_pairs_with_a_full_row(
-    tiny_checkpoint, tiny_data_dir, tmp_path
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch
 ) -> None:
     """``subset=`` scores exactly the questions :func:`seeded_subset` draws (found again from
-    the carried answers), its task means are the mean over those questions, and a full row
+    the kept answers), its task means are the mean over those questions, and a full row
     of the same model pairs with it on them alone, with no difference."""
     from torq.models import load
 
+    bench = _paired_benchmark(monkeypatch)
     data = _zeroshot_dir(tiny_data_dir)
     lm = load(str(tiny_checkpoint))
     tasks = ["arc_easy", "piqa"]
     drawn = zs.seeded_subset(tasks, 3, 5, str(data))
-    part_file = tmp_path / "part.npz"
     part = zs.evaluate_zeroshot(
         lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, subset=3,
-        subset_seed=5, request_cache=tmp_path / "part", portable=part_file,
+        subset_seed=5, request_cache=tmp_path / "part",
     )  # fmt: skip
     assert part["subset"] == {"n": 3, "seed": 5, "questions": {"arc_easy": 3, "piqa": 3}}
     assert part["request_cache"]["entries_after"] == 3 * 4 + 3 * 2
     questions = build_questions(tasks, str(data))
-    scores, missing = question_scores(load_portable(part_file)["answers"], questions)
+    scores, missing = question_scores(bench.kept_answers(tmp_path / "part"), questions)
     assert {t: sorted(s) for t, s in scores.items()} == drawn
     assert missing == {"arc_easy": 3, "piqa": 3}
     for t in tasks:
         mean = sum(scores[t].values()) / 3
         assert mean == pytest.approx(part["scores"]["tasks"][t]["value"])
 
-    full_file = tmp_path / "full.npz"
     zs.evaluate_zeroshot(
         lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False,
-        request_cache=tmp_path / "full", portable=full_file,
+        request_cache=tmp_path / "full",
     )  # fmt: skip
-    full, _ = question_scores(load_portable(full_file)["answers"], questions)
+    full, _ = question_scores(bench.kept_answers(tmp_path / "full"), questions)
     cmp = compare_rows(full, scores)
     assert {t: p["n"] for t, p in cmp["tasks"].items()} == {"arc_easy": 3, "piqa": 3}
     assert all(p["diff"] == 0 for p in cmp["tasks"].values())

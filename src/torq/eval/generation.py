@@ -10,7 +10,6 @@ predictions only (``predict_only``); the completions are then scored in the sand
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import time
 from pathlib import Path
@@ -49,10 +48,6 @@ def _run_task(
     tokenizer: Any,
     batch_size: int,
     request_cache: str | Path | None = None,
-    portable: str | Path | None = None,
-    lm_class: type | None = None,
-    order: str = "longest-first",
-    partner: str | Path | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` of one task whose config torq wrote (``config``, read
@@ -60,98 +55,33 @@ def _run_task(
     ``simple_evaluate``. With ``request_cache`` (a directory for this model) each answer is
     kept as it is generated, and the same call again generates only the rest
     (:func:`torq.eval.zeroshot.answers_cached_in`); the cache's summary is returned as
-    ``"request_cache"``. With ``portable`` (a file; needs ``request_cache``) the answers are
-    also copied there every heartbeat and at the end, and the answers it already holds,
-    from another machine, are used instead of generating them again, once the model is
-    checked to be the one they came from (:mod:`torq.eval.portable`). ``lm_class`` is the
-    lm-eval class that answers (default :class:`~torq.eval.stopping.StopEachSequenceHFLM`;
-    :func:`torq.eval.portable.replaying_class` gives one that only hands out kept answers).
-    ``order`` is the order the problems are generated in
-    (:data:`torq.eval.stopping.ORDERS`; "shortest-first" one problem at a time), and
-    ``partner`` the portable copy of another process making the same row from the other
-    end: before each problem, an answer it already holds is taken from it (one problem at
-    a time; :class:`torq.eval.portable.PartnerCopy`, :class:`torq.eval.stopping.OneAtATime`),
-    so the two meet in the middle and each ends with the whole row."""
+    ``"request_cache"``. Answers come from
+    :class:`~torq.eval.stopping.StopEachSequenceHFLM`."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from torq.eval.stopping import StopEachSequenceHFLM, ordered_class
+    from torq.eval.stopping import StopEachSequenceHFLM
 
-    if portable is not None and request_cache is None:
-        raise TorqError("a portable copy needs a request cache (a resume directory)")
-    copy = None
-    if partner is not None:
-        from torq.eval.portable import PartnerCopy
-        from torq.eval.resume import fingerprint_ids, logits_fingerprint, recorded_setting
-
-        if portable is not None and Path(partner).resolve() == Path(portable).resolve():
-            raise TorqError("the partner's copy is this run's own portable copy")
-        setting = None if request_cache is None else recorded_setting(Path(request_cache))
-        fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
-        copy = PartnerCopy(Path(partner), fingerprint, setting)
-        copy.refresh()  # a wrong partner is refused now, not at the first problem
     # each answer of a batch stops at its own stop string (lm-eval's HFLM runs a batch on
     # until every answer holds the same one); one problem at a time it is HFLM exactly
-    cls: type = ordered_class(lm_class or StopEachSequenceHFLM, order, copy)
-    if cls is not (lm_class or StopEachSequenceHFLM) and batch_size != 1:
-        with_partner = " with a partner" if copy is not None else ""
-        raise TorqError(
-            f"{order} generation{with_partner} runs one problem at a time, not {batch_size}"
-        )
-    export = None
-    carried = 0
-    if portable is not None:
-        from torq.eval.portable import SeededGenerations, export_portable, seed_generation_dir
-
-        seeds = seed_generation_dir(Path(portable), Path(request_cache), model, tokenizer)  # type: ignore[arg-type]
-        carried = len(seeds)
-        if seeds:
-            cls = type(
-                "SeededStopEachSequenceHFLM", (SeededGenerations, cls), {"generation_seeds": seeds}
-            )
-
-        def export() -> None:
-            export_portable(Path(request_cache), Path(portable))  # type: ignore[arg-type]
-
-    lm = in_process_lm(cls, model, tokenizer, batch_size)
+    lm = in_process_lm(StopEachSequenceHFLM, model, tokenizer, batch_size)
     with (
         tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp,
-        answers_cached_in(request_cache, model, tokenizer, lm, on_beat=export) as cache,
+        answers_cached_in(request_cache, model, tokenizer, lm) as cache,
     ):
         (Path(tmp) / f"{task}.yaml").write_text(config)
-        try:
-            out = simple_evaluate(
-                model=lm,
-                use_cache=cache.use_cache,
-                tasks=[task],
-                task_manager=TaskManager(include_path=tmp),
-                log_samples=True,
-                verbosity="WARNING",
-                **kwargs,
-            )
-        finally:
-            if export is not None:  # a stopped run's answers too, beyond the last heartbeat
-                try:
-                    db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
-                    if db is not None:
-                        db.commit()
-                    export()
-                except Exception as exc:  # the answers are in the resume directory still
-                    logging.getLogger(__name__).warning("portable copy not written: %s", exc)
+        out = simple_evaluate(
+            model=lm,
+            use_cache=cache.use_cache,
+            tasks=[task],
+            task_manager=TaskManager(include_path=tmp),
+            log_samples=True,
+            verbosity="WARNING",
+            **kwargs,
+        )
         if out is None:
             raise TorqError(f"lm-eval returned no results for {task}")
     out["request_cache"] = cache.info
-    if portable is not None and out["request_cache"] is not None:
-        out["request_cache"]["portable"] = {
-            "file": str(portable),
-            "answers_carried": carried,
-            "answers_used": getattr(lm, "seeded_generations", 0),
-        }
-    if partner is not None and out["request_cache"] is not None:
-        out["request_cache"]["partner"] = {
-            "file": str(partner),
-            "answers_used": getattr(lm, "partner_answers", 0),
-        }
     return out
 
 
@@ -248,22 +178,15 @@ def generate_humaneval(
     batch_size: int = 1,
     request_cache: str | Path | None = None,
     prompt: str = "completion",
-    portable: str | Path | None = None,
-    lm_class: type | None = None,
     problems: list[int] | None = None,
-    order: str = "longest-first",
-    partner: str | Path | None = None,
 ) -> tuple[dict[str, str], dict[str, Any] | None]:
     """Each problem's greedy completion (task id → text), generated by lm-eval's ``HFLM``
     on ``model`` in process with the task's stop sequences; and the summary of
     ``request_cache`` (see :func:`_run_task`), ``None`` without one. ``prompt`` is how the
     problem is put (:data:`PROMPTS`); with ``"instruct"`` the answer is cut at its closing
-    code fence, as lm-eval's ``build_predictions_instruct`` does. ``portable``: a copy of
-    the answers that another machine can go on from, ``lm_class`` the class that answers,
-    ``order`` the order of generation and ``partner`` another process's copy of the row
-    (:func:`_run_task`). ``problems`` (indices into the 164, instead of the first
-    ``limit``) asks only those: a prompt does not depend on the others, so each answer is
-    the one the whole run gives it."""
+    code fence, as lm-eval's ``build_predictions_instruct`` does. ``problems`` (indices
+    into the 164, instead of the first ``limit``) asks only those: a prompt does not depend
+    on the others, so each answer is the one the whole run gives it."""
     root = resolve_data_dir(data_dir)
     if root is None or not (root / HUMANEVAL).is_file():
         raise TorqError(f"HumanEval file not found: expected <data-dir>/{HUMANEVAL}")
@@ -283,10 +206,6 @@ def generate_humaneval(
         tokenizer,
         batch_size,
         request_cache,
-        portable,
-        lm_class,
-        order,
-        partner,
         limit=limit,
         samples=None if problems is None else {TASK: sorted(problems)},
         predict_only=True,
@@ -310,18 +229,15 @@ def evaluate_humaneval(
     request_cache: str | Path | None = None,
     prompt: str = "completion",
     batch_size: int = 1,
-    portable: str | Path | None = None,
     problems: list[int] | None = None,
-    order: str = "longest-first",
-    partner: str | Path | None = None,
 ) -> dict[str, Any]:
     """pass@1 of ``model`` on HumanEval's first ``limit`` problems (all 164 by default), or
     on the ``problems`` given by index: greedy completions through lm-eval, each program
     run isolated. Returns the score, each
     problem's completion and outcome, and the seconds each part took. With
     ``request_cache`` the completions are kept as they come and a stopped run goes on
-    where it stopped (:func:`_run_task`); ``prompt``, ``batch_size`` (problems generated
-    together), ``portable``, ``order`` and ``partner`` as :func:`generate_humaneval`."""
+    where it stopped (:func:`_run_task`); ``prompt`` and ``batch_size`` (problems generated
+    together) as :func:`generate_humaneval`."""
     t0 = time.perf_counter()
     completions, cache_info = generate_humaneval(
         model,
@@ -332,10 +248,7 @@ def evaluate_humaneval(
         batch_size=batch_size,
         request_cache=request_cache,
         prompt=prompt,
-        portable=portable,
         problems=problems,
-        order=order,
-        partner=partner,
     )
     t_gen = time.perf_counter() - t0
     problems = [p for p in load_humaneval(data_dir) if p.task_id in completions]
@@ -347,7 +260,6 @@ def evaluate_humaneval(
     result["max_gen_toks"] = max_gen_toks
     result["prompt"] = prompt
     result["batch_size"] = batch_size
-    result["order"] = order
     result["request_cache"] = cache_info
     return result
 
@@ -383,10 +295,6 @@ def evaluate_gsm8k(
     batch_size: int = 1,
     gen_kwargs: str | None = None,
     request_cache: str | Path | None = None,
-    portable: str | Path | None = None,
-    lm_class: type | None = None,
-    order: str = "longest-first",
-    partner: str | Path | None = None,
 ) -> dict[str, Any]:
     """GSM8K exact match of ``model`` through lm-eval (greedy, 5-shot, its own filters) on a
     seeded subset of ``n`` test problems (all 1319 by default): the same problems for every
@@ -395,10 +303,7 @@ def evaluate_gsm8k(
     over the subset, so the subset of 50 and that of 200 (which holds it) give the shared
     problems other prompts (none of 50 alike, measured). Returns the strict and flexible
     scores with their standard errors, and which problems were asked. With
-    ``request_cache`` the answers are kept as they come, with ``portable`` also copied
-    where another machine can go on from them; ``lm_class`` is the class that answers,
-    ``order`` the order of generation and ``partner`` another process's copy of the row
-    (:func:`_run_task`)."""
+    ``request_cache`` the answers are kept as they come (:func:`_run_task`)."""
     from torq.eval.zeroshot import _lm_eval_tasks_dir
 
     root = resolve_data_dir(data_dir)
@@ -420,10 +325,6 @@ def evaluate_gsm8k(
         tokenizer,
         batch_size,
         request_cache,
-        portable,
-        lm_class,
-        order,
-        partner,
         samples={GSM8K_TASK: asked},
         gen_kwargs=gen_kwargs,
         random_seed=seed,

@@ -2,16 +2,16 @@
 
 Two methods are scored on the same questions, so the difference of their accuracies is
 best judged question by question: most questions are answered alike by both, and only the
-ones they disagree on carry the difference. lm-eval reports each row's own standard error;
+ones they disagree on make the difference. lm-eval reports each row's own standard error;
 treating two rows as independent (``√(s₁² + s₂²)``) overstates the error of their
 difference when their answers are correlated, as the rows of one model's quantizations are.
 
 :func:`build_questions` rebuilds lm-eval's requests for the paper's tasks (the same
 offline configs as :func:`torq.eval.zeroshot.evaluate_zeroshot`); :func:`question_scores`
-looks up each request's kept answer (a portable copy's answers, :mod:`torq.eval.portable`,
-keyed by lm-eval's request hash) and scores every question with the task's own
-``process_results``: the headline metric per question (``acc_norm`` where the task has it,
-else ``acc``), so the mean over a task's questions is exactly lm-eval's number.
+looks up each request's kept answer (keyed by lm-eval's request hash, :func:`answer_key`)
+and scores every question with the task's own ``process_results``: the headline metric
+per question (``acc_norm`` where the task has it, else ``acc``), so the mean over a
+task's questions is exactly lm-eval's number.
 :func:`paired_difference` compares two such rows on the questions both have: the mean
 difference, its paired standard error and the exact McNemar test on the questions only one
 of the two gets right.
@@ -21,22 +21,31 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from torq.errors import TorqError
-from torq.eval.portable import Answer, answer_key
 from torq.eval.zeroshot import PAPER_TASKS, parse_tasks, prepare_tasks
 
 QuestionScores = dict[str, dict[int, float]]  # task → doc id → 0/1 (the headline metric)
+Answer = tuple[float, bool]  # a log-likelihood request's answer: (log-likelihood, greedy)
+
+
+def answer_key(args: Iterable[Any], attr: str = "loglikelihood") -> int:
+    """The first 64 bits of lm-eval's cache key for a request (``hash_args``: SHA-256 of the
+    JSON of ``[attr, *args]``). 64 bits keep the chance of any collision among a table's
+    ~66 000 answers below 10⁻¹⁰."""
+    from lm_eval.api.model import hash_args
+
+    return int(hash_args(attr, args)[:16], 16)
 
 
 @dataclass
 class TaskQuestions:
     """One task's questions as lm-eval asks them: per question (doc id) the document and
-    the keys (:func:`torq.eval.portable.answer_key`) of its requests, in lm-eval's order."""
+    the keys (:func:`answer_key`) of its requests, in lm-eval's order."""
 
     task: Any  # lm-eval's Task: its ``process_results`` scores a question
     questions: dict[int, tuple[Any, list[int]]]
@@ -82,7 +91,7 @@ def question_scores(
     (``task.process_results``), keeping the headline metric: ``acc_norm`` where defined,
     else ``acc``, as :func:`torq.eval.zeroshot.headline_scores` does.
 
-    ``answers`` maps :func:`torq.eval.portable.answer_key` of a request to its
+    ``answers`` maps :func:`answer_key` of a request to its
     ``(log-likelihood, greedy)``; ``questions`` comes from :func:`build_questions`. A
     question with any request unanswered is left out (a row still being scored); the
     second value returned counts them per task.

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,15 +70,13 @@ def perplexity(
     progress: bool = True,
     desc: str = "perplexity",
     checkpoint: str | Path | None = None,
-    on_checkpoint: Callable[[], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of a causal LM over token windows (method-notes §3).
 
     ``checkpoint``: a JSON file that keeps each window's NLL as it is measured; the same call
     again after a stop measures only the windows it lacks (same windows and same model,
     checked by hash and logits fingerprint, :mod:`torq.eval.resume`). ``seconds`` then counts
-    the time of every session that contributed. ``on_checkpoint`` is called after each
-    write of the checkpoint (a portable copy, :mod:`torq.eval.portable`).
+    the time of every session that contributed.
     """
     if windows.dim() != 2:
         raise TorqError(f"windows must be [n_windows, seqlen], got shape {tuple(windows.shape)}")
@@ -108,8 +105,6 @@ def perplexity(
             done.update({str(i + b): v for b, v in enumerate(per_window)})
             saved["seconds"] = earlier_seconds + time.perf_counter() - start
             write_json_atomic(Path(checkpoint), saved)  # type: ignore[arg-type]
-            if on_checkpoint is not None:
-                on_checkpoint()
         bar.update(batch.shape[0])
     bar.close()
     seconds = earlier_seconds + time.perf_counter() - start

@@ -78,8 +78,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 def record_setting(root: Path, setting: str) -> None:
     """Write into ``root`` the settings key whose hash names it (a method's setting key,
-    JSON text), so that the directory, and the portable copy made from it, say which
-    method, format and calibration they hold: a hash alone does not."""
+    JSON text), so that the directory says which method, format and calibration it
+    holds: a hash alone does not."""
     root.mkdir(parents=True, exist_ok=True)
     write_json_atomic(root / SETTING_FILE, {"setting": setting})
 

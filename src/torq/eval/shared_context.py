@@ -85,7 +85,7 @@ class SharedContextHFLM(HFLM):
             for (_, members), group_answers in zip(chunk, answers, strict=True):
                 for i, answer in zip(members, group_answers, strict=True):
                     results[i] = answer
-                    if requests[i][0] is not None:  # rolling windows carry no cache key
+                    if requests[i][0] is not None:  # rolling windows have no cache key
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
                 bar.update(len(members))
         bar.close()

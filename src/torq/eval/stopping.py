@@ -21,8 +21,6 @@ import torch
 import transformers
 from lm_eval.models.huggingface import HFLM
 
-from torq.errors import TorqError
-
 
 class StopEachSequence(transformers.StoppingCriteria):
     """Row ``i`` is finished once the tokens it generated end with a window holding any of
@@ -76,67 +74,3 @@ class StopEachSequenceHFLM(HFLM):
                 use_cache=True,
                 **generation_kwargs,
             )
-
-
-# The orders in which a run generates its problems. lm-eval's ``HFLM`` takes the longest
-# prompt first; "shortest-first" is its reverse, for a second process on the same row: the
-# two meet in the middle and neither generates what the other already has (with one problem
-# at a time an answer does not depend on the order, so the row's answers are the same).
-ORDERS = ("longest-first", "shortest-first")
-
-
-class OneAtATime:
-    """Mixin for lm-eval's ``HFLM`` (and :class:`StopEachSequenceHFLM`), one problem at a
-    time: ``generate_until`` takes the requests in ``generation_order`` (:data:`ORDERS`;
-    "longest-first" is ``HFLM``'s own order, longest prompt first, ties by the prompt's
-    text) and hands each to ``HFLM`` alone, so that each answer reaches the request cache as
-    soon as it is made, as in ``HFLM``'s own loop. Before each, an answer that
-    ``partner`` (a :class:`torq.eval.portable.PartnerCopy`: another process making the same
-    row) already holds is taken from it instead of generated; ``partner_answers`` counts
-    them."""
-
-    generation_order: str = "longest-first"
-    partner: Any = None
-    partner_answers: int = 0
-
-    def generate_until(  # type: ignore[no-untyped-def]
-        self, requests, disable_tqdm: bool = False
-    ) -> list[str]:
-        from tqdm import tqdm
-
-        from torq.eval.portable import answer_key
-
-        if getattr(self, "batch_size", 1) != 1:
-            raise TorqError("one-at-a-time generation runs one problem at a time (batch size 1)")
-        encode = self.tok_encode  # type: ignore[attr-defined]
-        sign = -1 if self.generation_order == "longest-first" else 1
-        order = sorted(
-            range(len(requests)),
-            key=lambda i: (sign * len(encode(requests[i].args[0])), requests[i].args[0]),
-        )
-        results: list[str] = [""] * len(requests)
-        desc = f"Running generate_until requests, {self.generation_order}"
-        for i in tqdm(order, disable=disable_tqdm, desc=desc):
-            args = requests[i].args
-            made = None
-            if self.partner is not None:
-                made = self.partner.get(answer_key(args, "generate_until"))
-            if made is not None:
-                self.cache_hook.add_partial("generate_until", args, made)  # type: ignore[attr-defined]
-                self.partner_answers += 1
-            else:
-                made = super().generate_until([requests[i]], disable_tqdm=True)[0]  # type: ignore[misc]
-            results[i] = made
-        return results
-
-
-def ordered_class(base: type, order: str, partner: Any = None) -> type:
-    """``base`` (an lm-eval ``HFLM`` class) generating its problems in ``order``
-    (:data:`ORDERS`), taking what ``partner`` holds from it (:class:`OneAtATime`);
-    ``base`` itself for lm-eval's own order without a partner."""
-    if order not in ORDERS:
-        raise TorqError(f"unknown generation order {order!r}: one of {', '.join(ORDERS)}")
-    if order == "longest-first" and partner is None:
-        return base
-    attrs = {"generation_order": order, "partner": partner}
-    return type(f"OneAtATime{base.__name__}", (OneAtATime, base), attrs)

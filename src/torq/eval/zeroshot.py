@@ -16,14 +16,12 @@ it, else ``acc``; :func:`headline_scores` does the same and adds the average.
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import sqlite3
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,7 @@ from torq.eval.resume import (
     logits_fingerprint,
     write_json_atomic,
 )
-from torq.results import cpu_model, now_iso
+from torq.results import now_iso
 
 
 @dataclass(frozen=True)
@@ -271,8 +269,6 @@ def evaluate_zeroshot(
     progress: bool = True,
     shared_context: bool = True,
     request_cache: str | Path | None = None,
-    seeds: dict[int, tuple[float, bool]] | None = None,
-    portable: str | Path | None = None,
     subset: int | None = None,
     subset_seed: int = 0,
 ) -> dict[str, Any]:
@@ -289,10 +285,6 @@ def evaluate_zeroshot(
     written as they are scored): a run that is stopped keeps what it scored, and the same
     call again scores only the rest. The directory belongs to one model: its logits
     fingerprint (:mod:`torq.eval.resume`) is stored there and a different model is refused.
-    ``seeds`` are answers carried from another machine (:func:`torq.eval.portable.
-    seed_resume_dir`), used instead of scoring those requests; with ``portable`` (needs
-    ``request_cache``) the cache is also copied there, every heartbeat and at the end
-    (:func:`torq.eval.portable.export_portable`).
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
     versions>, "seconds": wall time, "limit": limit, "subset": {"n", "seed", "questions"}
@@ -302,8 +294,6 @@ def evaluate_zeroshot(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    if portable is not None and request_cache is None:
-        raise TorqError("a portable copy needs a request cache (a resume directory)")
     if subset is not None and limit is not None:
         raise TorqError("give either a limit (the first questions) or a seeded subset, not both")
     names = [parse_tasks(t)[0] for t in tasks] if tasks else list(PAPER_TASKS)
@@ -316,20 +306,8 @@ def evaluate_zeroshot(
             from torq.eval.shared_context import SharedContextHFLM
 
             base = SharedContextHFLM
-        wrapper: type[HFLM] = base
-        if seeds:
-            from torq.eval.portable import SeededAnswers
-
-            wrapper = type(f"Seeded{base.__name__}", (SeededAnswers, base), {"seeds": seeds})
-        lm = in_process_lm(wrapper, model, tokenizer, batch_size)
-        export = None
-        if portable is not None:
-            from torq.eval.portable import export_portable
-
-            def export() -> None:
-                export_portable(Path(request_cache), Path(portable))  # type: ignore[arg-type]
-
-        with answers_cached_in(request_cache, model, tokenizer, lm, on_beat=export) as cache:
+        lm = in_process_lm(base, model, tokenizer, batch_size)
+        with answers_cached_in(request_cache, model, tokenizer, lm) as cache:
             t0 = time.perf_counter()
             out = simple_evaluate(
                 model=lm,
@@ -347,10 +325,6 @@ def evaluate_zeroshot(
                 raise TorqError("lm-eval returned no results")
         seconds = time.perf_counter() - t0
     cache_info = cache.info
-    if cache_info is not None:
-        cache_info["seeded_answers"] = int(getattr(lm, "seeded_answers", 0))
-        if export is not None:
-            export()
     return {
         "scores": headline_scores(out["results"], run_names),
         "lm_eval": _jsonable(
@@ -402,11 +376,7 @@ def open_request_cache(
         meta = json.loads(meta_path.read_text())
         check_fingerprint(meta["fingerprint"], fingerprint, root)
     before = _cache_entries(_answers_db(root))
-    # the CPU: on another kind the same W4A4 model answers otherwise (RESULTS §12.5)
-    session: dict[str, Any] = {"started": now_iso(), "entries_before": before, "cpu": cpu_model()}
-    # two processes on one row can start in the same second: the id tells their sessions
-    # apart when their copies are merged (torq.eval.portable.session_key)
-    session["id"] = uuid.uuid4().hex[:12]
+    session: dict[str, Any] = {"started": now_iso(), "entries_before": before}
     if batch_size is not None:
         session["batch_size"] = batch_size
     meta["sessions"].append(session)
@@ -423,11 +393,9 @@ class _Heartbeat(threading.Thread):
         root: Path,
         t0: float,
         every: float | None = None,
-        on_beat: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.root, self.t0 = root, t0
-        self.on_beat = on_beat
         self.every = HEARTBEAT_SECONDS if every is None else every
         self._halt = threading.Event()
         self.start()
@@ -441,11 +409,6 @@ class _Heartbeat(threading.Thread):
                 entries_so_far=_cache_entries(_answers_db(self.root)),
             )
             write_json_atomic(meta_path, meta)
-            if self.on_beat is not None:
-                try:
-                    self.on_beat()
-                except Exception as e:  # a failed copy must not stop the heartbeat
-                    logging.getLogger(__name__).warning("heartbeat callback failed: %s", e)
 
     def stop(self) -> None:
         self._halt.set()
@@ -483,7 +446,6 @@ def answers_cached_in(
     model: torch.nn.Module,
     tokenizer: Any,
     lm: Any,
-    on_beat: Callable[[], None] | None = None,
 ) -> Iterator[CachedAnswers]:
     """An lm-eval run whose answers are kept in ``root`` as they come (lm-eval's
     ``CachingLM``; ``None``: not kept): the directory is checked (or claimed) for ``model``
@@ -497,7 +459,7 @@ def answers_cached_in(
     opened = open_request_cache(root, model, tokenizer, getattr(lm, "batch_size", None))
     t0 = time.perf_counter()
     cache = CachedAnswers(str(root / CACHE_STEM))
-    heartbeat = _Heartbeat(root, t0, on_beat=on_beat)
+    heartbeat = _Heartbeat(root, t0)
     try:
         yield cache
     finally:

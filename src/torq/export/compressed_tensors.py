@@ -59,11 +59,11 @@ from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
-EXPORTABLE_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-had32+gptq")
+CT_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-had32+gptq")
 # methods whose channel balancing must be folded (--fold-balance) to leave H32 alone online
 FOLDED_METHODS = ("torq-had32", "torq-had32+gptq")
-EXPORTABLE = (
-    f"{', '.join(EXPORTABLE_METHODS)} (MXFP4 weights with MXFP4 or float activations, or NVFP4 "
+CT_HOLDS = (
+    f"{', '.join(CT_METHODS)} (MXFP4 weights with MXFP4 or float activations, or NVFP4 "
     "weights with float activations or NVFP4 ones under --act-scale static; "
     f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
 )
@@ -136,7 +136,7 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
     )
     raise TorqError(
         f"{name}: its online transform ({what}) has no compressed-tensors form yet; "
-        f"exportable: {EXPORTABLE}"
+        f"compressed-tensors holds: {CT_HOLDS}"
     )
 
 
@@ -148,7 +148,7 @@ def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, s
     kinds, acts, formats = set(), set(), set()
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
-            raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
+            raise TorqError(f"{name}: fused MoE experts are not exported yet; {CT_HOLDS}")
         if not isinstance(module, QuantLinear):
             continue
         w, a = module.config.weight, module.config.activation
@@ -335,7 +335,7 @@ def export_saved_compressed_tensors(
     kinds, acts, formats = set(), set(), set()
     for name, entry in modules.items():
         if entry["kind"] != "linear":
-            raise TorqError(f"{name}: fused MoE experts are not exported yet; {EXPORTABLE}")
+            raise TorqError(f"{name}: fused MoE experts are not exported yet; {CT_HOLDS}")
         w, a = entry["weight"], entry["activation"]
         quantizer = manifest["quantizers"][entry["quantizer"]]
         formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))

@@ -41,7 +41,7 @@ class PackedTensor:
 
     * ``codes``: ``uint8 [..., padded_width // 2]``, two 4-bit codes per byte, element
       ``2i`` in the LOW nibble and ``2i + 1`` in the HIGH nibble. E2M1 codes (mxfp4,
-      nvfp4) carry the sign in bit 3 and the magnitude index into
+      nvfp4) hold the sign in bit 3 and the magnitude index into
       {0, 0.5, 1, 1.5, 2, 3, 4, 6} in bits 0-2; MXINT4 codes are the two's complement
       nibble of ``k`` for the value ``k / 4``. Padding elements are code 0, and so are
       the elements of a block whose scale is NaN.

@@ -59,7 +59,7 @@ class KernelConfig:
     * ``prefetch`` (``gemv_i8``): load the next weight tile before multiplying the current
       one. ``pdl`` (``gemv_i8``; Hopper or later, else ignored): programmatic dependent
       launch, so the GEMV starts streaming its weights while the pre-pass runs.
-      ``evict_first`` (``gemv_i8``): weight loads carry the evict-first cache hint.
+      ``evict_first`` (``gemv_i8``): weight loads have the evict-first cache hint.
     """
 
     block_m: int

@@ -22,7 +22,7 @@ from torq.kernels.launch import (
     launch_gemv_i8,
     launch_tensor_core,
     launch_vendor_gemm,
-    triton_importable,
+    triton_available,
 )
 from torq.kernels.weight import MXFP4Weight
 
@@ -31,7 +31,7 @@ def use_triton(x: torch.Tensor, backend: Backend) -> bool:
     """Resolve ``backend`` for an input: Triton on CUDA (or in the interpreter), else reference."""
     if backend == "reference":
         return False
-    runnable = triton_importable() and (x.is_cuda or interpreter_enabled())
+    runnable = triton_available() and (x.is_cuda or interpreter_enabled())
     if backend == "triton":
         if not runnable:
             raise RuntimeError(

@@ -21,7 +21,7 @@ from torq.rotations.transform import BlockRotation
 
 
 @functools.cache
-def triton_importable() -> bool:
+def triton_available() -> bool:
     """Whether Triton can be imported here (its kernels then run on CUDA or, with
     ``TRITON_INTERPRET=1``, in Triton's CPU interpreter)."""
     try:

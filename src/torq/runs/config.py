@@ -12,13 +12,12 @@ import torch
 from torq.calibration.data import corpus_path
 from torq.errors import TorqError
 from torq.eval.data import DEFAULT_EVAL_CORPUS, eval_text_path
-from torq.eval.portable import check_carried_cpu, check_resume_cpu
 from torq.eval.resume import MODEL_INFO
 from torq.methods.registry import Method, MethodContext
 from torq.methods.torq_rotation import TorqSettings
 from torq.models.loading import context_length
 from torq.paths import check_destination
-from torq.runs.store import method_resume_dir, portable_path
+from torq.runs.store import method_resume_dir
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
@@ -60,11 +59,6 @@ class RunConfig:
     # with a resume directory, also keep each quantized model there, so that a restart
     # reloads it instead of calibrating again (:func:`torq.eval.resume.keep_model`)
     keep_models: bool = True
-    # with a resume directory: a portable copy of each method's kept evaluation (answers,
-    # perplexity windows, sessions) in this directory, one small .npz per method, read to
-    # seed a new resume directory (another machine) and rewritten as the evaluation goes
-    # (:mod:`torq.eval.portable`)
-    portable_dir: str | None = None
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
@@ -150,12 +144,12 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
                 raise TorqError(f"{m.name}: {exc}") from None
 
 
-def check_exportable(config: RunConfig, methods: list[Method]) -> None:
+def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
     from torq.export.compressed_tensors import (
-        EXPORTABLE,
-        EXPORTABLE_METHODS,
+        CT_HOLDS,
+        CT_METHODS,
         FOLDED_METHODS,
         NVFP4_ACTIVATIONS,
     )
@@ -174,15 +168,15 @@ def check_exportable(config: RunConfig, methods: list[Method]) -> None:
     act = None if act in ("fp", "none", "float") else act
     if config.weight_format == "nvfp4" and act is not None:
         if act != "nvfp4":
-            raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
+            raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
         if config.act_scale != "static":
             raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
     elif config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
-        raise TorqError(f"--save-format compressed-tensors: {EXPORTABLE}")
+        raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
     for method in methods:
-        if method.quantizes and method.name not in EXPORTABLE_METHODS:
+        if method.quantizes and method.name not in CT_METHODS:
             raise TorqError(
-                f"--save-format compressed-tensors cannot hold '{method.name}' yet: {EXPORTABLE}"
+                f"--save-format compressed-tensors cannot hold '{method.name}' yet: {CT_HOLDS}"
             )
         if isinstance(method.transform, TorqTransform) and config.torq.block_size != 32:
             raise TorqError(
@@ -202,10 +196,6 @@ def check_streamable(config: RunConfig, methods: list[Method]) -> None:
         raise TorqError("--stream reads a float checkpoint; this model is already quantized")
     if config.skip_ppl:
         raise TorqError("--stream does not support --skip-ppl yet; drop one of them")
-    if config.portable_dir is not None and not config.tasks:
-        raise TorqError(
-            "with --stream, --portable-dir carries the zero-shot answers: add --tasks, or drop it"
-        )
     if config.tasks:
         # zero-shot tasks need the whole model: the saved quantized checkpoint, loaded back
         if config.save_dir is None:
@@ -261,7 +251,6 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
     for option, folder in (
         ("--save-dir", config.save_dir),
         ("--resume-dir", config.resume_dir),
-        ("--portable-dir", config.portable_dir),
     ):
         if folder is not None:
             check_destination(folder, folder=True, what=option)
@@ -275,7 +264,7 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
         check_streamable(config, checked)
     check_settings(config, checked)
     if config.save_format != "torq":
-        check_exportable(config, checked)
+        check_compressed_tensors(config, checked)
     if config.hidden_states != "memory" and not config.stream:
         raise TorqError("--hidden-states applies to a streamed run (--stream)")
     if config.packed and not from_saved and not (config.stream and config.tasks):
@@ -295,25 +284,8 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
         raise TorqError("give either --limit (the first questions) or --subset, not both")
     if config.task_subset is not None and config.task_subset < 1:
         raise TorqError(f"--subset must be a positive number of questions: {config.task_subset}")
-    if config.portable_dir is not None and config.resume_dir is None:
-        raise TorqError("a portable copy (--portable-dir) needs a resume directory (--resume-dir)")
-    check_carried_cpus(config, checked)
     # a saved quantized checkpoint is not calibrated again: its evaluation data is checked
     check_data(config, checked)
-
-
-def check_carried_cpus(config: RunConfig, methods: list[Method]) -> None:
-    """Refuse, before any model is loaded, a quantized method whose kept evaluation (its
-    resume directory's sessions, or its portable copy, ``--portable-dir``) was made on
-    another kind of CPU: there the same W4A4 model answers otherwise
-    (:func:`torq.eval.portable.check_sessions_cpu`)."""
-    if config.resume_dir is None:
-        return
-    for method in methods:
-        resume = Path(method_resume_dir(config, method.name))
-        check_resume_cpu(resume, method.quantizes)
-        if config.portable_dir is not None:
-            check_carried_cpu(portable_path(config, resume), method.quantizes)
 
 
 def resolve_device(name: str) -> torch.device:

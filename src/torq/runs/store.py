@@ -1,11 +1,9 @@
 """Where a run keeps its evaluation as it goes: each method's resume folder (named by its
-settings), its perplexity windows' file there, and the portable copy of what was kept."""
+settings) and its perplexity windows' file there."""
 
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,9 +48,9 @@ def setting_key(config: dict[str, Any], method: str) -> str:
 
 
 def setting_digest(config: dict[str, Any], method: str) -> str:
-    """The short hash of :func:`setting_key` that names a method's resume folder and its
-    portable copy (``config`` is ``asdict(RunConfig)``, as a run's record keeps it): the
-    same settings find the same kept answers on any machine."""
+    """The short hash of :func:`setting_key` that names a method's resume folder (``config``
+    is ``asdict(RunConfig)``, as a run's record keeps it): the same settings find the same
+    kept answers."""
     return hashlib.sha1(setting_key(config, method).encode()).hexdigest()[:10]
 
 
@@ -74,22 +72,3 @@ def open_method_resume_dir(config: RunConfig, method: str) -> Path | None:
     resume = Path(method_resume_dir(config, method))
     record_setting(resume, setting_key(asdict(config), method))
     return resume
-
-
-def every(seconds: float, fn: Callable[[], Any]) -> Callable[[], None]:
-    """``fn``, run at most once per ``seconds`` (the first call runs it)."""
-    last = [-float("inf")]
-
-    def call() -> None:
-        if time.perf_counter() - last[0] >= seconds:
-            last[0] = time.perf_counter()
-            fn()
-
-    return call
-
-
-def portable_path(config: RunConfig, resume: Path) -> Path:
-    """``<portable_dir>/<model>-<method>-<hash>.npz``: named after the method's resume
-    directory (:func:`method_resume_dir`), so one file belongs to one setting."""
-    assert config.portable_dir is not None
-    return Path(config.portable_dir) / f"{resume.parent.name}-{resume.name}.npz"

@@ -2,7 +2,7 @@
 
 Embeddings, lm_head, norms and the attention products stay in float (method-notes §2,
 "Kept in high precision"); MoE routers stay in float as well, because they choose which
-weights run rather than carrying features.
+weights run rather than holding features.
 """
 
 from __future__ import annotations
