@@ -47,6 +47,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 bench-formats: setup
 	$(BIN)/python benchmarks/formats.py --out results/bench_formats.json

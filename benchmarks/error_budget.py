@@ -22,6 +22,7 @@ import torch
 
 from common import save
 from torq.calibration.data import CalibrationConfig
+from torq.driver import apply_method
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
 from torq.formats import fake_quantize, get_format
 from torq.methods import MethodContext, TorqSettings, get_method
@@ -106,7 +107,7 @@ def main() -> None:
             options={"torq_settings": settings, "data_dir": args.data_dir, "progress": False},
         )
         t0 = time.perf_counter()
-        method.apply(base, QuantConfig(None, None), ctx)
+        apply_method(method, base, QuantConfig(None, None), ctx)
         build = time.perf_counter() - t0
         settings_list: list[tuple[str, bool, tuple[str, ...] | None]] = [
             ("W only", True, None),

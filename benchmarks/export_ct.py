@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
-from torq.eval.data import load_wikitext2_test
+from torq.data import load_wikitext2_test
+from torq.driver import apply_method
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
 from torq.methods import MethodContext, TorqSettings, get_method
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 qconfig = QuantConfig.from_names("nvfp4", "nvfp4", act_scale=mode)
             else:
                 qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
-            get_method(method).apply(model, qconfig, context)
+            apply_method(get_method(method), model, qconfig, context)
             row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
             if mode == modes[0]:
                 with tempfile.TemporaryDirectory() as tmp:

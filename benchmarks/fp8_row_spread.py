@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from torq.eval.data import load_wikitext2_test
+from torq.data import load_wikitext2_test
 from torq.formats import get_format, quantize
 from torq.kernels import MXFP4Weight
 from torq.kernels.config import FP8_EXACT_SPAN

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torq.models.streaming as streaming
 from common import save
 from torq.calibration.data import CalibrationConfig
-from torq.methods.torq_rotation import TorqSettings
+from torq.methods.settings import TorqSettings
 from torq.models import load
 from torq.models.streaming import ResidentPeak
 from torq.pipeline import run

@@ -17,7 +17,7 @@ again (a stopped run goes on with the next method). Generation is slow on a CPU 
 ``--resume-dir DIR`` each method's quantized model is kept in ``DIR`` once it is made, and
 each answer as it is generated, so a run stopped in the middle of a method goes on where it
 stopped (the same command again: no calibration, only the answers not yet generated;
-:mod:`torq.eval.resume` checks that the directory holds this model). ``--problems 120-163``
+:mod:`torq.runs.kept` checks that the directory holds this model). ``--problems 120-163``
 asks only those problems.
 Writes JSON and a markdown table (``<out>.md``).
 """
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
 from torq.calibration.data import CalibrationConfig
+from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.eval.generation import (
     MAX_GEN_TOKS,
@@ -51,11 +52,12 @@ from torq.eval.generation import (
     gsm8k_test_size,
 )
 from torq.eval.humaneval import load_humaneval
-from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model, record_setting
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.models import load
+from torq.models.fingerprint import fingerprint_ids
 from torq.results import command_line, machine_info, now_iso
+from torq.runs.kept import keep_model, load_kept_model, record_setting
 from torq.seeding import method_rng
 from torq.surgery import QuantConfig
 
@@ -297,7 +299,7 @@ def quantize(
     # a method's draws depend on its own quantization settings, never on what ran
     # before it nor on the task it is scored on
     with method_rng(0, _quantization_identity(args, method)):
-        get_method(method).apply(model, qconfig, ctx)
+        apply_method(get_method(method), model, qconfig, ctx)
 
 
 def torq_settings(args: argparse.Namespace) -> TorqSettings:

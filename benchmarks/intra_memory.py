@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from torq.methods.torq_rotation import TORQ_INTRA_DEFAULTS
+from torq.methods.settings import TORQ_INTRA_DEFAULTS
 from torq.models.streaming import ResidentPeak
 from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
 

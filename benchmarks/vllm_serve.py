@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from torq.eval.data import load_wikitext2_test
+from torq.data import load_wikitext2_test
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import load_compressed_tensors
 from torq.results import command_line, machine_info, now_iso

@@ -39,7 +39,7 @@ from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
 from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
-from torq.methods.torq_rotation import TorqSettings
+from torq.methods.settings import TorqSettings
 from torq.models.loading import load
 from torq.paths import check_destination
 from torq.pipeline import run

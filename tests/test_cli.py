@@ -58,7 +58,7 @@ def test_destinations_and_methods_are_checked_before_any_work(
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(torq.pipeline, "load", no_load)
+    monkeypatch.setattr(torq.pipeline, "load_model", no_load)
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     (tmp_path / "a-folder").mkdir()
@@ -121,7 +121,7 @@ def test_missing_data_is_found_before_any_work(
     def no_load(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(torq.pipeline, "load", no_load)
+    monkeypatch.setattr(torq.pipeline, "load_model", no_load)
     monkeypatch.setattr(torq.eval.zeroshot, "hub_reachable", lambda timeout=3.0: False)
     # a data folder of its own: other tests add files to the shared tiny one
     data = tmp_path / "data"
@@ -167,9 +167,9 @@ def test_missing_data_is_found_before_any_work(
             main(["run", *base, "--methods", methods])
     # a method whose quantized model is kept in the resume directory is reloaded, not
     # calibrated again: its corpus is not needed
-    from torq.eval.resume import MODEL_INFO
     from torq.pipeline import run
     from torq.runs.config import RunConfig
+    from torq.runs.kept import MODEL_INFO
     from torq.runs.store import method_resume_dir
 
     config = RunConfig(
@@ -419,7 +419,7 @@ def _cpu_and_gpu_perplexities(
     """Each method's perplexity from the same run on the CPU and on the GPU (small
     calibration, two windows; ``fold``: torq's balancing folded into the producers)."""
     from torq.calibration.data import CalibrationConfig
-    from torq.methods.torq_rotation import TorqSettings
+    from torq.methods.settings import TorqSettings
     from torq.pipeline import run
     from torq.runs.config import RunConfig
 
@@ -548,16 +548,17 @@ def test_run_reloads_its_kept_quantized_model(
     quantizing again, and measures the same; ``--no-keep-models`` keeps none."""
     import json
 
+    import torq.pipeline
     from torq.methods import Method
 
     calls: list[str] = []
-    original = Method.apply
+    original = torq.pipeline.apply_method
 
-    def counted(self: Method, model, qconfig, ctx):
-        calls.append(self.name)
-        return original(self, model, qconfig, ctx)
+    def counted(method: Method, model, qconfig, ctx):
+        calls.append(method.name)
+        return original(method, model, qconfig, ctx)
 
-    monkeypatch.setattr(Method, "apply", counted)
+    monkeypatch.setattr(torq.pipeline, "apply_method", counted)
     corpus = tmp_path / "calib.txt"
     corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
     keep = tmp_path / "keep"

@@ -20,7 +20,7 @@ from torq.driver import run_layerwise
 from torq.errors import TorqError
 from torq.eval.perplexity import perplexity
 from torq.methods.registry import LayerPlan
-from torq.methods.torq_rotation import TorqSettings
+from torq.methods.settings import TorqSettings
 from torq.models.streaming import LayerStream, ModelLayers
 from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig
@@ -279,9 +279,9 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     from transformers import AutoModelForCausalLM
 
     import torq.driver as driver
+    import torq.pipeline
     from tests.conftest import tiny_config
     from torq.export import load_quantized
-    from torq.methods.registry import Method
 
     cfg3 = tiny_config("llama")
     cfg3.num_hidden_layers = 3  # a layer before the stop, the one it stops in, one after
@@ -307,12 +307,12 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     whole = run(config(save_dir=str(tmp_path / "whole")) if save else config(), progress=False)
     whole = whole["rows"][0]
     resume = tmp_path / "resume"
-    real_plan = Method.layer_plan
+    real_plan = torq.pipeline.layer_plan
     seen: list[int] = []
     stopping = [True]
 
-    def stopping_plan(self, qconfig, ctx):
-        plan = real_plan(self, qconfig, ctx)
+    def stopping_plan(method, qconfig, ctx):
+        plan = real_plan(method, qconfig, ctx)
         quantize = plan.quantize
         assert quantize is not None
 
@@ -325,7 +325,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
         plan.quantize = stop
         return plan
 
-    monkeypatch.setattr(Method, "layer_plan", stopping_plan)
+    monkeypatch.setattr(torq.pipeline, "layer_plan", stopping_plan)
     with pytest.raises(_Stop):
         run(config(resume_dir=str(resume)), progress=False)
     kept = list(resume.rglob("layers-*.pt"))
@@ -335,7 +335,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
         assert len(partial) == 1 and list(partial[0].glob("model-layer-*.safetensors"))
         assert not list((tmp_path / "saved").glob("[!.]*"))
     assert torch.load(kept[0], weights_only=True)["next_layer"] == stop_at + 1
-    monkeypatch.setattr(Method, "layer_plan", real_plan)
+    monkeypatch.setattr(torq.pipeline, "layer_plan", real_plan)
     # another window count is another run: it does not take up this one's progress
     other = run(
         config(resume_dir=str(resume), max_windows=2, save_dir=str(tmp_path / "other")),
@@ -344,7 +344,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     assert "resumed_at_layer" not in other["details"]
     seen.clear()
     stopping[0] = False
-    monkeypatch.setattr(Method, "layer_plan", stopping_plan)  # records the layers it runs
+    monkeypatch.setattr(torq.pipeline, "layer_plan", stopping_plan)  # records the layers it runs
     monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 1e9)  # the last layer is kept anyway
     row = run(config(resume_dir=str(resume), max_windows=3), progress=False)
     again = row["rows"][0]
@@ -370,6 +370,7 @@ _RSS_SCRIPT = textwrap.dedent(
     import torch
     from torq.driver import run_layerwise
     from torq.methods import MethodContext, get_method
+    from torq.methods.layers import layer_plan
     from torq.models.streaming import LayerStream
     from torq.surgery.qlinear import QuantConfig
 
@@ -380,7 +381,7 @@ _RSS_SCRIPT = textwrap.dedent(
 
     folder, method = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    plan = get_method(method).layer_plan(QuantConfig.from_names("mxfp4", "mxfp4"), MethodContext())
+    plan = layer_plan(get_method(method), QuantConfig.from_names("mxfp4", "mxfp4"), MethodContext())
     windows = torch.randint(0, 1000, (1, 64))
     source = LayerStream(folder)
     # the peak of this run alone: reset the high-water mark after the imports (Linux)
@@ -519,7 +520,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from dataclasses import asdict
 
     from torq.driver import _stable_record
-    from torq.methods.torq_rotation import TorqSettings
+    from torq.methods.settings import TorqSettings
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())

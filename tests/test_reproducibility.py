@@ -12,7 +12,7 @@ from tests.conftest import tiny_model
 from torq.calibration.capture import BlockStatistics
 from torq.calibration.data import CalibrationConfig
 from torq.methods import METHODS, get_method
-from torq.methods.torq_rotation import TorqSettings
+from torq.methods.settings import TorqSettings
 from torq.models.loading import LoadedModel
 from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig

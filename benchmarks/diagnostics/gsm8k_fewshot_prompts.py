@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from torq.eval.data import resolve_data_dir
+from torq.data import resolve_data_dir
 from torq.eval.generation import GSM8K_FILES, GSM8K_TASK, gsm8k_task_yaml
 from torq.eval.zeroshot import _lm_eval_tasks_dir
 

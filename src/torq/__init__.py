@@ -1,3 +1,5 @@
 """torq: Two-level Orthogonal Rotation for MXFP4 Quantization (TORQ) of LLMs."""
 
-__version__ = "0.1.0"
+from torq.version import __version__
+
+__all__ = ["__version__"]

@@ -22,7 +22,7 @@ from torq.errors import TorqError
 from torq.logs import quiet_libraries
 
 if TYPE_CHECKING:
-    from torq.methods.torq_rotation import TorqSettings
+    from torq.methods.settings import TorqSettings
 
 
 # TORQ's block sizes K: the divisors of 32 with at least two columns, so K divides every
@@ -71,7 +71,7 @@ def _balance_alpha(value: str) -> float | None:
 
 
 def _linear_names(value: str) -> tuple[str, ...]:
-    from torq.methods.torq_rotation import LINEAR_NAME
+    from torq.methods.settings import LINEAR_NAME
 
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     if not names or not all(LINEAR_NAME.fullmatch(n) for n in names):
@@ -458,7 +458,7 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
     but the calibration's and the solver's seed, which ``--calib-seed`` sets. The benchmark
     scripts build theirs from the same defaults (a test holds them equal)."""
     from torq.calibration.data import CalibrationConfig
-    from torq.methods.torq_rotation import TorqSettings
+    from torq.methods.settings import TorqSettings
     from torq.rotations.inter_block import InterBlockConfig
     from torq.rotations.intra_block import IntraBlockConfig
 

@@ -32,7 +32,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,12 +41,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torq.calibration.capture import LayerSolver, capture_layer, layer_outputs
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
 from torq.errors import TorqError
 from torq.eval.perplexity import PerplexityResult, perplexity_from_nll, window_nll
-from torq.eval.resume import fingerprint_of_logits
-from torq.methods.registry import LayerPlan
+from torq.methods.layers import layer_plan
+from torq.methods.registry import LayerPlan, Method, MethodContext
+from torq.methods.settings import torq_key
+from torq.models.fingerprint import fingerprint_of_logits
 from torq.models.streaming import (
     LayerSource,
     ModelLayers,
@@ -56,7 +58,8 @@ from torq.models.streaming import (
     give_back_memory,
     head_logits,
 )
-from torq.surgery.qlinear import calibrate_activation_scales
+from torq.surgery.gptq import gptq_key
+from torq.surgery.qlinear import QuantConfig, calibrate_activation_scales
 
 if TYPE_CHECKING:
     from torq.export.checkpoint import CheckpointWriter
@@ -135,8 +138,6 @@ def _stable_record(record: dict[str, Any]) -> dict[str, Any]:
     """A plan's record as a progress file's name holds it: settings added to TORQ or GPTQ
     after a run began are left out at their defaults (as the settings keys leave them out),
     so the run's kept progress is still taken up by a torq that knows them."""
-    from torq.methods.torq_rotation import torq_key
-    from torq.surgery.gptq import gptq_key
 
     out = dict(record)
     if isinstance(out.get("settings"), dict):
@@ -538,3 +539,29 @@ def calibrate_layerwise(
         ],
     )
     return run.details["layers"], times
+
+
+def apply_method(
+    method: Method, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext
+) -> dict[str, Any]:
+    """Quantize ``model`` in place with ``method`` (its whole-model step, then
+    :func:`run_layerwise` over its layers in memory); returns the record of what was done."""
+    record: dict[str, Any] = {}
+    if ctx.model_config is None:
+        ctx = replace(ctx, model_config=model.config)
+    plan = layer_plan(method, qconfig, ctx)
+    if plan.quantize is None:
+        return record
+    t0 = time.perf_counter()
+    windows = None
+    if plan.calibration is not None:
+        windows = calibration_windows(ctx.tokenizer, plan.calibration, ctx.options.get("data_dir"))
+    t_data = time.perf_counter() - t0
+    run = run_layerwise(
+        ModelLayers(model), plan, windows, None, progress=ctx.options.get("progress", True),
+        desc=method.name,
+    )  # fmt: skip
+    record.update(run.details)
+    if "calibration_seconds" in record:
+        record["calibration_seconds"] = {"data": t_data, **record["calibration_seconds"]}
+    return record

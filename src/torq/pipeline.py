@@ -22,18 +22,23 @@ from typing import Any
 
 import torch
 
+from torq.calibration.data import calibration_windows
+from torq.data import load_eval_text
+from torq.driver import LayerProgress, apply_method, run_layerwise
 from torq.errors import TorqError
-from torq.eval.data import load_eval_text
 from torq.eval.perplexity import perplexity, windows_from_text
-from torq.eval.resume import fingerprint_ids, keep_model, load_kept_model
+from torq.eval.zeroshot import evaluate_zeroshot
+from torq.export import load_quantized
+from torq.export.checkpoint import CheckpointWriter
+from torq.export.loading import load_model
+from torq.methods.layers import layer_plan
 from torq.methods.registry import Method, MethodContext, get_method
-from torq.models.loading import LoadedModel, load
-from torq.runs.config import (
-    RunConfig,
-    check_run,
-    method_context,
-    resolve_device,
-)
+from torq.models.fingerprint import fingerprint_ids
+from torq.models.loading import LoadedModel, model_folder
+from torq.models.streaming import LayerStream
+from torq.runs.checks import check_run
+from torq.runs.config import RunConfig, method_context, resolve_device
+from torq.runs.kept import keep_model, load_kept_model
 from torq.runs.report import MethodRow, peak_memory, run_record
 from torq.runs.source import (
     SavedMethod,
@@ -101,7 +106,7 @@ def _run(
         return _run_streamed(config, methods, qconfig, device, progress, on_row, t_start, scratch)
     own = loaded is None  # the run loads the model itself, so it can read it again
     if loaded is None:
-        loaded = load(
+        loaded = load_model(
             config.model,
             packed=config.packed,
             gguf_dtype=config.gguf_dtype,
@@ -145,7 +150,7 @@ def _run(
             ctx = method_context(config, loaded.tokenizer, progress)
             # the method's draws depend on its own settings, never on what ran before it
             with method_rng(config.seed, setting_key(asdict(config), method.name)):
-                details = method.apply(model, qconfig, ctx)
+                details = apply_method(method, model, qconfig, ctx)
             t_quant = time.perf_counter() - t0
             if keep_dir is not None:
                 t0 = time.perf_counter()
@@ -232,12 +237,6 @@ def _run_streamed(
     checkpoint again from its folder, so no copy of the model is made or held."""
     from transformers import AutoTokenizer
 
-    from torq.calibration.data import calibration_windows
-    from torq.driver import LayerProgress, run_layerwise
-    from torq.export.checkpoint import CheckpointWriter
-    from torq.models.loading import model_folder
-    from torq.models.streaming import LayerStream
-
     folder, source_name = model_folder(config.model, config.gguf_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     # a method whose offline rotation cannot be fused into this architecture fails now,
@@ -261,7 +260,7 @@ def _run_streamed(
         t0 = time.perf_counter()
         ctx = replace(method_context(config, tokenizer, progress), model_config=source.model.config)
         with method_rng(config.seed, setting_key(asdict(config), method.name)):
-            plan = method.layer_plan(qconfig, ctx)
+            plan = layer_plan(method, qconfig, ctx)
             calib = None
             if plan.calibration is not None:
                 calib = calibration_windows(tokenizer, plan.calibration, config.data_dir)
@@ -374,7 +373,6 @@ def _saved_zeroshot(
     """The zero-shot tasks of a streamed method, on the checkpoint it saved, loaded whole
     (packed with ``config.packed``; its layers offloaded to a folder in ``scratch`` when
     given) and freed after. ``cache``: :func:`_zeroshot`'s (the kept answers)."""
-    from torq.export import load_quantized
 
     offload = None if scratch is None else Path(tempfile.mkdtemp(prefix="layers-", dir=scratch))
     try:
@@ -401,7 +399,6 @@ def _zeroshot(
 ) -> dict[str, Any]:
     """The run's zero-shot tasks on ``model`` (lm-eval's full output into ``details``);
     returns the row's zero-shot part. ``cache``: where its answers are kept."""
-    from torq.eval.zeroshot import evaluate_zeroshot
 
     zs = evaluate_zeroshot(
         model,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-import torq
 from torq.paths import usual_permissions
+from torq.version import __version__
 
 
 def cpu_model() -> str:
@@ -54,7 +54,7 @@ def versions() -> dict[str, str]:
     import transformers
 
     return {
-        "torq": torq.__version__,
+        "torq": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from torq.data import DATA_DIR_ENV
 from torq.errors import TorqError
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
-from torq.eval.data import DATA_DIR_ENV
 
 
 def test_windows_are_non_overlapping_and_drop_the_tail(tiny_tokenizer, tiny_data_dir) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from torq.driver import apply_method
 from torq.methods.registry import MethodContext, get_method
 from torq.surgery.qlinear import QuantConfig
 
@@ -69,8 +70,11 @@ def test_scores_match_hflm(arch, quantized, tiny_tokenizer) -> None:
     request order, for the float model and a W4A4 (block-Hadamard) fake-quantized one."""
     model = tiny_model(arch).eval()
     if quantized:
-        get_method("had32").apply(
-            model, QuantConfig.from_names("mxfp4", "mxfp4"), MethodContext(tokenizer=None)
+        apply_method(
+            get_method("had32"),
+            model,
+            QuantConfig.from_names("mxfp4", "mxfp4"),
+            MethodContext(tokenizer=None),
         )
     reqs = _requests(model.config.vocab_size)
     # token positions that entered the model: the shared contexts ran once

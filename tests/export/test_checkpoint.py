@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import TINY_TEXT, TINY_VOCAB, tiny_model
 from torq.calibration.data import CalibrationConfig
 from torq.cli import main
+from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.export import MANIFEST, is_quantized_checkpoint, load_quantized, save_quantized
 from torq.formats import get_format
@@ -47,7 +48,7 @@ def _ctx(tokenizer, corpus: str | None = None) -> MethodContext:
 
 def _quantized(arch: str, method: str, qconfig: QuantConfig = MX, tokenizer=None, corpus=None):
     model = tiny_model(arch)
-    get_method(method).apply(model, qconfig, _ctx(tokenizer, corpus))
+    apply_method(get_method(method), model, qconfig, _ctx(tokenizer, corpus))
     return model
 
 
@@ -385,12 +386,12 @@ def test_model_copy_is_unaffected_by_saving(tmp_path) -> None:
 @pytest.mark.slow
 def test_real_model_round_trip(shared_data, tmp_path) -> None:
     """SmolLM2-135M with RTN: the saved folder is a third of the float checkpoint, and
-    ``torq.models.load`` of it gives back the same logits."""
-    from torq.models import load
+    ``torq.export.load_model`` of it gives back the same logits."""
+    from torq.export import load_model as load
 
     lm = load("smollm2-135m")
     float_bytes = sum(f.stat().st_size for f in Path(lm.path).glob("*.safetensors"))
-    get_method("rtn").apply(lm.model, MX, _ctx(lm.tokenizer))
+    apply_method(get_method("rtn"), lm.model, MX, _ctx(lm.tokenizer))
     ids = lm.tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
     with torch.no_grad():
         ref = lm.model(input_ids=ids).logits

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_TEXT, tiny_model
+from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.formats import get_format, quantize
 from torq.methods import MethodContext, get_method
@@ -51,7 +52,7 @@ def _quantized(method: str, activation: str | None, arch: str = "llama"):
     model = tiny_model(arch)
     qconfig = QuantConfig.from_names("mxfp4", activation, scale_mode="nearest")
     q = copy.deepcopy(model)
-    get_method(method).apply(q, qconfig, MethodContext(options={"progress": False}))
+    apply_method(get_method(method), q, qconfig, MethodContext(options={"progress": False}))
     return q
 
 
@@ -410,8 +411,11 @@ def test_nvfp4_weights_export_and_load_as_torq_computes_them(
     )
 
     w4a4 = copy.deepcopy(model)
-    get_method("rtn").apply(
-        w4a4, QuantConfig.from_names("nvfp4", "nvfp4"), MethodContext(options={"progress": False})
+    apply_method(
+        get_method("rtn"),
+        w4a4,
+        QuantConfig.from_names("nvfp4", "nvfp4"),
+        MethodContext(options={"progress": False}),
     )
     with pytest.raises(TorqError, match="dynamic tensor scale are not exported"):
         export_compressed_tensors(w4a4, tmp_path / "w4a4")
@@ -467,7 +471,7 @@ def test_smollm2_round_trips_through_transformers(tmp_path) -> None:
     lm = load("smollm2-135m")
     reference = copy.deepcopy(lm.model)
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
-    get_method("had32").apply(lm.model, qconfig, MethodContext(options={"progress": False}))
+    apply_method(get_method("had32"), lm.model, qconfig, MethodContext(options={"progress": False}))
     out = export_compressed_tensors(lm.model, tmp_path / "ct", lm.tokenizer)
     loaded = load_compressed_tensors(out)
     gap, bf16_gap, error = _logit_gaps(reference, lm.model, loaded, lm.tokenizer)

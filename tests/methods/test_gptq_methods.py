@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.calibration.data import CalibrationConfig
+from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.formats import fake_quantize, get_format
 from torq.methods import MethodContext, TorqSettings, get_method
@@ -52,7 +53,7 @@ def test_gptq_weights_are_on_the_grid_and_beat_rtn(method, corpus, tiny_tokenize
     errors = {}
     for name in (method, method.replace("+gptq", "") if "+" in method else "rtn"):
         q = copy.deepcopy(model)
-        record = get_method(name).apply(q, qconfig, _ctx(corpus, tiny_tokenizer))
+        record = apply_method(get_method(name), q, qconfig, _ctx(corpus, tiny_tokenizer))
         json.dumps(record)
         with torch.no_grad():
             errors[name] = float((q(input_ids=ids).logits - ref).norm() / ref.norm())

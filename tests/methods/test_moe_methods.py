@@ -16,6 +16,7 @@ import torch
 import torq.methods.layers as method_layers
 from tests.conftest import tiny_model
 from torq.calibration.data import CalibrationConfig, calibration_windows
+from torq.driver import apply_method
 from torq.export.checkpoint import load_quantized, save_quantized
 from torq.kernels.experts import PackedMXFP4Experts
 from torq.methods import MethodContext, TorqSettings, get_method
@@ -37,7 +38,7 @@ def _settings(corpus: str, **kw) -> TorqSettings:
 
 def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tokenizer) -> dict:
     ctx = MethodContext(tokenizer=tokenizer, options={"torq_settings": settings, "progress": False})
-    return get_method(method).apply(model, qconfig, ctx)
+    return apply_method(get_method(method), model, qconfig, ctx)
 
 
 def _experts(model) -> list[QuantExperts]:

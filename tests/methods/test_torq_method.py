@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import tiny_model
 from torq.calibration.data import CalibrationConfig
+from torq.driver import apply_method
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.intra_block import IntraBlockConfig
@@ -28,7 +29,7 @@ def _settings(corpus: str, **kw) -> TorqSettings:
 
 def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tokenizer):
     ctx = MethodContext(tokenizer=tokenizer, options={"torq_settings": settings, "progress": False})
-    return get_method(method).apply(model, qconfig, ctx)
+    return apply_method(get_method(method), model, qconfig, ctx)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +96,7 @@ def test_block_hadamard_baseline_is_exact_in_float(arch, method) -> None:
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     q = copy.deepcopy(model)
-    record = get_method(method).apply(q, QuantConfig(None, None), MethodContext())
+    record = apply_method(get_method(method), q, QuantConfig(None, None), MethodContext())
     # tiny widths: 64 and 128 (hidden, intermediate); groups 16 / 32 / ≤128 / full width
     expected = {
         "had16": {64: 16, 128: 16},

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.methods import MethodContext, get_method
 from torq.methods.quarot import apply_quarot_rotations
@@ -71,7 +72,7 @@ def test_quarot_method_is_exact_in_float(arch) -> None:
     ids = torch.randint(0, model.config.vocab_size, (2, 17))
     ref = _logits(model, ids)
     q = copy.deepcopy(model)
-    record = get_method("quarot").apply(q, QuantConfig(None, None), MethodContext())
+    record = apply_method(get_method("quarot"), q, QuantConfig(None, None), MethodContext())
     assert _rel(_logits(q, ids), ref) < 1e-4
     downs = [m for n, m in q.named_modules() if n.endswith("down_proj")]
     assert downs and all(

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from torq.calibration.hidden import HiddenStates
+from torq.models.architecture import is_fused_experts
 from torq.models.streaming import ModelLayers, embed_windows
-from torq.surgery.qlinear import is_fused_experts
 
 
 @dataclass

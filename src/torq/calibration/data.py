@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from torq.data import WIKIPEDIA_EN, data_file
 from torq.errors import TorqError
-from torq.eval.data import WIKIPEDIA_EN, data_file
 
 CORPORA: dict[str, Path] = {
     "wikitext2-valid": Path("wikitext-2") / "wiki.valid.tokens",

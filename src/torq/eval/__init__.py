@@ -1,6 +1,7 @@
-"""Evaluation: WikiText-2 perplexity (and, later, zero-shot tasks)."""
+"""Evaluation metrics: perplexity, zero-shot tasks through lm-eval, generation tasks, paired
+comparisons."""
 
-from torq.eval.data import load_wikitext2_test, resolve_data_dir
+from torq.data import load_wikitext2_test, resolve_data_dir
 from torq.eval.perplexity import PerplexityResult, perplexity, windows_from_text
 
 __all__ = [

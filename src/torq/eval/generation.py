@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from torq.data import resolve_data_dir
 from torq.errors import TorqError
-from torq.eval.data import resolve_data_dir
 from torq.eval.humaneval import HUMANEVAL, load_humaneval, score
 from torq.eval.sandbox import SandboxLimits
 from torq.eval.zeroshot import answers_cached_in, in_process_lm

@@ -16,8 +16,8 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from torq.data import resolve_data_dir
 from torq.errors import TorqError
-from torq.eval.data import resolve_data_dir
 from torq.eval.sandbox import SandboxLimits, run_untrusted
 
 HUMANEVAL = Path("humaneval") / "HumanEval.jsonl.gz"

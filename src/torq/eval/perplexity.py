@@ -23,7 +23,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torq.errors import TorqError
-from torq.eval.resume import check_fingerprint, logits_fingerprint, write_json_atomic
+from torq.models.fingerprint import check_fingerprint, logits_fingerprint
+from torq.paths import write_json_atomic
 
 
 @dataclass
@@ -75,7 +76,7 @@ def perplexity(
 
     ``checkpoint``: a JSON file that keeps each window's NLL as it is measured; the same call
     again after a stop measures only the windows it lacks (same windows and same model,
-    checked by hash and logits fingerprint, :mod:`torq.eval.resume`). ``seconds`` then counts
+    checked by hash and logits fingerprint, :mod:`torq.runs.kept`). ``seconds`` then counts
     the time of every session that contributed.
     """
     if windows.dim() != 2:

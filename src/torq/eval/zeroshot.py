@@ -29,14 +29,10 @@ from typing import Any
 
 import torch
 
+from torq.data import DATA_DIR_ENV, resolve_data_dir
 from torq.errors import TorqError
-from torq.eval.data import DATA_DIR_ENV, resolve_data_dir
-from torq.eval.resume import (
-    check_fingerprint,
-    fingerprint_ids,
-    logits_fingerprint,
-    write_json_atomic,
-)
+from torq.models.fingerprint import check_fingerprint, fingerprint_ids, logits_fingerprint
+from torq.paths import write_json_atomic
 from torq.results import now_iso
 
 
@@ -284,7 +280,7 @@ def evaluate_zeroshot(
     ``request_cache`` is a directory for this model's answers (lm-eval's ``CachingLM``,
     written as they are scored): a run that is stopped keeps what it scored, and the same
     call again scores only the rest. The directory belongs to one model: its logits
-    fingerprint (:mod:`torq.eval.resume`) is stored there and a different model is refused.
+    fingerprint (:mod:`torq.runs.kept`) is stored there and a different model is refused.
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
     versions>, "seconds": wall time, "limit": limit, "subset": {"n", "seed", "questions"}
@@ -365,7 +361,7 @@ def _cache_entries(db: Path) -> int:
 def open_request_cache(
     root: Path, model: torch.nn.Module, tokenizer: Any, batch_size: Any = None
 ) -> dict[str, Any]:
-    """Check (or claim) ``root`` for ``model`` (:mod:`torq.eval.resume`); log the session's
+    """Check (or claim) ``root`` for ``model`` (:mod:`torq.runs.kept`); log the session's
     start in ``meta.json``, with the batch size its answers are made in where given (a
     generated answer may depend on it)."""
     root.mkdir(parents=True, exist_ok=True)

@@ -8,17 +8,14 @@ torq's fake-quant layers (bit-identical to the model that was saved) or with the
 MXFP4 layers of :mod:`torq.kernels` (``packed=True``, the GPU kernels).
 """
 
-from torq.export.checkpoint import (
-    MANIFEST,
-    is_quantized_checkpoint,
-    load_quantized,
-    read_manifest,
-    save_quantized,
-)
+from torq.export.checkpoint import load_quantized, read_manifest, save_quantized
+from torq.export.loading import load_model
+from torq.models.loading import MANIFEST, is_quantized_checkpoint
 
 __all__ = [
     "MANIFEST",
     "is_quantized_checkpoint",
+    "load_model",
     "load_quantized",
     "read_manifest",
     "save_quantized",

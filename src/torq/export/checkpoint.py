@@ -30,7 +30,7 @@ Tensors in ``model.safetensors``:
 The manifest lists each quantized module with its formats, its storage and which activation
 quantizer (transform and activation format) it reads through, so that layers that shared one
 online transform share it again after loading. It also keeps a logits fingerprint
-(:mod:`torq.eval.resume`) that :func:`load_quantized` checks.
+(:mod:`torq.runs.kept`) that :func:`load_quantized` checks.
 """
 
 from __future__ import annotations
@@ -48,25 +48,25 @@ from typing import Any
 import torch
 from torch import nn
 
-import torq
 from torq.errors import TorqError
-from torq.eval.resume import (
+from torq.formats import FormatSpec
+from torq.formats.packed import PackedTensor, dequantize, encode_nvfp4_exact, quantize
+from torq.models.architecture import decoder_layers
+from torq.models.fingerprint import (
     FINGERPRINT_TOL,
     fingerprint_distance,
     fingerprint_ids,
     logits_fingerprint,
 )
-from torq.formats import FormatSpec
-from torq.formats.packed import PackedTensor, dequantize, encode_nvfp4_exact, quantize
-from torq.models.architecture import decoder_layers
+from torq.models.loading import MANIFEST
 from torq.models.streaming import return_free_heap
 from torq.paths import usual_permissions
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts, QuantLinear
+from torq.version import __version__
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "torq_quant.json"
 WEIGHTS = "model.safetensors"
 CHECKPOINT_FORMAT = "torq-quantized"
 CHECKPOINT_VERSION = 1
@@ -415,7 +415,7 @@ def _manifest(
         "fingerprint": {"input_ids": ids[0].tolist(), "logits": fingerprint},
         "stats": {"quantized_modules": len(modules), "packed_weights": packed},
         "versions": {
-            "torq": torq.__version__,
+            "torq": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
@@ -613,11 +613,6 @@ class CheckpointWriter:
         usual_permissions(self._tmp)
         self._manifest = manifest
         return manifest
-
-
-def is_quantized_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a folder written by :func:`save_quantized`."""
-    return (Path(path) / MANIFEST).is_file()
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torq.methods.registry import (
     get_method,
     register,
 )
-from torq.methods.torq_rotation import TorqSettings
+from torq.methods.settings import TorqSettings
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -8,17 +8,16 @@ llm-compressor composes its GPTQ modifier with any transform. Each builder decla
 run settings it reads (:meth:`TransformBuilder.key_settings`), so a method's settings key
 (:meth:`Method.settings_key`) names exactly what makes its quantized model.
 
-Every method becomes a :class:`LayerPlan` (:meth:`Method.layer_plan`) that
+Every method becomes a :class:`LayerPlan` (:func:`torq.methods.layers.layer_plan`) that
 :func:`torq.driver.run_layerwise` runs one decoder layer at a time, on a model in memory
-(:meth:`Method.apply`) or streamed from its checkpoint: the driver is the only code that
-walks the layers. A rotation method is one file: a builder and its ``register(Method(…))``
-(the package imports every module in it).
+(:func:`torq.driver.apply_method`) or streamed from its checkpoint: the driver is the
+only code that walks the layers. A rotation method is one file: a builder and its
+``register(Method(…))`` (the package imports every module in it).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
+from torq.methods.settings import TorqSettings
 from torq.surgery.qlinear import QuantConfig
 
 WEIGHT_QUANTIZERS: tuple[str, ...] = ("rtn", "gptq")
@@ -46,7 +46,6 @@ class MethodContext:
     def capture_settings(self) -> Any:
         """The run's :class:`~torq.methods.torq_rotation.TorqSettings`, which also hold the
         capture settings every calibrating method shares (windows, reservoir, sequential)."""
-        from torq.methods.torq_rotation import TorqSettings
 
         return self.options.get("torq_settings") or TorqSettings()
 
@@ -239,41 +238,6 @@ class Method:
             torq = run.get("torq") or {}
             key["act_calibration"] = [torq.get(k) for k in ("calibration", "sequential")]
         return json.dumps([self.name, key], sort_keys=True, default=str)
-
-    def layer_plan(self, qconfig: QuantConfig, ctx: MethodContext) -> LayerPlan:
-        """The method one decoder layer at a time (:class:`LayerPlan`)."""
-        from torq.methods.layers import layer_plan
-
-        return layer_plan(self, qconfig, ctx)
-
-    def apply(self, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
-        """Quantize ``model`` in place (its whole-model step, then the driver over its
-        layers); returns the record of what was done."""
-        from torq.calibration.data import calibration_windows
-        from torq.driver import run_layerwise
-        from torq.models.streaming import ModelLayers
-
-        record: dict[str, Any] = {}
-        if ctx.model_config is None:
-            ctx = replace(ctx, model_config=model.config)
-        plan = self.layer_plan(qconfig, ctx)
-        if plan.quantize is None:
-            return record
-        t0 = time.perf_counter()
-        windows = None
-        if plan.calibration is not None:
-            windows = calibration_windows(
-                ctx.tokenizer, plan.calibration, ctx.options.get("data_dir")
-            )
-        t_data = time.perf_counter() - t0
-        run = run_layerwise(
-            ModelLayers(model), plan, windows, None, progress=ctx.options.get("progress", True),
-            desc=self.name,
-        )  # fmt: skip
-        record.update(run.details)
-        if "calibration_seconds" in record:
-            record["calibration_seconds"] = {"data": t_data, **record["calibration_seconds"]}
-        return record
 
 
 METHODS: dict[str, Method] = {}

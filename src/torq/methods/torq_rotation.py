@@ -28,17 +28,16 @@ then ``H₃₂``, the permutation checked by the guard like a calibrated transfo
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup
-from torq.calibration.data import CalibrationConfig
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
+from torq.methods.settings import TorqSettings, torq_key
 from torq.rotations.balance import (
     balance_covariance,
     balance_scales,
@@ -48,126 +47,10 @@ from torq.rotations.balance import (
 )
 from torq.rotations.fold import check_foldable, fold_scales, is_o_proj, o_proj_ties
 from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
-from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
+from torq.rotations.inter_block import inter_block_rotations
+from torq.rotations.intra_block import fit_intra_block_rotation
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantConfig
-
-# torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
-# K/2 candidate columns): start from the block Hadamard and let every column be a candidate.
-# Measured in docs/RESULTS.md §3; ``paper_settings()`` restores the paper's reading.
-TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
-
-
-# a linear layer's own name inside its decoder layer (``o_proj``), as ``calibrate`` takes it
-LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-@dataclass
-class TorqSettings:
-    """Every knob of TORQ; recorded verbatim in the result JSON.
-
-    ``balance`` is the migration strength ``α`` of the channel balancing step
-    (:func:`torq.rotations.balance.balance_scales`; ``0.5`` is its optimum), or ``None``
-    for the paper's method without it. :meth:`paper` gives the paper's TORQ exactly.
-    """
-
-    use_inter: bool = True
-    use_intra: bool = True
-    inter: InterBlockConfig = field(default_factory=InterBlockConfig)
-    intra: IntraBlockConfig = field(default_factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS))
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    sequential: bool = False
-    reservoir_tokens: int = 1024
-    block_size: int = 32
-    balance: float | None = 0.5
-    # the fraction of each group's sampled tokens held back to check the calibrated
-    # transform against the balanced Hadamard (module doc); ``None``: no check
-    guard: float | None = None
-    # do the balancing's ``x ⊘ s`` in the module that produces each group's input (the norm,
-    # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
-    # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
-    fold: bool = False
-    # the groups that get the calibrated rotations, by the name of a member linear
-    # ("o_proj": attention's output projection only); the others get torq-had32's transform
-    # (the balancing and H₃₂). ``None``: every group (docs/RESULTS.md §10.3)
-    calibrate: tuple[str, ...] | None = None
-    # a channel permutation after the balancing that gives each block an equal share of
-    # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
-    # tokens the intra-block level fits on; intra-block level only (docs/RESULTS.md §10.3)
-    permute: bool = False
-    # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
-    # pooled, instead of one per expert from the tokens routed to it (the cheap variant)
-    expert_down_shared: bool = False
-
-    def __post_init__(self) -> None:
-        if self.guard is not None and not 0.0 < self.guard < 1.0:
-            raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
-        if self.calibrate is not None:
-            names = tuple(self.calibrate)
-            if not names or not all(isinstance(n, str) and LINEAR_NAME.fullmatch(n) for n in names):
-                raise ValueError(
-                    "calibrate names the linear layers whose input groups get the calibrated "
-                    f"rotations (e.g. o_proj), got {self.calibrate!r}"
-                )
-            self.calibrate = names
-        if self.permute and (self.use_inter or self.balance is None):
-            raise ValueError(
-                "the block-mass permutation needs the balancing and no inter-block rotation "
-                "(which reads per-position covariances a permutation does not keep)"
-            )
-
-    def calibrates(self, group: LinearGroup) -> bool:
-        """Whether ``group`` gets the calibrated rotations (``calibrate``), else the
-        balanced ``H₃₂``."""
-        if self.calibrate is None:
-            return True
-        return any(m.rsplit(".", 1)[-1] in self.calibrate for m in group.members)
-
-    def fixed_hadamard(self) -> TorqSettings:
-        """``torq-had32``'s transform with these settings: the balancing, then Algorithm 2
-        from ``H₃₂`` with no iteration, no inter-block level and no guard."""
-        return replace(
-            self,
-            use_inter=False,
-            use_intra=True,
-            guard=None,
-            calibrate=None,
-            permute=False,
-            intra=replace(self.intra, init="hadamard", max_iter=0),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def paper(self) -> TorqSettings:
-        """These settings with the paper's method: no balancing, Algorithm 2 from the
-        identity with ``K/2`` candidate columns."""
-        return replace(
-            self,
-            balance=None,
-            guard=None,
-            fold=False,
-            calibrate=None,
-            permute=False,
-            intra=replace(self.intra, init="identity", k_top=None),
-        )
-
-
-def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
-    """TORQ's settings (``asdict(TorqSettings)``) as a settings key holds them: settings
-    added after results were kept are left out at their defaults, so those keys still match."""
-    return {k: v for k, v in settings.items() if not (k in _LATER and v is _LATER[k])}
-
-
-# settings added after keys were kept, at their defaults (``is``: None and False themselves)
-_LATER: dict[str, Any] = {
-    "guard": None,
-    "fold": False,
-    "calibrate": None,
-    "permute": False,
-    "expert_down_shared": False,
-}
 
 
 def build_group_transform(

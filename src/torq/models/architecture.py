@@ -7,6 +7,7 @@ inside it, and everything outside it (embeddings, final norm, lm_head) stays in 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torq.errors import TorqError
@@ -28,3 +29,16 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         )
     # The shortest dotted name is the outermost stack (e.g. model.layers, not a nested list).
     return min(candidates, key=lambda c: c[0].count("."))[1]
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A mixture-of-experts block stored as 3D tensors (transformers >= 5 layout)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and hasattr(module, "act_fn")
+    )

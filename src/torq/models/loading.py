@@ -35,6 +35,15 @@ from torq.paths import cache_dir, exclusive, usual_permissions
 log = logging.getLogger(__name__)
 
 
+# the manifest file that marks a folder torq saved quantized (:mod:`torq.export`)
+MANIFEST = "torq_quant.json"
+
+
+def is_quantized_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by :func:`torq.export.save_quantized`."""
+    return (Path(path) / MANIFEST).is_file()
+
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A real pretrained checkpoint that ships as a GGUF file inside index packages.
@@ -323,31 +332,6 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
 
 
-def _from_quantized_folder(
-    path: Path,
-    packed: bool = False,
-    offload_dir: Path | None = None,
-    device: str | torch.device = "cpu",
-) -> LoadedModel:
-    from torq.export import load_quantized
-
-    # with its layers offloaded the model is dispatched, where it computes, as it loads
-    # (it cannot be moved after); otherwise it loads on the CPU and the caller moves it
-    where = device if offload_dir is not None else "cpu"
-    model, tokenizer, manifest = load_quantized(
-        path, packed=packed, offload_dir=offload_dir, device=where
-    )
-    if tokenizer is None:
-        raise TorqError(f"{path} holds no tokenizer; save it with one to evaluate it here")
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        source=f"torq-quantized:{path.resolve()}",
-        path=str(path),
-        quantized=manifest,
-    )
-
-
 def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, str]:
     """The safetensors folder behind a float model name, and its source label, for the
     layer-streaming path (:class:`torq.models.streaming.LayerStream`): an embedded default
@@ -361,8 +345,6 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
     if key.endswith(".gguf"):
         return convert_gguf(path, dtype=_gguf_dtype(gguf_dtype)), f"gguf:{path.resolve()}"
     if path.is_dir():
-        from torq.export import is_quantized_checkpoint
-
         if is_quantized_checkpoint(path):
             raise TorqError(f"{path} holds a model already quantized; it cannot be streamed")
         if not (path / "config.json").is_file():
@@ -439,29 +421,22 @@ def _gguf_dtype(name: str) -> torch.dtype:
 def load(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
-    packed: bool = False,
     gguf_dtype: str = "float32",
-    offload_dir: Path | None = None,
-    device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load a causal LM in float for quantization.
+    """Load a causal LM in float for quantization (a checkpoint torq saved quantized loads
+    through :func:`torq.export.load_model`).
 
     ``name_or_path`` is an embedded default (see :data:`EMBEDDED_MODELS`), a ``.gguf``
     file, a local Hugging Face folder or a hub id. GGUF weights are de-quantized once,
     tensor by tensor, to float32 (or ``gguf_dtype="bfloat16"``) and cached
-    (``$TORQ_CACHE``). A folder written by
-    :func:`torq.export.save_quantized` loads as the quantized model it holds
-    (``LoadedModel.quantized`` is then its manifest), its MXFP4 W4A4 weights kept packed
-    with ``packed``, its decoder layers offloaded to the empty folder ``offload_dir`` when
-    given (:func:`torq.export.load_quantized`; the layers then compute on ``device``).
+    (``$TORQ_CACHE``).
     """
     key = name_or_path.strip()
     path = Path(key).expanduser()
-    if path.is_dir():
-        from torq.export import is_quantized_checkpoint
-
-        if is_quantized_checkpoint(path):
-            return _from_quantized_folder(path, packed, offload_dir, device)
+    if path.is_dir() and is_quantized_checkpoint(path):
+        raise TorqError(
+            f"{path} is a checkpoint torq saved quantized: load it with torq.export.load_model"
+        )
     if _is_hub_id(key, path):
         try:
             return _from_folder(key, f"hub:{key}", dtype)

@@ -6,17 +6,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from torq.data import DEFAULT_EVAL_CORPUS
 from torq.errors import TorqError
-from torq.eval.data import DEFAULT_EVAL_CORPUS
-from torq.eval.resume import record_setting
 from torq.methods.registry import get_method
-
-if TYPE_CHECKING:
-    from torq.runs.config import RunConfig
+from torq.runs.config import RunConfig
+from torq.runs.kept import record_setting
 
 
 def eval_dataset_label(corpus: str) -> str:
@@ -66,7 +64,7 @@ def method_resume_dir(config: RunConfig, method: str) -> str:
 
 def open_method_resume_dir(config: RunConfig, method: str) -> Path | None:
     """The method's resume folder (:func:`method_resume_dir`) with its setting key written
-    in it (:func:`torq.eval.resume.record_setting`), or ``None`` when the run keeps none."""
+    in it (:func:`torq.runs.kept.record_setting`), or ``None`` when the run keeps none."""
     if config.resume_dir is None:
         return None
     resume = Path(method_resume_dir(config, method))

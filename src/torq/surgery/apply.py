@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from torq.models.architecture import decoder_layers
-from torq.surgery.qlinear import QuantConfig, QuantExperts, QuantLinear, is_fused_experts
+from torq.models.architecture import decoder_layers, is_fused_experts
+from torq.surgery.qlinear import QuantConfig, QuantExperts, QuantLinear
 
 TransformFactory = Callable[[str, nn.Linear], nn.Module | None]
 # the quantized replacement of a fused-experts module (its path, the module)

@@ -307,19 +307,6 @@ class QuantLinear(nn.Module):
         )
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """A mixture-of-experts block stored as 3D tensors (transformers >= 5 layout)."""
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, torch.Tensor)
-        and isinstance(down, torch.Tensor)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and hasattr(module, "act_fn")
-    )
-
-
 class QuantExperts(nn.Module):
     """Fused MoE experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) in W4A4.
 

@@ -1,4 +1,4 @@
-"""Keeping a quantized model in a resume directory and reading it back (torq.eval.resume)."""
+"""Keeping a quantized model in a resume directory and reading it back (torq.runs.kept)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import torch
 
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.calibration.data import CalibrationConfig
+from torq.driver import apply_method
 from torq.errors import TorqError
-from torq.eval.resume import MODEL_FILE, MODEL_INFO, keep_model, load_kept_model
 from torq.methods import METHODS, MethodContext, TorqSettings, get_method
 from torq.rotations.intra_block import IntraBlockConfig
+from torq.runs.kept import MODEL_FILE, MODEL_INFO, keep_model, load_kept_model
 from torq.surgery import QuantConfig
 
 QUANTIZING = sorted(name for name, cls in METHODS.items() if cls.quantizes)
@@ -41,7 +42,7 @@ def test_every_method_reads_back_the_same(method, ctx, tiny_tokenizer, tmp_path)
     """Every registered quantizing method (and a GPTQ composition) on a tiny llama: the model
     read back computes exactly what the kept one did, and the info comes back with it."""
     model = tiny_model("llama")
-    get_method(method).apply(model, QuantConfig.from_names("mxfp4", "mxfp4", "ocp"), ctx)
+    apply_method(get_method(method), model, QuantConfig.from_names("mxfp4", "mxfp4", "ocp"), ctx)
     ids = _ids(tiny_tokenizer)
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -58,7 +59,7 @@ def test_every_method_reads_back_the_same(method, ctx, tiny_tokenizer, tmp_path)
 
 def test_every_architecture_reads_back_the_same(arch, ctx, tiny_tokenizer, tmp_path) -> None:
     model = tiny_model(arch)
-    get_method("torq").apply(model, QuantConfig.from_names("mxfp4", "mxfp4", "ocp"), ctx)
+    apply_method(get_method("torq"), model, QuantConfig.from_names("mxfp4", "mxfp4", "ocp"), ctx)
     ids = _ids(tiny_tokenizer)
     with torch.no_grad():
         before = model(input_ids=ids).logits

@@ -1,16 +1,12 @@
-"""Evaluations that survive being stopped: what a long evaluation has measured is kept on
-disk as it goes, and the same call again measures only the rest.
+"""What a run keeps in a method's resume folder beside its measurements: the settings key
+whose hash names the folder, and the quantized model itself.
 
-A resume directory belongs to one (quantized) model. Its identity is a *logits
-fingerprint*: the model's last-position logits on a fixed input, at 64 fixed vocabulary
-entries. Thread counts and float rounding move them by far less than
-:data:`FINGERPRINT_TOL`; another method, setting or calibration moves them by far more, and
-such a directory is refused instead of mixing two models' numbers.
-
-A method's directory can also keep the quantized model itself (:func:`keep_model`), so that
-a restart skips the calibration (TORQ's rotations and GPTQ take minutes to an hour here).
-It is a private cache, pickled whole with ``torch.save``: it holds torq's quantized modules,
-which no checkpoint format of transformers describes, and is read back only from the
+A resume folder belongs to one (quantized) model, named by its logits fingerprint
+(:mod:`torq.models.fingerprint`). It can also keep the quantized model itself
+(:func:`keep_model`), so that a restart skips the calibration (TORQ's rotations and GPTQ
+take minutes to an hour here). It is a private cache, pickled whole with
+``torch.save``: it holds torq's quantized modules, which no checkpoint format of
+transformers describes, and is read back only from the
 directory that this code wrote.
 """
 
@@ -27,53 +23,12 @@ import torch
 from torch import nn
 
 from torq.errors import TorqError
+from torq.models.fingerprint import FINGERPRINT_TOL, fingerprint_distance, logits_fingerprint
+from torq.paths import write_json_atomic
 
-FINGERPRINT_TOL = 0.05
-FINGERPRINT_TEXT = "The quick brown fox jumps over the lazy dog. 1, 2, 3, 4, 5."
 MODEL_FILE = "quantized-model.pt"
 MODEL_INFO = "quantized-model.json"  # written last: a model file without it is incomplete
 SETTING_FILE = "setting.json"  # the settings whose hash names the directory
-
-
-@torch.no_grad()
-def logits_fingerprint(model: torch.nn.Module, input_ids: torch.Tensor) -> list[float]:
-    """64 evenly spaced entries of the last-position logits of ``input_ids`` ([1, T])."""
-    device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device), use_cache=False).logits[0, -1]
-    return fingerprint_of_logits(logits)
-
-
-def fingerprint_of_logits(logits: torch.Tensor) -> list[float]:
-    """The fingerprint of one position's logits ``[V]``: 64 evenly spaced entries."""
-    logits = logits.float().cpu()
-    picks = torch.linspace(0, logits.numel() - 1, 64).long()
-    return [float(v) for v in logits[picks]]
-
-
-def fingerprint_distance(stored: list[float], current: list[float]) -> float:
-    """Largest difference between two fingerprints; infinite for another kind of model."""
-    if len(stored) != len(current):
-        return float("inf")
-    return max((abs(a - b) for a, b in zip(stored, current, strict=True)), default=0.0)
-
-
-def check_fingerprint(stored: list[float], current: list[float], where: Path) -> None:
-    """Raise unless ``current`` is the model that wrote ``stored`` (within the tolerance)."""
-    if len(stored) != len(current):
-        raise TorqError(f"{where} was written by another kind of model; remove it")
-    diff = fingerprint_distance(stored, current)
-    if diff > FINGERPRINT_TOL:
-        raise TorqError(
-            f"{where} holds another model's results (its logits differ by {diff:.3g}); "
-            "remove it or choose another resume directory"
-        )
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON so that a reader (or a stop) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def record_setting(root: Path, setting: str) -> None:
@@ -94,11 +49,6 @@ def recorded_setting(root: Path) -> str | None:
             if isinstance(value, str):
                 return value
     return None
-
-
-def fingerprint_ids(tokenizer: Any) -> torch.Tensor:
-    """The fixed input of every logits fingerprint, as ``[1, T]`` token ids."""
-    return tokenizer(FINGERPRINT_TEXT, return_tensors="pt")["input_ids"]
 
 
 def keep_model(root: Path, model: nn.Module, input_ids: torch.Tensor, info: dict[str, Any]) -> Path:
