@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from torq.errors import TorqError
+
 
 def cache_dir() -> Path:
     """``$TORQ_CACHE``, default ``~/.cache/torq``."""
@@ -37,7 +39,6 @@ def check_destination(path: str | os.PathLike[str], *, folder: bool, what: str) 
     ends: a file where a folder is wanted or a folder where a file is, a file among its
     parents, or a parent this user may not write to. ``what`` names the option in the
     message (``"--out"``). Raises :class:`torq.errors.TorqError`."""
-    from torq.errors import TorqError
 
     path = Path(path).expanduser()
     if path.exists():

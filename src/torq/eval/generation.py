@@ -21,7 +21,8 @@ from torq.data import resolve_data_dir
 from torq.errors import TorqError
 from torq.eval.humaneval import HUMANEVAL, load_humaneval, score
 from torq.eval.sandbox import SandboxLimits
-from torq.eval.zeroshot import answers_cached_in, in_process_lm
+from torq.eval.stopping import StopEachSequenceHFLM
+from torq.eval.zeroshot import _lm_eval_tasks_dir, answers_cached_in, in_process_lm
 
 TASK = "torq_humaneval"
 # lm-eval's humaneval.yaml (0.4.13): its prompt, stop sequences and generation settings
@@ -59,8 +60,6 @@ def _run_task(
     :class:`~torq.eval.stopping.StopEachSequenceHFLM`."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-
-    from torq.eval.stopping import StopEachSequenceHFLM
 
     # each answer of a batch stops at its own stop string (lm-eval's HFLM runs a batch on
     # until every answer holds the same one); one problem at a time it is HFLM exactly
@@ -304,7 +303,6 @@ def evaluate_gsm8k(
     problems other prompts (none of 50 alike, measured). Returns the strict and flexible
     scores with their standard errors, and which problems were asked. With
     ``request_cache`` the answers are kept as they come (:func:`_run_task`)."""
-    from torq.eval.zeroshot import _lm_eval_tasks_dir
 
     root = resolve_data_dir(data_dir)
     files = {split: None if root is None else root / rel for split, rel in GSM8K_FILES.items()}

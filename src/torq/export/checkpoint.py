@@ -51,6 +51,8 @@ from torch import nn
 from torq.errors import TorqError
 from torq.formats import FormatSpec
 from torq.formats.packed import PackedTensor, dequantize, encode_nvfp4_exact, quantize
+from torq.kernels.linear import PackedMXFP4Linear
+from torq.kernels.weight import MXFP4Weight
 from torq.models.architecture import decoder_layers
 from torq.models.fingerprint import (
     FINGERPRINT_TOL,
@@ -280,7 +282,6 @@ class _Entries:
     ) -> dict[str, dict[str, Any]]:
         """The entries of ``root``'s quantized modules (names ``prefix + name``), their
         tensors stored into ``tensors``."""
-        from torq.kernels.linear import PackedMXFP4Linear
 
         for module in root.modules():  # activation caches hold weak references: drop them
             clear = getattr(module, "clear_cache", None)
@@ -740,8 +741,6 @@ def _quantized_module(
 ) -> nn.Module:
     """The module of one manifest entry: a linear ``Q_w(W Tᵀ)`` read through its activation
     quantizer ``Q_a(T x)`` (unpacked to float, or packed MXFP4), or fused MoE experts."""
-    from torq.kernels.linear import PackedMXFP4Linear
-    from torq.kernels.weight import MXFP4Weight
 
     act = _spec(entry["activation"])
     if entry["kind"] == "linear":
@@ -895,7 +894,6 @@ def load_quantized(
     the logits fingerprint stored at save time (a mismatch raises, except for packed layers
     on a GPU, whose accumulation order differs: there it warns).
     """
-    from torq.kernels.linear import PackedMXFP4Linear
 
     t0 = time.perf_counter()
     root = Path(path)

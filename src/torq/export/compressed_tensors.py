@@ -49,7 +49,14 @@ import torch
 from torch import nn
 
 from torq.errors import TorqError
-from torq.export.checkpoint import _atomic_folder
+from torq.export.checkpoint import (
+    INDEX,
+    _atomic_folder,
+    _built_transforms,
+    _checkpoint_files,
+    _StoredTensors,
+    read_manifest,
+)
 from torq.formats import dequantize, quantize
 from torq.formats.packed import encode_nvfp4_exact
 from torq.formats.packing import decode_e4m3
@@ -318,14 +325,6 @@ def export_saved_compressed_tensors(
     from compressed_tensors.quantization import QuantizationStatus
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from torq.export.checkpoint import (
-        INDEX,
-        _built_transforms,
-        _checkpoint_files,
-        _StoredTensors,
-        read_manifest,
-    )
 
     folder = Path(folder)
     manifest = read_manifest(folder)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torq.kernels import triton_mxfp4 as tk
 from torq.kernels.config import Backend
 from torq.kernels.dispatch import mxfp4_linear, use_triton
 from torq.kernels.launch import (
@@ -29,6 +30,7 @@ from torq.kernels.launch import (
 )
 from torq.kernels.weight import MXFP4Weight
 from torq.rotations.transform import BlockRotation
+from torq.surgery.qlinear import QuantExperts
 
 # Up to this many (token, chosen expert) pairs a forward is one grouped integer GEMV per
 # projection (:func:`grouped_gemv_i8`: decode); above it, each expert's rows run as a
@@ -50,7 +52,6 @@ def grouped_gemv_i8(
     (Algorithm 3, option B, per expert): ``q8``/``scales`` the integer pre-pass of ``x``
     (:func:`~torq.kernels.launch.quantize_activation_i8`), ``codes [E, N, Kp/2]`` and
     ``weight_scales [E, N, Kp/32]`` the experts' packed weights. Returns ``[S, N]``."""
-    from torq.kernels import triton_mxfp4 as tk
 
     _, n, half = codes.shape
     kp = half * 2
@@ -166,7 +167,6 @@ class PackedMXFP4Experts(nn.Module):
     ) -> PackedMXFP4Experts:
         """Pack a :class:`~torq.surgery.qlinear.QuantExperts` in MXFP4 W4A4 (its weights are
         already on the MXFP4 grid, so packing them again is exact)."""
-        from torq.surgery.qlinear import QuantExperts
 
         if not isinstance(experts, QuantExperts):
             raise TypeError(f"expected QuantExperts, got {type(experts).__name__}")

@@ -29,6 +29,7 @@ from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
 from torq.methods.settings import TorqSettings
+from torq.surgery.gptq import GPTQConfig, gptq_key
 from torq.surgery.qlinear import QuantConfig
 
 WEIGHT_QUANTIZERS: tuple[str, ...] = ("rtn", "gptq")
@@ -50,7 +51,6 @@ class MethodContext:
         return self.options.get("torq_settings") or TorqSettings()
 
     def gptq_config(self) -> Any:
-        from torq.surgery.gptq import GPTQConfig
 
         return self.options.get("gptq_config") or GPTQConfig()
 
@@ -165,8 +165,6 @@ class Method:
         if self.weights not in WEIGHT_QUANTIZERS:
             raise ValueError(f"weight quantizer must be one of {WEIGHT_QUANTIZERS}")
         if self.gptq_settings:
-            from torq.surgery.gptq import GPTQConfig
-
             if self.weights != "gptq":
                 raise ValueError("GPTQ settings need GPTQ weights")
             GPTQConfig(**dict(self.gptq_settings))  # names and values checked now
@@ -221,8 +219,6 @@ class Method:
             key["gguf_dtype"] = run["gguf_dtype"]
         key.update(self.transform.key_settings(run))
         if self.gptq_enabled:
-            from torq.surgery.gptq import gptq_key
-
             torq = run.get("torq") or {}
             gptq = run.get("gptq")
             if self.gptq_settings:

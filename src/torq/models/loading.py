@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError, first_line
+from torq.models import gguf
+from torq.models.gguf import GGUF_DTYPES
 from torq.paths import cache_dir, exclusive, usual_permissions
 
 log = logging.getLogger(__name__)
@@ -221,8 +223,6 @@ def convert_gguf(
     two processes converting the same file at once convert it once
     (:func:`torq.paths.exclusive`).
     """
-    from torq.models.gguf import GGUF_DTYPES
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise TorqError(f"GGUF file not found: {gguf_path}")
@@ -249,8 +249,6 @@ def _convert_into(
     gguf_path: Path, out_dir: Path, dtype: torch.dtype, dtype_name: str, progress: bool
 ) -> None:
     """:func:`convert_gguf`'s work, under its lock: write a temporary folder, then rename."""
-    from torq.models.gguf import convert_gguf_tensorwise
-
     _remove_stale_partials(out_dir)
     # the writer's pid in the name: a later start can tell a dead writer's folder from a
     # live one's
@@ -259,7 +257,7 @@ def _convert_into(
     try:
         log.info("converting %s to %s safetensors in %s", gguf_path, dtype_name, out_dir)
         try:
-            written = convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
+            written = gguf.convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
         except (TorqError, KeyboardInterrupt, MemoryError):
             raise
         except Exception as exc:  # the reader and transformers raise many kinds
@@ -411,8 +409,6 @@ def context_length(name_or_path: str) -> int | None:
 
 
 def _gguf_dtype(name: str) -> torch.dtype:
-    from torq.models.gguf import GGUF_DTYPES
-
     if name not in GGUF_DTYPES:
         raise TorqError(f"a GGUF converts to {' or '.join(GGUF_DTYPES)}, not '{name}'")
     return GGUF_DTYPES[name]

@@ -8,7 +8,9 @@ from pathlib import Path
 from torq.calibration.data import corpus_path
 from torq.data import eval_text_path
 from torq.errors import TorqError
+from torq.export.compressed_tensors import CT_HOLDS, CT_METHODS, FOLDED_METHODS, NVFP4_ACTIVATIONS
 from torq.methods.registry import Method, MethodContext
+from torq.methods.torq_rotation import TorqTransform
 from torq.models.loading import context_length
 from torq.paths import check_destination
 from torq.runs.config import RunConfig
@@ -21,7 +23,6 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when a setting cannot work with the model or the methods: a
     window longer than the model's context (unless ``allow_long_windows``), TORQ's
     intra-block settings against its block size."""
-    from torq.methods.torq_rotation import TorqTransform
 
     qconfig = config.quant_config()
     calibrates = any(m.calibrates(qconfig) for m in methods)
@@ -53,13 +54,6 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
 def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
-    from torq.export.compressed_tensors import (
-        CT_HOLDS,
-        CT_METHODS,
-        FOLDED_METHODS,
-        NVFP4_ACTIVATIONS,
-    )
-    from torq.methods.torq_rotation import TorqTransform
 
     if config.save_format != "compressed-tensors":
         raise TorqError(f"unknown --save-format '{config.save_format}'")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torq.errors import TorqError
+from torq.export import is_quantized_checkpoint, read_manifest, save_quantized
 from torq.models.loading import LoadedModel, load
 from torq.paths import check_destination
 from torq.results import command_line, now_iso
@@ -54,7 +55,6 @@ def fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.M
 
 def saved_manifest(model: str) -> dict[str, Any] | None:
     """The manifest when ``model`` is a checkpoint folder torq saved quantized, else None."""
-    from torq.export import is_quantized_checkpoint, read_manifest
 
     path = Path(model).expanduser()
     return read_manifest(path) if path.is_dir() and is_quantized_checkpoint(path) else None
@@ -132,7 +132,6 @@ def save_model(
     """Write one method's quantized ``model`` to :func:`saved_model_dir` in the run's
     ``save_format`` (torq's checkpoint, or compressed-tensors); what was written, its size
     and the seconds it took."""
-    from torq.export import save_quantized
 
     t0 = time.perf_counter()
     out = saved_model_dir(config, method)

@@ -27,6 +27,7 @@ from torch import nn
 
 from torq.errors import TorqError
 from torq.models.architecture import decoder_layers
+from torq.rotations.hadamard import hadamard_matrix
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj")
@@ -270,7 +271,6 @@ def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
     after the Hadamard, ``H diag(s)``, they would only flip the signs of the rotated
     channels, which no sign-symmetric quantizer sees: the plain Hadamard.)
     """
-    from torq.rotations.hadamard import hadamard_matrix
 
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torq.formats import FormatSpec, fake_quantize, get_format
+from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 
 T = TypeVar("T")
 
@@ -188,7 +189,6 @@ def calibrate_activation_scales(
     linears are one quantizer. Returns ``forward``'s result and how many quantizers got a
     scale (``"static"``) and how many saw no token (``"unobserved"``: an expert no
     calibration token was routed to), which keep each tensor's own."""
-    from torq.formats.reference import nvfp4_tensor_scale
 
     quantizers = [
         m
@@ -216,7 +216,6 @@ def calibrate_activation_scales(
 def nvfp4_weight_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
     """The FP32 tensor scale NVFP4 quantization of ``weight`` uses (by rounding, as
     :func:`torq.formats.fake_quantize`, or by GPTQ): ``amax(weight) / (448 · 6)``."""
-    from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 
     return nvfp4_tensor_scale(tensor_amax(weight.detach()))
 
