@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torq.kernels import triton_mxfp4 as tk
+import torq.kernels.triton_mxfp4 as tk
 from torq.kernels.config import Backend
 from torq.kernels.dispatch import mxfp4_linear, use_triton
 from torq.kernels.launch import (

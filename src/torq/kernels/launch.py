@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torq.kernels import config as kernel_config
+import torq.kernels.config as kernel_config
 from torq.kernels.config import BLOCK, QUANT_CONFIG, KernelConfig
 from torq.kernels.weight import MXFP4Weight
 from torq.rotations.transform import BlockRotation
@@ -67,7 +67,7 @@ def quantize_activation(
     With ``values_dtype``, it returns instead the dequantized values ``[M, Kp]`` in that
     dtype (exact in bf16 and float32) and an empty scale tensor; ``permuted`` writes each
     block of 32 as its even elements, then its odd ones (see :func:`dequantize_weight`)."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     x, m, k, kp = _activation_2d(x, block_transform)
     if values_dtype is not None:
@@ -109,7 +109,7 @@ def dequantize_weight(
     elements, then its odd ones (no nibble interleaving); pair it with an activation
     written in the same order (:func:`quantize_activation`), since a product over K does
     not depend on the order of K."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     n = weight.out_features
     kp = weight.codes.shape[1] * 2
@@ -144,7 +144,7 @@ def quantize_activation_fp8(
     whose scale is at least ``2**(r_m − 14)``; the few smaller ones (a token whose blocks
     span more than 2**14) are rounded onto E4M3's subnormals. ``block``: rows per program
     and the K tile."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     x, m, k, kp = _activation_2d(x, block_transform)
     out = torch.empty((m, kp), dtype=torch.float8_e4m3fn, device=x.device)
@@ -176,7 +176,7 @@ def dequantize_weight_fp8(
     """The packed weight as ``float8_e4m3fn [N, Kp]`` with its row scales ``float32 [1, N]``
     (:meth:`MXFP4Weight.fp8_rows`): ``values · scale == Q(W)`` exactly when
     ``fp8_rows()`` says so. ``block``: the decode kernel's (rows, K) tile."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     rows, scale, _ = weight.fp8_rows()
     n = weight.out_features
@@ -237,7 +237,7 @@ def quantize_activation_i8(
     block scales over four, float32 ``[M, Kp/32]`` (paper eq. 1; NaN/Inf blocks: codes 0,
     scale NaN). A 32×32 ``block_transform`` ``T`` (``y_b = T x_b``) runs in the structured
     pre-pass of :func:`quantize_activation_torq_i8`, as its intra-block rotation ``Tᵀ``."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     check_block_transform(block_transform)
     if x.dim() != 2:
@@ -310,7 +310,7 @@ def _structured_prepass(
     tile: tuple[int, int] | None = None,
     transpose_intra: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     m, d = x.shape
     if d % BLOCK:
@@ -346,7 +346,7 @@ def _structured_prepass(
 def _pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs a Hopper or later GPU and a Triton with grid
     dependency control; elsewhere (the interpreter included) ``KernelConfig.pdl`` is off."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     if interpreter_enabled() or tk.gdc_wait is None or device.type != "cuda":
         return False
@@ -365,7 +365,7 @@ def launch_gemv_i8(
     """Decode (few tokens): the activation quantized per MX block (eq. 1, with the online
     transform) inside the GEMV (``a_mode`` 0) or by an int8 pre-pass, then the integer GEMV
     on the packed weight, written into ``out``."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     k = x2.shape[1]
     n = weight.out_features
@@ -482,7 +482,7 @@ def launch_tensor_core(
     """Prefill (many tokens): the activation quantized to MXFP4 (eq. 1) inside the kernel
     (``a_mode`` 0) or by a pre-pass, then the tiled tensor-core matmul that decodes the packed
     weight tile by tile, written into ``out``."""
-    from torq.kernels import triton_mxfp4 as tk
+    import torq.kernels.triton_mxfp4 as tk
 
     m, k = x2.shape
     n = weight.out_features

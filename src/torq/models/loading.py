@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+import torq.models.gguf as gguf_conversion
 from torq.errors import TorqError, first_line
-from torq.models import gguf
 from torq.models.gguf import GGUF_DTYPES
 from torq.paths import cache_dir, exclusive, usual_permissions
 
@@ -257,7 +257,9 @@ def _convert_into(
     try:
         log.info("converting %s to %s safetensors in %s", gguf_path, dtype_name, out_dir)
         try:
-            written = gguf.convert_gguf_tensorwise(gguf_path, tmp, dtype, progress=progress)
+            written = gguf_conversion.convert_gguf_tensorwise(
+                gguf_path, tmp, dtype, progress=progress
+            )
         except (TorqError, KeyboardInterrupt, MemoryError):
             raise
         except Exception as exc:  # the reader and transformers raise many kinds
