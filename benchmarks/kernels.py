@@ -69,7 +69,7 @@ def _g(bn, bk, split=1, warps=4, a_mode=1, pf=True, pdl=False, stages=3, ev=Fals
 # the only work, so small tiles keep many loads in flight; quantizing in the matmul
 # (a_mode 0) needs wide tiles and split-K to amortize it. ``pf``: the next weight tile is
 # loaded before the current one is multiplied; ``pdl``: programmatic dependent launch.
-# The versions measured before these are in docs/kernels-notes.md.
+# The versions measured before these are in docs/kernels.md.
 GEMV_CANDIDATES = [
     _g(8, 1024, pf=False),
     _g(8, 1024),

@@ -1,4 +1,4 @@
-"""Merge ``torq run`` result JSONs into one markdown table (for ``docs/RESULTS.md``).
+"""Merge ``torq run`` result JSONs into one markdown table (for ``docs/research-log.md``).
 
 Each row keeps the command that produced it; ``×FP`` is relative to the ``fp`` row found
 among the inputs (same model and windows). The calibration column is the method's

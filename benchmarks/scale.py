@@ -1,4 +1,4 @@
-"""Peak memory and time per layer of the streamed driver (``torq run --stream``) against
+"""Peak memory and time per layer of the streamed driver (``torq run``) against
 the model's size: a Llama-3-8B-shaped and a 0.92B Llama-shaped checkpoint with random
 weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights); with
 ``--layers N`` a shape's widths with N layers (``llama3-70b --layers 2``: a 70B model's
@@ -17,7 +17,7 @@ memory a zero-shot run from the checkpoint needs; ``offload`` and ``packed-offlo
 same with its decoder layers kept on disk (``--offload-dir``, accelerate's offload), read
 back one at a time: the memory for a checkpoint larger than this machine's.
 
-Each method runs in its own ``torq run --stream`` process (so each peak resident set is
+Each method runs in its own ``torq run`` process (so each peak resident set is
 its own, read by the process itself); the random checkpoints use SmolLM2's tokenizer
 (its ids are valid in any vocabulary at least as large). Random weights: the perplexity
 of those rows means nothing; memory and time are what is measured. Writes JSON and a
@@ -64,7 +64,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
-    # the issue's 0.92B shape: hidden 2048, 16 layers, FFN 5632, 16/4 heads, SmolLM2's vocab
+    # a 0.41B Llama shape: hidden 1024, 24 layers, FFN 4096, 16/4 heads, SmolLM2's vocab,
+    # tied embeddings (the memory of a small model run with no memory flag)
+    "llama-0.4b": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    },
+    # a 0.92B shape: hidden 2048, 16 layers, FFN 5632, 16/4 heads, SmolLM2's vocab
     "llama-0.9b": {
         "hidden_size": 2048,
         "intermediate_size": 5632,
@@ -192,7 +204,7 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
     save += ["--resume-dir", args.resume_dir] if args.resume_dir else []
     cmd = [
         sys.executable, "-m", "torq.cli", "run", "--model", str(folder), "--methods", method,
-        "--stream", "--max-windows", str(args.eval_windows), "--calib-samples",
+        "--max-windows", str(args.eval_windows), "--calib-samples",
         str(args.calib_samples), "--threads", str(args.threads), "--no-progress",
         "--out", str(out), *save,
     ]  # fmt: skip

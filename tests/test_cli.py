@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from torq.cli import main
-from torq.errors import TorqError
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -122,6 +121,7 @@ def test_missing_data_is_found_before_any_work(
         raise Loaded
 
     monkeypatch.setattr(torq.pipeline, "load_model", no_load)
+    monkeypatch.setattr(torq.pipeline, "model_folder", no_load)
     monkeypatch.setattr(torq.eval.zeroshot, "hub_reachable", lambda timeout=3.0: False)
     # a data folder of its own: other tests add files to the shared tiny one
     data = tmp_path / "data"
@@ -165,26 +165,6 @@ def test_missing_data_is_found_before_any_work(
     for methods in ("fp,rtn,had32,quarot", "hadfull"):
         with pytest.raises(Loaded):
             main(["run", *base, "--methods", methods])
-    # a method whose quantized model is kept in the resume directory is reloaded, not
-    # calibrated again: its corpus is not needed
-    from torq.pipeline import run
-    from torq.runs.config import RunConfig
-    from torq.runs.kept import MODEL_INFO
-    from torq.runs.store import method_resume_dir
-
-    config = RunConfig(
-        model=str(tiny_checkpoint),
-        methods=["torq"],
-        data_dir=str(data),
-        resume_dir=str(tmp_path / "resume"),
-    )
-    with pytest.raises(TorqError, match="method 'torq' calibrates"):
-        run(config)
-    kept = Path(method_resume_dir(config, "torq"))
-    kept.mkdir(parents=True)
-    (kept / MODEL_INFO).write_text("{}")
-    with pytest.raises(Loaded):
-        run(config)
 
 
 def test_lists(capsys) -> None:
@@ -506,7 +486,8 @@ def test_default_methods_are_fp_and_the_default_recipe(
     assert [r["method"] for r in rows] == ["fp", DEFAULT_METHOD]
     assert math.isfinite(rows[1]["ppl"]) and rows[1]["ppl"] != rows[0]["ppl"]
     code, listing, _ = _run(["methods"], capsys)
-    first = listing.splitlines()[0].split("\t")
+    lines = listing.splitlines()
+    first = lines[lines.index("methods (torq run --methods):") + 1].split("\t")
     assert code == 0 and first[:2] == [DEFAULT_METHOD, "(default)"]
     assert first[2].endswith("GPTQ weights") and "RTN" not in first[2]
     # the help names the recipe literally (the parser does not import the methods): keep it so
@@ -517,94 +498,60 @@ def test_default_methods_are_fp_and_the_default_recipe(
     assert f"({DEFAULT_METHOD}:" in methods.help
 
 
-def test_run_resumes_from_its_resume_dir(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
-    """``--resume-dir``: a second identical run reuses every kept window per method."""
-    import json
-
-    args = [
-        "run", "--model", str(tiny_checkpoint), "--methods", "fp,rtn", "--seqlen", "64",
-        "--max-windows", "3", "--data-dir", str(tiny_data_dir), "--no-progress",
-        "--resume-dir", str(tmp_path / "keep"), "--out", str(tmp_path / "a.json"),
-    ]  # fmt: skip
-    assert main(args) == 0
-    kept = sorted(tmp_path.glob("keep/*/*/ppl-3x64.json"))
-    assert [p.parent.name.split("-")[0] for p in kept] == ["fp", "rtn"]
-    assert all(len(json.loads(p.read_text())["nll"]) == 3 for p in kept)
-    first = json.loads((tmp_path / "a.json").read_text())["rows"]
-    # mark the kept fp windows: the second run must read them, not measure them again
-    saved = json.loads(kept[0].read_text())
-    saved["nll"]["0"] += 63.0
-    kept[0].write_text(json.dumps(saved))
-    assert main([*args[:-1], str(tmp_path / "b.json")]) == 0
-    again = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert again[0]["ppl"] == pytest.approx(first[0]["ppl"] * math.exp(63.0 / (3 * 63)))
-    assert again[1]["ppl"] == pytest.approx(first[1]["ppl"])
+class _Stop(Exception):
+    pass
 
 
-def test_run_reloads_its_kept_quantized_model(
-    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch, capsys
+def test_a_restart_reuses_each_finished_row(
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch
 ) -> None:
-    """With ``--resume-dir`` each quantized model is kept: a restart reloads it, without
-    quantizing again, and measures the same; ``--no-keep-models`` keeps none."""
+    """With ``--resume-dir`` each method's finished row is kept: a run stopped in its third
+    method keeps the first two rows (saved as it went), and the same command again
+    quantizes only the third; every row is the row of a run never stopped."""
     import json
 
     import torq.pipeline
-    from torq.methods import Method
 
     calls: list[str] = []
-    original = torq.pipeline.apply_method
+    stop = ["torq"]
+    original = torq.pipeline._stream_method
 
-    def counted(method: Method, model, qconfig, ctx):
+    def counted(config, method, *args, **kwargs):
         calls.append(method.name)
-        return original(method, model, qconfig, ctx)
+        if method.name in stop:
+            raise _Stop
+        return original(config, method, *args, **kwargs)
 
-    monkeypatch.setattr(torq.pipeline, "apply_method", counted)
+    monkeypatch.setattr(torq.pipeline, "_stream_method", counted)
     corpus = tmp_path / "calib.txt"
     corpus.write_text((tiny_data_dir / "wikitext-2-raw" / "wiki.test.raw").read_text())
-    keep = tmp_path / "keep"
     args = [
         "run", "--model", str(tiny_checkpoint), "--methods", "fp,had32,torq",
         "--seqlen", "64", "--max-windows", "2", "--data-dir", str(tiny_data_dir),
         "--calib-corpus", str(corpus), "--calib-samples", "2", "--calib-seqlen", "32",
-        "--max-iter", "1", "--reservoir", "16", "--no-progress", "--resume-dir", str(keep),
+        "--max-iter", "1", "--reservoir", "16", "--no-progress",
     ]  # fmt: skip
-    assert main([*args, "--out", str(tmp_path / "a.json")]) == 0
-    assert calls == ["fp", "had32", "torq"]
-    kept = sorted(p.parent.name.split("-")[0] for p in keep.glob("*/*/quantized-model.pt"))
-    assert kept == ["had32", "torq"]  # the float model is not copied
-    first = json.loads((tmp_path / "a.json").read_text())["rows"]
-    # drop the kept windows, so the second run measures its reloaded models again
-    for p in keep.glob("*/*/ppl-*.json"):
-        p.unlink()
-    calls.clear()
-    assert main([*args, "--out", str(tmp_path / "b.json")]) == 0
-    assert calls == ["fp"]
-    again = json.loads((tmp_path / "b.json").read_text())["rows"]
-    for a, b in zip(first, again, strict=True):
-        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5), a["method"]
-    for a, b in zip(first[1:], again[1:], strict=True):  # the calibration cost it had
-        assert b["quantize_seconds"] == pytest.approx(a["quantize_seconds"])
-    assert again[2]["details"]["kept_model"]["reloaded"] is True
-    assert first[2]["details"]["kept_model"]["reloaded"] is False
-
-    # a kept model that computes something else is refused, not used
-    info_path = next(keep.glob("*/torq-*/quantized-model.json"))
-    info = json.loads(info_path.read_text())
-    info["fingerprint"] = [v + 1.0 for v in info["fingerprint"]]
-    info_path.write_text(json.dumps(info))
-    code = main([*args, "--out", str(tmp_path / "c.json")])
-    assert code == 2
-    assert "no longer computes what it did when it was kept" in capsys.readouterr().err
-    partial = json.loads((tmp_path / "c.json").read_text())  # saved after each method
+    keep = ["--resume-dir", str(tmp_path / "keep")]
+    with pytest.raises(_Stop):
+        main([*args, *keep, "--out", str(tmp_path / "a.json")])
+    partial = json.loads((tmp_path / "a.json").read_text())  # saved after each method
     assert not partial["complete"]
     assert [r["method"] for r in partial["rows"]] == ["fp", "had32"]
-
     calls.clear()
-    other = tmp_path / "other"
-    argv = [*args[:-1], str(other), "--no-keep-models", "--out", str(tmp_path / "d.json")]
-    assert main(argv) == 0
+    stop.clear()
+    assert main([*args, *keep, "--out", str(tmp_path / "b.json")]) == 0
+    assert calls == ["torq"]
+    again = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["details"].get("finished_row") is not None for r in again] == [True, True, False]
+    assert main([*args, "--out", str(tmp_path / "c.json")]) == 0
+    never = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["ppl"] for r in again] == [r["ppl"] for r in never]
+    # another window count is another row: measured, not taken from the kept one
+    calls.clear()
+    other = list(args)
+    other[other.index("--max-windows") + 1] = "1"
+    assert main([*other, *keep, "--out", str(tmp_path / "d.json")]) == 0
     assert calls == ["fp", "had32", "torq"]
-    assert not list(other.glob("*/*/quantized-model.pt"))
 
 
 def test_the_command_line_shows_no_library_noise(tiny_checkpoint, tiny_data_dir, tmp_path) -> None:
@@ -650,25 +597,24 @@ def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) ->
     ]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "wiki2.json")]) == 0
     assert main([*args, "--eval-corpus", "wikipedia-en", "--out", str(tmp_path / "wp.json")]) == 0
-    assert main([*args, "--eval-corpus", "wikipedia-en", "--stream", "--out",
-                 str(tmp_path / "wp-stream.json")]) == 0  # fmt: skip
     results = {
-        name: json.loads((tmp_path / f"{name}.json").read_text())
-        for name in ("wiki2", "wp", "wp-stream")
+        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("wiki2", "wp")
     }
     assert results["wiki2"]["eval"]["dataset"] == "wikitext-2-raw test"
     assert results["wp"]["eval"]["dataset"] == "wikipedia-en"
     ppl = {name: {r["method"]: r["ppl"] for r in res["rows"]} for name, res in results.items()}
-    assert ppl["wp"] == ppl["wp-stream"]
     assert ppl["wp"]["fp"] != ppl["wiki2"]["fp"] and ppl["wp"]["rtn"] != ppl["wiki2"]["rtn"]
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), torch_dtype="float32")
     windows = windows_from_text(other * 40, tokenizer, 64, 3)
     assert perplexity(model.eval(), windows, progress=False).ppl == ppl["wp"]["fp"]
-    # each text's windows kept in a file of their own, beside the other's
-    kept = sorted(p.name for p in (tmp_path / "keep").glob("*/fp-*/ppl-*.json"))
-    assert len(kept) == 2 and kept[0] == "ppl-3x64.json"
-    assert kept[1].startswith("ppl-wikipedia-en-") and kept[1].endswith("-3x64.json")
+    # each text's finished row kept in a file of its own (named by its windows' tokens),
+    # beside the other's, and each holds its own perplexity
+    kept = sorted((tmp_path / "keep").glob("*/fp-*/row-*.json"))
+    assert len(kept) == 2
+    assert sorted(json.loads(p.read_text())["ppl"] for p in kept) == sorted(
+        [ppl["wp"]["fp"], ppl["wiki2"]["fp"]]
+    )
 
 
 def test_moe_checkpoint_experts_calibrated(tiny_tokenizer, tiny_data_dir, tmp_path) -> None:
@@ -691,12 +637,10 @@ def test_moe_checkpoint_experts_calibrated(tiny_tokenizer, tiny_data_dir, tmp_pa
         "--expert-down", "shared", "--no-progress",
     ]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "a.json")]) == 0
-    assert main([*args, "--stream", "--out", str(tmp_path / "b.json")]) == 0
-    rows = [json.loads((tmp_path / f"{n}.json").read_text())["rows"][0] for n in ("a", "b")]
+    rows = [json.loads((tmp_path / "a.json").read_text())["rows"][0]]
     assert rows[0]["details"]["settings"]["expert_down_shared"] is True
     layers = [r for r in rows[0]["details"]["layers"] if "experts" in r]
     assert len(layers) == 2
     for r in layers:
         assert "down_proj" in r["experts"] and "down_proj_own_transform" not in r["experts"]
         assert r["experts"]["gptq_rtn_fallback"] == []
-    assert rows[1]["ppl"] == pytest.approx(rows[0]["ppl"], rel=1e-6)

@@ -1,5 +1,6 @@
-"""The layer-streaming driver: the same numbers as the whole-model path, bit for bit, on
-every architecture, and memory that follows one layer's size (issue 26)."""
+"""The layer-streaming driver, the only path a run takes: the same numbers as the whole
+model quantized and evaluated in memory, bit for bit, on every architecture, and memory
+that follows one layer's size."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from tests.whole_model import whole_model_run
 from torq.calibration.data import CalibrationConfig
 from torq.driver import run_layerwise
 from torq.errors import TorqError
@@ -89,8 +91,8 @@ def test_streamed_methods_match_the_whole_model_path(
     folder, gives the whole-model path's perplexity bit for bit."""
     folder = _save(arch, tmp_path / arch, tiny_tokenizer)
     # today's whole-model path: the folder loaded whole in float32 (its own tokenizer)
-    whole = run(_config(folder, data_dir, STREAMED_METHODS), progress=False)
-    streamed = run(_config(folder, data_dir, STREAMED_METHODS, stream=True), progress=False)
+    whole = whole_model_run(_config(folder, data_dir, STREAMED_METHODS))
+    streamed = run(_config(folder, data_dir, STREAMED_METHODS), progress=False)
     for a, b in zip(whole["rows"], streamed["rows"], strict=True):
         assert a["method"] == b["method"]
         assert a["ppl"] == b["ppl"], a["method"]
@@ -116,24 +118,22 @@ def test_static_activation_scales_stream_as_the_whole_model(
     folder = _save("qwen3", tmp_path / "m", tiny_tokenizer)
     methods = ["rtn", "had32", "torq-had32"]
     nv = {"weight_format": "nvfp4", "act_format": "nvfp4"}
-    whole = run(_config(folder, data_dir, methods, act_scale="static", **nv), progress=False)
-    streamed = run(
-        _config(folder, data_dir, methods, act_scale="static", stream=True, **nv), progress=False
-    )
+    whole = whole_model_run(_config(folder, data_dir, methods, act_scale="static", **nv))
+    streamed = run(_config(folder, data_dir, methods, act_scale="static", **nv), progress=False)
     dynamic = run(_config(folder, data_dir, methods, **nv), progress=False)
     for a, b, c in zip(whole["rows"], streamed["rows"], dynamic["rows"], strict=True):
         assert a["ppl"] == b["ppl"] != c["ppl"], a["method"]
         layers = a["details"]["layers"]
         assert all(layer["activation_scales"]["static"] > 0 for layer in layers)
-    assert whole["quant_config"]["act_scale"] == "static"
+    assert streamed["quant_config"]["act_scale"] == "static"
 
 
 def test_bf16_checkpoint_streams_as_float32_of_its_values(tmp_path, data_dir, tiny_tokenizer):
     """A bf16 checkpoint is read in bf16 and computed in float32: the same numbers as the
     whole model loaded in float32 from the same folder."""
     folder = _save("llama", tmp_path / "bf16", tiny_tokenizer, torch.bfloat16)
-    whole = run(_config(folder, data_dir, ["fp", "rtn"]), progress=False)
-    streamed = run(_config(folder, data_dir, ["fp", "rtn"], stream=True), progress=False)
+    whole = whole_model_run(_config(folder, data_dir, ["fp", "rtn"]))
+    streamed = run(_config(folder, data_dir, ["fp", "rtn"]), progress=False)
     assert [r["ppl"] for r in whole["rows"]] == [r["ppl"] for r in streamed["rows"]]
     assert streamed["rows"][0]["details"]["streamed"]["stored_dtypes"].get("BF16", 0) > 0
 
@@ -145,8 +145,8 @@ def test_the_block_mass_permutation_streams_as_the_whole_model(
     for bit, with the same choices per group."""
     folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
     methods = ["torq-perm", "torq-perm+gptq"]
-    whole = run(_config(folder, data_dir, methods), progress=False)
-    streamed = run(_config(folder, data_dir, methods, stream=True), progress=False)
+    whole = whole_model_run(_config(folder, data_dir, methods))
+    streamed = run(_config(folder, data_dir, methods), progress=False)
     for a, b in zip(whole["rows"], streamed["rows"], strict=True):
         assert a["ppl"] == b["ppl"], a["method"]
         choices = [
@@ -176,10 +176,10 @@ def test_quarot_streams_its_residual_rotation_part_by_part(
     else:
         folder = _save(arch, tmp_path / arch, tiny_tokenizer)
     methods = ["quarot", "quarot+gptq"]
-    whole = run(_config(folder, data_dir, methods, seed=3), progress=False)
-    streamed = run(_config(folder, data_dir, methods, seed=3, stream=True), progress=False)
+    whole = whole_model_run(_config(folder, data_dir, methods, seed=3))
+    streamed = run(_config(folder, data_dir, methods, seed=3), progress=False)
     assert [r["ppl"] for r in whole["rows"]] == [r["ppl"] for r in streamed["rows"]]
-    other = run(_config(folder, data_dir, ["quarot"], seed=4, stream=True), progress=False)
+    other = run(_config(folder, data_dir, ["quarot"], seed=4), progress=False)
     assert other["rows"][0]["ppl"] != streamed["rows"][0]["ppl"]  # the signs follow --seed
 
 
@@ -207,8 +207,8 @@ def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
     else:
         folder = _save(arch, tmp_path / arch, tiny_tokenizer)
     methods = ["rtn", "torq+gptq"] + (["quarot"] if arch.startswith("llama") else [])
-    whole = run(_config(folder, data_dir, methods, save_dir=str(tmp_path / "w")), progress=False)
-    cfg = _config(folder, data_dir, methods, save_dir=str(tmp_path / "s"), stream=True)
+    whole = whole_model_run(_config(folder, data_dir, methods, save_dir=str(tmp_path / "w")))
+    cfg = _config(folder, data_dir, methods, save_dir=str(tmp_path / "s"))
     streamed = run(cfg, progress=False)
     ids = torch.randint(0, 300, (2, 24))
     for a, b in zip(whole["rows"], streamed["rows"], strict=True):
@@ -235,13 +235,10 @@ def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
 def test_streaming_refuses_what_it_cannot_do_before_any_work(tmp_path, data_dir, tiny_tokenizer):
     gemma = _save("gemma3_text", tmp_path / "g", tiny_tokenizer)
     with pytest.raises(TorqError, match="residual-stream rotation"):
-        run(_config(gemma, data_dir, ["rtn", "quarot"], stream=True), progress=False)
+        run(_config(gemma, data_dir, ["rtn", "quarot"]), progress=False)
     folder = _save("llama", tmp_path / "m", tiny_tokenizer)
-    with pytest.raises(TorqError, match="needs --save-dir"):
-        run(_config(folder, data_dir, ["rtn"], stream=True, tasks=["piqa"]), progress=False)
-    with pytest.raises(TorqError, match="'fp' is the float model"):
-        cfg = _config(folder, data_dir, ["fp"], stream=True, tasks=["piqa"], save_dir="s")
-        run(cfg, progress=False)
+    with pytest.raises(TorqError, match="--hidden-states ram: use auto, memory"):
+        run(_config(folder, data_dir, ["rtn"], hidden_states="ram"), progress=False)
     with pytest.raises(TorqError, match="--packed loads a saved"):
         run(_config(folder, data_dir, ["rtn"], packed=True), progress=False)
 
@@ -297,7 +294,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 0.0)  # keep every layer
 
     def config(**kw):
-        cfg = _config(folder, data_dir, [method], stream=True, hidden_states=hidden)
+        cfg = _config(folder, data_dir, [method], hidden_states=hidden)
         if save:
             kw.setdefault("save_dir", str(tmp_path / "saved"))
         cfg = replace(cfg, **kw)
@@ -496,7 +493,7 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
     methods = ["fp", "torq+gptq"]
     rows = {}
     for mode in ("memory", "disk", "bfloat16"):
-        cfg = _config(folder, data_dir, methods, stream=True, hidden_states=mode)
+        cfg = _config(folder, data_dir, methods, hidden_states=mode)
         cfg.torq.sequential = sequential
         rows[mode] = run(cfg, progress=False)["rows"]
     assert [r["ppl"] for r in rows["disk"]] == [r["ppl"] for r in rows["memory"]]
@@ -508,8 +505,6 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
     assert 2 * half["calibration_bytes"] == full["calibration_bytes"] > 0
     for a, b in zip(rows["bfloat16"], rows["memory"], strict=True):
         assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)
-    with pytest.raises(TorqError, match="--hidden-states applies"):
-        run(_config(folder, data_dir, ["rtn"], hidden_states="disk"), progress=False)
 
 
 def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
@@ -548,11 +543,9 @@ def test_a_folded_balancing_streams_and_saves_as_the_whole_model(
 
     folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
     runs = {}
-    for name, stream in (("whole", False), ("streamed", True)):
-        cfg = _config(
-            folder, data_dir, ["torq-had32"], stream=stream, save_dir=str(tmp_path / name)
-        )
-        runs[name] = run(replace(cfg, torq=replace(cfg.torq, fold=True)), progress=False)["rows"][0]
+    for name, runner in (("whole", whole_model_run), ("streamed", run)):
+        cfg = _config(folder, data_dir, ["torq-had32"], save_dir=str(tmp_path / name))
+        runs[name] = runner(replace(cfg, torq=replace(cfg.torq, fold=True)))["rows"][0]
     assert runs["whole"]["ppl"] == runs["streamed"]["ppl"]
     assert "'into': 'self_attn.v_proj'" in str(runs["streamed"]["details"]["layers"][0])
     ids = torch.randint(0, 300, (2, 24))

@@ -13,7 +13,6 @@ from torq.calibration.capture import BlockStatistics
 from torq.calibration.data import CalibrationConfig
 from torq.methods import METHODS, get_method
 from torq.methods.settings import TorqSettings
-from torq.models.loading import LoadedModel
 from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.runs.config import RunConfig
@@ -87,7 +86,14 @@ def data_dir(tiny_calibration_data_dir: Path) -> Path:
     return tiny_calibration_data_dir
 
 
-def _run(methods: list[str], data_dir, tokenizer, seed: int = 0) -> dict[str, float]:
+@pytest.fixture
+def tiny_folder(tmp_path: Path, tiny_tokenizer) -> Path:
+    tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def _run(methods: list[str], data_dir, folder, seed: int = 0) -> dict[str, float]:
     settings = TorqSettings(
         # 4 × 64 calibration tokens into a reservoir of 48: the sample is drawn at random
         calibration=CalibrationConfig(n_samples=4, seqlen=64),
@@ -95,7 +101,7 @@ def _run(methods: list[str], data_dir, tokenizer, seed: int = 0) -> dict[str, fl
         reservoir_tokens=48,
     )
     config = RunConfig(
-        model="tiny",
+        model=str(folder),
         methods=methods,
         seqlen=64,
         max_windows=3,
@@ -103,12 +109,11 @@ def _run(methods: list[str], data_dir, tokenizer, seed: int = 0) -> dict[str, fl
         seed=seed,
         torq=settings,
     )
-    loaded = LoadedModel(tiny_model("llama"), tokenizer, "test", "tiny")
-    rows = run(config, loaded=loaded, progress=False)["rows"]
+    rows = run(config, progress=False)["rows"]
     return {r["method"]: r["ppl"] for r in rows}
 
 
-def test_every_method_is_independent_of_the_rest_of_the_run(data_dir, tiny_tokenizer) -> None:
+def test_every_method_is_independent_of_the_rest_of_the_run(data_dir, tiny_folder) -> None:
     """Each random or calibrated method alone, after all the others, and in reverse order,
     on two threads and from scrambled global random states: the same perplexity, bit for
     bit (a changed weight, transform or sample would move it)."""
@@ -116,13 +121,13 @@ def test_every_method_is_independent_of_the_rest_of_the_run(data_dir, tiny_token
     torch.set_num_threads(2)
     try:
         everything = ["fp", "rtn", *RANDOM_OR_CALIBRATED]
-        together = _run(everything, data_dir, tiny_tokenizer)
+        together = _run(everything, data_dir, tiny_folder)
         torch.manual_seed(12345)
         torch.rand(1000)
-        backwards = _run(everything[::-1], data_dir, tiny_tokenizer)
+        backwards = _run(everything[::-1], data_dir, tiny_folder)
         for method in RANDOM_OR_CALIBRATED:
             torch.manual_seed(len(method))
-            alone = _run([method], data_dir, tiny_tokenizer)[method]
+            alone = _run([method], data_dir, tiny_folder)[method]
             assert together[method] == alone, method
             assert backwards[method] == alone, method
     finally:
@@ -131,13 +136,13 @@ def test_every_method_is_independent_of_the_rest_of_the_run(data_dir, tiny_token
     assert len({together[m] for m in RANDOM_OR_CALIBRATED}) > len(RANDOM_OR_CALIBRATED) // 2
 
 
-def test_run_seed_reaches_quarot(data_dir, tiny_tokenizer) -> None:
+def test_run_seed_reaches_quarot(data_dir, tiny_folder) -> None:
     """``--seed`` sets QuaRot's random signs (it was read but never passed), and is part of
     QuaRot's settings key, so a kept model of one seed is not reused for another."""
-    a = _run(["quarot"], data_dir, tiny_tokenizer, seed=0)["quarot"]
-    b = _run(["quarot"], data_dir, tiny_tokenizer, seed=1)["quarot"]
+    a = _run(["quarot"], data_dir, tiny_folder, seed=0)["quarot"]
+    b = _run(["quarot"], data_dir, tiny_folder, seed=1)["quarot"]
     assert a != b
-    assert _run(["quarot"], data_dir, tiny_tokenizer, seed=1)["quarot"] == b
+    assert _run(["quarot"], data_dir, tiny_folder, seed=1)["quarot"] == b
     base = {"model": "m", "seed": 0}
     assert setting_key({**base, "seed": 1}, "quarot") != setting_key(base, "quarot")
     assert setting_key({**base, "seed": 1}, "torq") == setting_key(base, "torq")

@@ -1,5 +1,5 @@
 """``benchmarks/zeroshot_table.py --merge-from``: one table from the records of separate runs,
-without scoring anything again (the kept SmolLM2 records in ``docs/zeroshot/``)."""
+without scoring anything again (the kept SmolLM2 records in ``docs/records/zeroshot/``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
     sources = []
     for name in ("smollm2-fp.json", "smollm2-rtn.json"):
-        shutil.copy(ROOT / "docs" / "zeroshot" / name, tmp_path / name)
+        shutil.copy(ROOT / "docs" / "records" / "zeroshot" / name, tmp_path / name)
         sources.append(tmp_path / name)
     out = tmp_path / "merged.json"
     args = [
@@ -62,7 +62,9 @@ def test_perplexities_are_reused_only_from_the_same_windows(tmp_path: Path) -> N
     assert spec is not None and spec.loader is not None
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    config = json.loads((ROOT / "docs" / "formats" / "smollm2-nvfp4-16w.json").read_text())
+    config = json.loads(
+        (ROOT / "docs" / "records" / "formats" / "smollm2-nvfp4-16w.json").read_text()
+    )
     paths = {}
     for windows, ppl, n in ((16, 26.75, 16), (None, 19.5, 140), (8, 30.0, 8)):
         rec = {

@@ -1,8 +1,8 @@
 """What a GSM8K row lost: the answer's form or its arithmetic. For each row of a
 ``benchmarks/humaneval.py --task gsm8k`` record, how many answers end in lm-eval's
 ``#### N`` form (the strict filter found a number), how many of those are right, how many
-the flexible filter gets right, and the answers' mean length (docs/RESULTS.md §12.1):
-``python benchmarks/diagnostics/gsm8k_answers.py docs/gsm8k/qwen-coder-200.json``.
+the flexible filter gets right, and the answers' mean length (docs/research-log.md §12.1):
+``python benchmarks/diagnostics/gsm8k_answers.py docs/records/gsm8k/qwen-coder-200.json``.
 No model: it reads the answers kept in the record.
 """
 

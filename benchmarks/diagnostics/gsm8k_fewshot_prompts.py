@@ -1,7 +1,7 @@
 """Whether a GSM8K problem's 5-shot prompt depends on the subset it is asked in: builds
 lm-eval's requests for the seeded subsets of ``--sizes`` (``torq.eval.generation``'s draw,
 no model) and counts the problems of the smallest whose prompt is the same in each larger
-one (docs/RESULTS.md §12.1; why ``benchmarks/humaneval_paired.py`` compares GSM8K rows of
+one (docs/research-log.md §12.1; why ``benchmarks/humaneval_paired.py`` compares GSM8K rows of
 one subset only):
 ``python benchmarks/diagnostics/gsm8k_fewshot_prompts.py --sizes 50,200 --seed 0``.
 """

@@ -2,8 +2,9 @@
 records, how many pass, fail a test (``AssertionError``: a program that runs and computes
 something else), are not Python (``SyntaxError``, ``IndentationError``), raise another
 error, or reach a limit (time, memory); how many completions are caught in a repetition
-loop (:func:`in_a_loop`); and the completions' mean length (docs/RESULTS.md §12.1):
-``python benchmarks/diagnostics/humaneval_failures.py docs/humaneval/qwen-coder-{fp,rtn}.json``.
+loop (:func:`in_a_loop`); and the completions' mean length (docs/research-log.md §12.1):
+``python benchmarks/diagnostics/humaneval_failures.py
+docs/records/humaneval/qwen-coder-{fp,rtn}.json``.
 No model: it reads the sandbox's verdicts kept in the records.
 """
 

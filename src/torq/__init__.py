@@ -1,5 +1,22 @@
-"""torq: Two-level Orthogonal Rotation for MXFP4 Quantization (TORQ) of LLMs."""
+"""torq: Two-level Orthogonal Rotation for MXFP4 Quantization (TORQ) of LLMs.
+
+The Python API (:mod:`torq.api`): ``torq.quantize``, ``torq.save``, ``torq.load``,
+``torq.evaluate`` and ``torq.quantize_checkpoint``; imported on first use, so that
+``import torq`` stays light.
+"""
+
+from typing import Any
 
 from torq.version import __version__
 
-__all__ = ["__version__"]
+_API = ("quantize", "save", "load", "evaluate", "quantize_checkpoint")
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from torq import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'torq' has no attribute {name!r}")

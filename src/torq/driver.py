@@ -21,8 +21,9 @@ hours, and a stop should not cost them.
 Peak memory is one decoder layer in float32 (and its quantized copy), the hidden states of
 the calibration and evaluation windows (float32, as the layers compute), the statistics of
 one layer, and the larger of the embedding and the head: never the whole model. The
-arithmetic is the whole-model path's, step for step (the same layers, keyword arguments,
-capture and loss), so the two give the same numbers bit for bit on a CPU.
+arithmetic is that of the model quantized whole in memory (:func:`apply_method`), step for
+step (the same layers, keyword arguments, capture and loss), so the two give the same
+numbers bit for bit on a CPU; the tests hold the driver to it.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def run_layerwise(
 
         def new_store() -> HiddenStates | None:
             if hidden_states == "memory":
-                return None  # plain lists: the arithmetic and memory of the whole-model path
+                return None  # plain lists: the arithmetic and memory of the model quantized whole
             store = HiddenStates(hidden_states) if not stores else stores[0].empty_like()
             stores.append(store)
             return store

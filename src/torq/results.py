@@ -21,7 +21,7 @@ from torq.version import __version__
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``): recorded with every number, and with each
     session of a kept evaluation, since a W4A4 model's answers differ between CPU kinds
-    (their float rounding; docs/RESULTS.md §12.5)."""
+    (their float rounding; docs/research-log.md §12.5)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -103,14 +103,19 @@ def test_eval_command_on_a_tiny_checkpoint(tiny_checkpoint, tiny_data_dir, tmp_p
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
-    tiny_checkpoint, tiny_data_dir, tmp_path
+def test_streamed_methods_run_their_tasks_on_their_quantized_checkpoint(
+    tiny_checkpoint, tiny_data_dir, tmp_path, monkeypatch
 ) -> None:
-    """``--stream --save-dir --tasks``: each method is quantized layer by layer and saved as
-    it goes, then its tasks run on the saved checkpoint: the whole-model path's scores
-    (the same logits); with ``--packed`` the weights stay packed (4-bit) in memory; with
-    ``--offload-dir`` its layers stay on disk (the same scores; the scratch folder goes); with
-    ``--resume-dir`` its answers are kept as they come."""
+    """``--tasks``: each method is quantized layer by layer and written as it goes (to a
+    temporary folder, removed after its tasks, or to ``--save-dir``), then its tasks run on
+    that checkpoint: the same scores either way; with ``--packed`` the weights stay packed
+    (4-bit) in memory; with ``--offload-dir`` its layers stay on disk (the same scores; the
+    scratch folder goes); with ``--resume-dir`` its answers are kept as they come, beside
+    its checkpoint. The float model runs its tasks loaded whole."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     _zeroshot_dir(tiny_data_dir)
     common = [
         "eval", "--model", str(tiny_checkpoint), "--methods", "rtn,quarot",
@@ -121,30 +126,39 @@ def test_streamed_methods_run_their_tasks_on_the_saved_checkpoint(
     off = tmp_path / "scratch" / "offload"
     kept = tmp_path / "resume"
     for name, extra in {
-        "whole": [],
-        "streamed": ["--stream", "--save-dir", str(tmp_path / "s")],
-        "packed": ["--stream", "--save-dir", str(tmp_path / "p"), "--packed"],
-        "offloaded": ["--stream", "--save-dir", str(tmp_path / "o"), "--offload-dir", str(off)],
-        "kept": ["--stream", "--save-dir", str(tmp_path / "k"), "--resume-dir", str(kept)],
+        "plain": [],
+        "saved": ["--save-dir", str(tmp_path / "s")],
+        "packed": ["--save-dir", str(tmp_path / "p"), "--packed"],
+        "offloaded": ["--save-dir", str(tmp_path / "o"), "--offload-dir", str(off)],
+        "kept": ["--resume-dir", str(kept)],
     }.items():
         out = tmp_path / f"{name}.json"
         assert main([*common, *extra, "--out", str(out)]) == 0
         runs[name] = json.loads(out.read_text())["rows"]
-    for whole, streamed, packed, offloaded, with_kept in zip(*runs.values(), strict=True):
-        assert whole["ppl"] == streamed["ppl"] == packed["ppl"] == offloaded["ppl"]
-        assert with_kept["ppl"] == whole["ppl"]
-        assert whole["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"], whole["method"]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary checkpoints are gone
+    for plain, saved, packed, offloaded, with_kept in zip(*runs.values(), strict=True):
+        assert plain["ppl"] == saved["ppl"] == packed["ppl"] == offloaded["ppl"]
+        assert with_kept["ppl"] == plain["ppl"]
+        assert plain["zeroshot"]["tasks"] == saved["zeroshot"]["tasks"], plain["method"]
+        assert "saved" not in plain["details"]
         # with --resume-dir the answers are kept as they come, in the method's folder
-        assert with_kept["zeroshot"]["tasks"] == whole["zeroshot"]["tasks"]
+        assert with_kept["zeroshot"]["tasks"] == plain["zeroshot"]["tasks"]
         assert with_kept["zeroshot"]["request_cache"] is not None
-        assert streamed["zeroshot"]["request_cache"] is None
-        assert offloaded["zeroshot"]["tasks"] == streamed["zeroshot"]["tasks"]
+        model_dir = Path(with_kept["details"]["zeroshot_model"]["loaded_from"])
+        assert model_dir.parent.parent.parent == kept and model_dir.is_dir()
+        assert saved["zeroshot"]["request_cache"] is None
+        assert offloaded["zeroshot"]["tasks"] == saved["zeroshot"]["tasks"]
         assert Path(offloaded["details"]["zeroshot_model"]["offload_dir"]).parent.parent == off
         assert set(packed["zeroshot"]["tasks"]) == {"arc_easy", "piqa"}
-        assert streamed["details"]["zeroshot_model"]["packed_layers"] == 0
+        assert saved["details"]["zeroshot_model"]["packed_layers"] == 0
         assert packed["details"]["zeroshot_model"]["packed_layers"] == 14  # 7 linears × 2
         assert Path(packed["details"]["saved"]["path"]).is_dir()
     assert not off.exists()  # the run's scratch folder, and the folder it made for it
+    out = tmp_path / "fp.json"
+    assert main([*common, "--methods", "fp", "--out", str(out)]) == 0  # the last --methods
+    fp = json.loads(out.read_text())["rows"][0]
+    assert fp["method"] == "fp" and set(fp["zeroshot"]["tasks"]) == {"arc_easy", "piqa"}
+    assert "zeroshot_model" not in fp["details"]
 
 
 @pytest.mark.slow
@@ -225,9 +239,10 @@ def test_eval_command_keeps_one_cache_per_method(tiny_checkpoint, tiny_data_dir,
     assert dirs == ["fp", "rtn"]
     rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
     assert [r["zeroshot"]["request_cache"]["entries_after"] for r in rows] == [4, 4]
-    assert main(args) == 0  # again: everything from the cache
-    rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
-    assert [r["zeroshot"]["request_cache"]["entries_before"] for r in rows] == [4, 4]
+    assert main(args) == 0  # again: each finished row is taken as it was kept
+    again = json.loads((tmp_path / "zs.json").read_text())["rows"]
+    assert all(r["details"].get("finished_row") for r in again)
+    assert [r["zeroshot"]["tasks"] for r in again] == [r["zeroshot"]["tasks"] for r in rows]
 
 
 def test_seeded_subset_draws_the_same_questions_for_a_seed(tiny_data_dir, monkeypatch) -> None:

@@ -167,10 +167,12 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
     capsys.readouterr()
     assert main([*base, "--methods", "torq", "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
-    assert "cannot hold 'torq' yet" in err and len(err.strip().splitlines()) == 1
+    assert "cannot hold 'torq': TORQ's calibrated rotations" in err
+    assert len(err.strip().splitlines()) == 1
     assert main([*base, "--methods", "torq-had32", "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
-    assert "'torq-had32' with its balancing folded: add --fold-balance" in err
+    assert "'torq-had32': compressed-tensors holds it with its balancing folded" in err
+    assert "add --fold-balance" in err
     assert main([*base, "--methods", "rtn", "--format", "nvfp4", "--out", "t.json"]) == 2
     err = capsys.readouterr().err
     assert "dynamic tensor scale are not exported" in err and len(err.strip().splitlines()) == 1
@@ -196,19 +198,25 @@ def test_an_exported_folder_is_not_taken_for_a_float_model(
     tmp_path, tiny_tokenizer, tiny_data_dir, capsys
 ) -> None:
     """transformers would load an exported had32 folder without its Hadamard: torq refuses
-    to quantize or evaluate it as a float model, and names the loader that is right."""
+    to quantize it as a float model, and evaluates it as the quantized model it is."""
     from torq.cli import main
     from torq.export.compressed_tensors import export_compressed_tensors
 
     export_compressed_tensors(_quantized("had32", "mxfp4"), tmp_path / "ct", tiny_tokenizer)
-    for extra in ([], ["--stream"]):
-        args = [
-            "run", "--model", str(tmp_path / "ct"), "--methods", "rtn", "--seqlen", "32",
-            "--max-windows", "1", "--data-dir", str(tiny_data_dir), "--no-progress", *extra,
-        ]  # fmt: skip
-        assert main(args) == 2
-        err = capsys.readouterr().err
-        assert "quantized already (compressed-tensors)" in err and "load_compressed_tensors" in err
+    args = [
+        "run", "--model", str(tmp_path / "ct"), "--methods", "rtn", "--seqlen", "32",
+        "--max-windows", "1", "--data-dir", str(tiny_data_dir), "--no-progress",
+    ]  # fmt: skip
+    capsys.readouterr()  # the export's own progress bars
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already quantized with 'compressed-tensors'" in err and len(err.splitlines()) == 1
+    # evaluated as it is, through transformers with its Hadamard attached again
+    out = tmp_path / "ct.json"
+    as_is = [a for i, a in enumerate(args) if "--methods" not in args[max(i - 1, 0) : i + 1]]
+    assert main([*as_is, "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["method"] == "compressed-tensors" and row["ppl"] > 0
 
 
 @pytest.mark.parametrize("activation", ["mxfp4", None])
@@ -290,23 +298,30 @@ def test_a_saved_checkpoint_exports_layer_by_layer_as_the_whole_model(
 def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
     tiny_checkpoint, tiny_data_dir, tmp_path
 ) -> None:
-    """``--stream --save-dir D --save-format compressed-tensors``: torq's checkpoint is
-    written layer by layer to a staging folder, exported layer by layer, and removed; the
-    folder is the whole-model run's, tensor for tensor and configuration for configuration."""
+    """``--save-dir D --save-format compressed-tensors``: torq's checkpoint is written
+    layer by layer to a staging folder, exported layer by layer, and removed; the folder is
+    the one the whole model quantized in memory exports, tensor for tensor and
+    configuration for configuration."""
 
+    from tests.whole_model import whole_model_run
     from torq.cli import main
+    from torq.runs.config import RunConfig
 
     base = [
         "run", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1",
         "--data-dir", str(tiny_data_dir), "--no-progress", "--save-format", "compressed-tensors",
         "--scale-mode", "nearest", "--methods", "rtn,had32",
     ]  # fmt: skip
-    for name, extra in (("whole", []), ("streamed", ["--stream"])):
-        out = ["--save-dir", str(tmp_path / name), "--out", str(tmp_path / f"{name}.json")]
-        assert main([*base, *extra, *out]) == 0
+    out = ["--save-dir", str(tmp_path / "streamed"), "--out", str(tmp_path / "streamed.json")]
+    assert main([*base, *out]) == 0
+    whole = RunConfig(
+        model=str(tiny_checkpoint), methods=["rtn", "had32"], seqlen=32, max_windows=1,
+        data_dir=str(tiny_data_dir), scale_mode="nearest", save_dir=str(tmp_path / "whole"),
+        save_format="compressed-tensors",
+    )  # fmt: skip
     rows = {
-        name: json.loads((tmp_path / f"{name}.json").read_text())["rows"]
-        for name in ("whole", "streamed")
+        "whole": whole_model_run(whole)["rows"],
+        "streamed": json.loads((tmp_path / "streamed.json").read_text())["rows"],
     }
     assert [r["ppl"] for r in rows["whole"]] == [r["ppl"] for r in rows["streamed"]]
     for whole, streamed in zip(rows["whole"], rows["streamed"], strict=True):

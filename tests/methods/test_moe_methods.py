@@ -17,7 +17,8 @@ import torq.methods.layers as method_layers
 from tests.conftest import tiny_model
 from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.driver import apply_method
-from torq.export.checkpoint import load_quantized, save_quantized
+from torq.export.checkpoint import save_quantized
+from torq.export.reading import load_quantized
 from torq.kernels.experts import PackedMXFP4Experts
 from torq.methods import MethodContext, TorqSettings, get_method
 from torq.rotations.intra_block import IntraBlockConfig

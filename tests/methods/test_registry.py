@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
+from tests.whole_model import whole_model_run
 from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
 from torq.methods import METHODS, Method, MethodContext, TransformBuilder, get_method, register
@@ -47,7 +48,7 @@ def test_only_quarot_fuses_an_offline_rotation_part_by_part() -> None:
     assert layer_plan(get_method("quarot+gptq"), QuantConfig(None, None), ctx).parts is not None
 
 
-# The resume folders of SmolLM2-135M's full zero-shot rows (docs/RESULTS.md §5.0), named
+# The resume folders of SmolLM2-135M's full zero-shot rows (docs/research-log.md §5.0), named
 # by the hash of each method's settings key when they were measured.
 KEPT_ROWS = (
     "gptq-c8af7445d7", "had128-afc12e8be0", "hadfull-20ba38fe04", "quarot-3fa46f9946",
@@ -116,8 +117,8 @@ def test_a_new_method_is_one_definition(
     common = {"model": str(folder), "methods": methods, "seqlen": 48, "max_windows": 2}
     common["data_dir"] = str(data)
     common["torq"] = TorqSettings(calibration=CalibrationConfig(n_samples=2, seqlen=48))
-    whole = {r["method"]: r["ppl"] for r in run(RunConfig(**common), progress=False)["rows"]}
-    streamed = run(RunConfig(**common, stream=True), progress=False)["rows"]
+    whole = {r["method"]: r["ppl"] for r in whole_model_run(RunConfig(**common))["rows"]}
+    streamed = run(RunConfig(**common), progress=False)["rows"]
     assert whole["my-had32"] == whole["had32"]
     assert whole["my-had32+gptq"] == whole["had32+gptq"]
     assert whole["had32+gptq"] != whole["had32"]

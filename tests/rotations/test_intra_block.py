@@ -9,9 +9,8 @@ import math
 import pytest
 import torch
 
-from torq.rotations.intra_block import (
+from torq.rotations.angle_search import (
     N_CODES,
-    IntraBlockConfig,
     _occupancy_sweep,
     _pair_events,
     block_scales,
@@ -20,11 +19,14 @@ from torq.rotations.intra_block import (
     codebook_occupancy_loss,
     decision_boundaries,
     exact_angle_search,
-    fit_intra_block_rotation,
     givens,
     mse_angle_search,
     quantization_mse_loss,
     quantize_e2m1,
+)
+from torq.rotations.intra_block import (
+    IntraBlockConfig,
+    fit_intra_block_rotation,
     select_column_pairs,
 )
 
@@ -203,7 +205,7 @@ def test_sweep_in_chunks_is_the_sweep_in_one(monkeypatch):
     million-block sample): exact integers, so any chunk size gives the same numerators,
     and the search the same angles and rotated sample, bit for bit; searching in place
     rotates the given tensor instead of a copy, with the same result."""
-    import torq.rotations.intra_block as ib
+    import torq.rotations.angle_search as ib
 
     zn = _normalized(_samples("student_t2", 400, k=8, seed=11))
     pairs = select_column_pairs(zn, k_top=4, n_pairs=2, lam=1.0)
@@ -481,7 +483,7 @@ def test_the_pairs_prepared_side_by_side_give_the_search_of_one_thread(monkeypat
     is prepared for all pairs on torch's threads; each sweep then finishes on the histogram
     the pairs before it left. Angles, losses and the rotated sample are those of one thread,
     bit for bit, and every pair's numerators are the brute-force recount's."""
-    import torq.rotations.intra_block as ib
+    import torq.rotations.angle_search as ib
 
     zn = _normalized(_samples("student_t2", 600, k=16, seed=3))
     pairs = select_column_pairs(zn, k_top=16, n_pairs=4, lam=1.0)

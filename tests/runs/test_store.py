@@ -11,7 +11,7 @@ import pytest
 from torq.runs.config import RunConfig
 from torq.runs.store import method_resume_dir, setting_digest, setting_key
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "formats"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "records" / "formats"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxint4"])

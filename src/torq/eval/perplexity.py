@@ -112,14 +112,26 @@ def perplexity(
     return perplexity_from_nll(total_nll, n, seqlen, seconds)
 
 
+# token rows per log-softmax in :func:`window_nll`
+NLL_CHUNK = 256
+
+
 def window_nll(logits: torch.Tensor, batch: torch.Tensor, first: int = 0) -> list[float]:
     """Each window's summed NLL of its tokens ``1..L-1`` (float64 sums of the float32
     per-token losses), from the logits of a batch of windows (``first``: the batch's first
     window, for the error message)."""
-    nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        batch[:, 1:].reshape(-1),
-        reduction="none",
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    targets = batch[:, 1:].reshape(-1)
+    # a few hundred tokens at a time: the log-softmax of a whole window is another copy of
+    # its logits (400 MB for 2048 tokens of a 49k vocabulary); each token's loss is its own
+    # row's, so the losses are the same either way
+    nll = torch.cat(
+        [
+            F.cross_entropy(
+                flat[i : i + NLL_CHUNK].float(), targets[i : i + NLL_CHUNK], reduction="none"
+            )
+            for i in range(0, targets.numel(), NLL_CHUNK)
+        ]
     ).view(batch.shape[0], -1)
     if not torch.isfinite(nll).all():
         raise TorqError(f"non-finite loss in window {first}: the model produced NaN/Inf logits")

@@ -8,8 +8,9 @@ torq's fake-quant layers (bit-identical to the model that was saved) or with the
 MXFP4 layers of :mod:`torq.kernels` (``packed=True``, the GPU kernels).
 """
 
-from torq.export.checkpoint import load_quantized, read_manifest, save_quantized
+from torq.export.checkpoint import save_quantized
 from torq.export.loading import load_model
+from torq.export.reading import load_quantized, read_manifest
 from torq.models.loading import MANIFEST, is_quantized_checkpoint
 
 __all__ = [

@@ -49,9 +49,8 @@ import torch
 from torch import nn
 
 from torq.errors import TorqError
-from torq.export.checkpoint import (
-    INDEX,
-    _atomic_folder,
+from torq.export.checkpoint import INDEX, _atomic_folder
+from torq.export.reading import (
     _built_transforms,
     _checkpoint_files,
     _StoredTensors,
@@ -66,13 +65,11 @@ from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
-CT_METHODS = ("rtn", "gptq", "had32", "had32+gptq", "torq-had32", "torq-had32+gptq")
-# methods whose channel balancing must be folded (--fold-balance) to leave H32 alone online
-FOLDED_METHODS = ("torq-had32", "torq-had32+gptq")
 CT_HOLDS = (
-    f"{', '.join(CT_METHODS)} (MXFP4 weights with MXFP4 or float activations, or NVFP4 "
-    "weights with float activations or NVFP4 ones under --act-scale static; "
-    f"{', '.join(FOLDED_METHODS)} with --fold-balance)"
+    "no online transform or the 32-block Hadamard alone (rtn, gptq, had32, and torq-had32 "
+    "with its balancing folded, each with RTN or GPTQ weights); MXFP4 weights with MXFP4 or "
+    "float activations, or NVFP4 weights with float activations or NVFP4 ones under "
+    "--act-scale static"
 )
 _HADAMARD_GROUP = "torq_had32"
 _NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported"
@@ -449,6 +446,37 @@ def export_saved_compressed_tensors(
         config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
     return out
+
+
+def is_compressed_tensors_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a compressed-tensors checkpoint (its ``config.json`` names
+    the quantization method); a ``config.json`` that is not JSON is refused in one line."""
+    config = Path(folder).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TorqError(f"{config} is not valid JSON ({exc})") from None
+    qconfig = data.get("quantization_config") if isinstance(data, dict) else None
+    return isinstance(qconfig, dict) and qconfig.get("quant_method") == "compressed-tensors"
+
+
+# what torq quantize writes beside a checkpoint: its recipe, method and run record
+QUANTIZE_RECORD = "torq_quantize.json"
+
+
+def compressed_tensors_manifest(folder: str | Path) -> dict[str, Any]:
+    """A compressed-tensors folder described as torq describes its own saved checkpoints
+    (``method``: the one ``torq quantize`` recorded, else ``"compressed-tensors"``)."""
+    record = Path(folder).expanduser() / QUANTIZE_RECORD
+    method = "compressed-tensors"
+    if record.is_file():
+        try:
+            method = json.loads(record.read_text()).get("method") or method
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise TorqError(f"{record} is not valid JSON: write the folder again") from None
+    return {"method": method, "modules": {}, "format": "compressed-tensors"}
 
 
 def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:

@@ -1,5 +1,5 @@
 """Loading any model torq can evaluate: a checkpoint torq saved quantized
-(:func:`~torq.export.checkpoint.load_quantized`), or a float model
+(:func:`~torq.export.reading.load_quantized`), or a float model
 (:func:`torq.models.load`)."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from pathlib import Path
 import torch
 
 from torq.errors import TorqError
-from torq.export.checkpoint import load_quantized
+from torq.export.compressed_tensors import (
+    compressed_tensors_manifest,
+    is_compressed_tensors_folder,
+    load_compressed_tensors,
+)
+from torq.export.reading import load_quantized
 from torq.models.loading import LoadedModel, is_quantized_checkpoint, load
 
 
@@ -29,7 +34,29 @@ def load_model(
     path = Path(name_or_path.strip()).expanduser()
     if path.is_dir() and is_quantized_checkpoint(path):
         return _from_quantized_folder(path, packed, offload_dir, device)
+    if path.is_dir() and is_compressed_tensors_folder(path):
+        return _from_compressed_tensors(path, packed, offload_dir)
     return load(name_or_path, dtype=dtype, gguf_dtype=gguf_dtype)
+
+
+def _from_compressed_tensors(path: Path, packed: bool, offload_dir: Path | None) -> LoadedModel:
+    """A compressed-tensors folder through transformers in bfloat16, its online Hadamard
+    transforms attached: the model as the serving stack computes it."""
+    from transformers import AutoTokenizer
+
+    if packed or offload_dir is not None:
+        raise TorqError(
+            f"{path} is a compressed-tensors checkpoint: it loads through transformers, "
+            "without --packed or --offload-dir"
+        )
+    model = load_compressed_tensors(path)
+    return LoadedModel(
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        source=f"compressed-tensors:{path.resolve()}",
+        path=str(path),
+        quantized=compressed_tensors_manifest(path),
+    )
 
 
 def _from_quantized_folder(

@@ -6,7 +6,7 @@ element ``2i`` in the low nibble, one E8M0 scale byte per block of 32 along the 
 ``scales uint8 [N, Kp/32]`` with ``Kp = ceil(K/32)·32``.
 
 Kernels (their launchers are in :mod:`torq.kernels.launch`, the default choice per token
-count in :mod:`torq.kernels.config`; measurements in ``docs/RESULTS.md`` §4):
+count in :mod:`torq.kernels.config`; measurements in ``docs/research-log.md`` §4):
 
 * :func:`_mx_gemv_i8_kernel`, one token (decode): since ``2·Q(x)`` and ``2·Q(W)`` are
   integers in [−12, 12], each block of 32 is an exact int32 dot product (``dp4a``),
@@ -145,7 +145,7 @@ def _e2m1_twice(nibbles):
 # and ``prmt(T, w ^ 0x8888)`` those of the negative ones; the exact integer dot product is
 # the difference of two unsigned × signed ``dp4a`` chains. $0: result, $1: the weight
 # word, $2 / $3: the activation words of elements 0-3 / 4-7. 14 instructions per eight
-# elements (docs/kernels-notes.md has the variants measured).
+# elements (docs/kernels.md has the variants measured).
 _DP4A_E2M1_ASM = tl.constexpr("""{
 .reg .b32 t0, t1, ng, wh, nh, p, q, a, b;
 mov.b32 t0, 0x03020100;

@@ -77,6 +77,11 @@ class BlockHadamard(TransformBuilder):
         self.groups[width] = transform.block_size
         return transform
 
+    def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
+        if self.group_size == 32:
+            return None
+        return "compressed-tensors holds the 32-block Hadamard only (had32)"
+
     def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         # a new dict per plan, filled as its layers are quantized (an earlier row keeps its own)
         self.groups = {}
@@ -92,7 +97,7 @@ HAD32 = register(
     )
 )
 # aligned with NVFP4's 16-element blocks: whether H₃₂'s loss in NVFP4 came from its block
-# size (it did not: both are worse than RTN there, docs/RESULTS.md §12.2)
+# size (it did not: both are worse than RTN there, docs/research-log.md §12.2)
 HAD16 = register(
     Method(
         "had16",

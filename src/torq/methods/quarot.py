@@ -50,6 +50,9 @@ class QuaRotTransform(TransformBuilder):
     as the driver loads it (:meth:`residual`, so QuaRot streams), then the online
     full-width Hadamard on down_proj's input (the only input of the intermediate width)."""
 
+    def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
+        return "QuaRot's full-width Hadamard before down_proj has no compressed-tensors form yet"
+
     def residual(self, ctx: MethodContext) -> ResidualRotation:
         return quarot_rotation(_config(ctx), int(ctx.options.get("seed", 0)))
 
@@ -70,7 +73,7 @@ class QuaRotTransform(TransformBuilder):
     def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
         # the random signs follow the run's seed; "signs" marks QuaRot's Q = diag(s)·H, so
         # models kept or carried from torq's earlier H·diag(s) (whose signs had no effect,
-        # docs/RESULTS.md §6.1) are never taken for this one
+        # docs/research-log.md §6.1) are never taken for this one
         return {"seed": run.get("seed", 0), "signs": "before-hadamard"}
 
 

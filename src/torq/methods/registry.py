@@ -133,6 +133,12 @@ class TransformBuilder:
         """Refuse, before the method's work, a model (``ctx.model_config``) this builder
         cannot transform with its settings."""
 
+    def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
+        """Why compressed-tensors (transformers, vLLM) cannot hold this transform with these
+        settings, in one line; ``None`` when it can (no transform, or the 32-block Hadamard
+        alone online). The export checks each saved layer again as it writes it."""
+        return None
+
     def residual(self, ctx: MethodContext) -> Any:
         """An offline rotation of the whole model fused part by part (embedding, each layer
         before its capture, head), as :class:`torq.surgery.fusion.ResidualRotation` does for
@@ -255,7 +261,7 @@ GPTQ_SUFFIX = "+gptq"
 # ``make demo`` shows (issue 27's fallback): TORQ's rotations after torq's balancing, with GPTQ
 # weights, the best row measured on both models' perplexity (full WikiText-2 test, held-out
 # Wikipedia text, two calibration seeds) and on SmolLM2's zero-shot average
-# (docs/RESULTS.md §10.5). ``torq`` alone is the same transform with RTN weights.
+# (docs/research-log.md §10.5). ``torq`` alone is the same transform with RTN weights.
 DEFAULT_METHOD = "torq+gptq"
 
 

@@ -14,7 +14,7 @@ from torq.rotations.intra_block import IntraBlockConfig
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
 # K/2 candidate columns): start from the block Hadamard and let every column be a candidate.
-# Measured in docs/RESULTS.md §3; ``paper_settings()`` restores the paper's reading.
+# Measured in docs/research-log.md §3; ``paper_settings()`` restores the paper's reading.
 TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 
 
@@ -49,11 +49,11 @@ class TorqSettings:
     fold: bool = False
     # the groups that get the calibrated rotations, by the name of a member linear
     # ("o_proj": attention's output projection only); the others get torq-had32's transform
-    # (the balancing and H₃₂). ``None``: every group (docs/RESULTS.md §10.3)
+    # (the balancing and H₃₂). ``None``: every group (docs/research-log.md §10.3)
     calibrate: tuple[str, ...] | None = None
     # a channel permutation after the balancing that gives each block an equal share of
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
-    # tokens the intra-block level fits on; intra-block level only (docs/RESULTS.md §10.3)
+    # tokens the intra-block level fits on; intra-block level only (docs/research-log.md §10.3)
     permute: bool = False
     # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
     # pooled, instead of one per expert from the tokens routed to it (the cheap variant)

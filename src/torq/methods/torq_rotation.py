@@ -23,7 +23,7 @@ only, ``torq-had32``'s transform for the others. ``permute`` (``torq-perm``): no
 rotation; after the balancing the channels are regrouped so that every block carries an
 equal share of ``rms(x_j)·‖w_j‖`` (:func:`torq.rotations.balance.block_mass_permutation`),
 then ``H₃₂``, the permutation checked by the guard like a calibrated transform
-(docs/RESULTS.md §10.3).
+(docs/research-log.md §10.3).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup
+from torq.errors import TorqError
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
 from torq.methods.settings import TorqSettings, torq_key
@@ -256,8 +257,32 @@ class TorqTransform(TransformBuilder):
         )
 
     def check(self, qconfig: QuantConfig, ctx: MethodContext) -> None:
-        if self.settings(qconfig, ctx).fold and ctx.model_config is not None:
+        """Refuse settings that cannot work (the intra-block solver's against the block
+        size, torq-perm's permutation without the balancing) and, once the model is known,
+        a model whose balancing cannot be folded."""
+        try:
+            settings = self.settings(qconfig, ctx)
+        except ValueError as exc:
+            raise TorqError(str(exc)) from None
+        try:
+            settings.intra.resolved(settings.block_size)
+        except ValueError as exc:
+            raise TorqError(f"TORQ's intra-block settings: {exc}") from None
+        if settings.fold and ctx.model_config is not None:
             check_foldable(ctx.model_config)
+
+    def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
+        settings = self.settings(qconfig, ctx)
+        if not self.fixed_hadamard or settings.permute:
+            return "TORQ's calibrated rotations have no compressed-tensors form"
+        if settings.block_size != 32:
+            return (
+                f"compressed-tensors holds the balanced 32-block Hadamard only, not blocks of "
+                f"{settings.block_size}: drop --rotation-block"
+            )
+        if settings.balance is not None and not settings.fold:
+            return "compressed-tensors holds it with its balancing folded: add --fold-balance"
+        return None
 
     def fold(
         self,

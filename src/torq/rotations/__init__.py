@@ -1,5 +1,7 @@
-"""TORQ's two rotations (§5.1 inter-block, §5.2 intra-block) and their structured transform."""
+"""TORQ's two rotations (the paper's Section 5.1 inter-block, 5.2 intra-block) and their
+structured transform."""
 
+from torq.rotations.angle_search import codebook_occupancy_loss, exact_angle_search
 from torq.rotations.hadamard import hadamard_matrix, has_hadamard
 from torq.rotations.inter_block import (
     InterBlockConfig,
@@ -10,8 +12,6 @@ from torq.rotations.inter_block import (
 from torq.rotations.intra_block import (
     IntraBlockConfig,
     IntraBlockResult,
-    codebook_occupancy_loss,
-    exact_angle_search,
     fit_intra_block_rotation,
     select_column_pairs,
 )

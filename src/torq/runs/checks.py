@@ -3,20 +3,16 @@ destinations, its options together, and each method's settings, formats and data
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from torq.calibration.data import corpus_path
+from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import eval_text_path
 from torq.errors import TorqError
-from torq.export.compressed_tensors import CT_HOLDS, CT_METHODS, FOLDED_METHODS, NVFP4_ACTIVATIONS
+from torq.export.compressed_tensors import CT_HOLDS, NVFP4_ACTIVATIONS
 from torq.methods.registry import Method, MethodContext
-from torq.methods.torq_rotation import TorqTransform
 from torq.models.loading import context_length
 from torq.paths import check_destination
 from torq.runs.config import RunConfig
-from torq.runs.kept import MODEL_INFO
 from torq.runs.source import saved_model_dir
-from torq.runs.store import method_resume_dir
 
 
 def check_settings(config: RunConfig, methods: list[Method]) -> None:
@@ -37,18 +33,12 @@ def check_settings(config: RunConfig, methods: list[Method]) -> None:
                     f"{option} {n} is longer than the model's context ({limit} positions); "
                     "add --allow-long-windows if you mean it"
                 )
-    if any(isinstance(m.transform, TorqTransform) for m in methods):
+    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
+    for m in methods:  # each method's own settings, before the model is read
         try:
-            config.torq.intra.resolved(config.torq.block_size)
-        except ValueError as exc:
-            raise TorqError(f"TORQ's intra-block settings: {exc}") from None
-    for m in methods:
-        if isinstance(m.transform, TorqTransform):
-            try:  # each method's own settings (torq-perm's permutation needs the balancing)
-                ctx = MethodContext(options={"torq_settings": config.torq})
-                m.transform.settings(config.quant_config(), ctx)
-            except ValueError as exc:
-                raise TorqError(f"{m.name}: {exc}") from None
+            m.transform.check(qconfig, ctx)
+        except TorqError as exc:
+            raise TorqError(f"{m.name}: {exc}") from None
 
 
 def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
@@ -73,42 +63,14 @@ def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
             raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
     elif config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
         raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
+    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
+    qconfig = config.quant_config()
     for method in methods:
-        if method.quantizes and method.name not in CT_METHODS:
+        reason = method.transform.compressed_tensors(qconfig, ctx) if method.quantizes else None
+        if reason is not None:
             raise TorqError(
-                f"--save-format compressed-tensors cannot hold '{method.name}' yet: {CT_HOLDS}"
+                f"--save-format compressed-tensors cannot hold '{method.name}': {reason}"
             )
-        if isinstance(method.transform, TorqTransform) and config.torq.block_size != 32:
-            raise TorqError(
-                f"--save-format compressed-tensors holds '{method.name}' with its 32-block "
-                f"Hadamard only, not blocks of {config.torq.block_size}: drop --rotation-block"
-            )
-        if method.name in FOLDED_METHODS and not config.torq.fold:
-            raise TorqError(
-                f"--save-format compressed-tensors holds '{method.name}' with its balancing "
-                "folded: add --fold-balance"
-            )
-
-
-def check_streamable(config: RunConfig, methods: list[Method]) -> None:
-    """Fail before any work when a streamed run asks for what it cannot do yet."""
-    if not methods:
-        raise TorqError("--stream reads a float checkpoint; this model is already quantized")
-    if config.skip_ppl:
-        raise TorqError("--stream does not support --skip-ppl yet; drop one of them")
-    if config.tasks:
-        # zero-shot tasks need the whole model: the saved quantized checkpoint, loaded back
-        if config.save_dir is None:
-            raise TorqError(
-                "--stream with zero-shot tasks needs --save-dir: the tasks run on each saved "
-                "quantized checkpoint (add --packed to keep its weights packed in memory)"
-            )
-        for method in methods:
-            if not method.quantizes:
-                raise TorqError(
-                    f"--stream with zero-shot tasks: '{method.name}' is the float model, which "
-                    "would be loaded whole; run its tasks without --stream"
-                )
 
 
 def check_data(config: RunConfig, methods: list[Method]) -> None:
@@ -120,10 +82,6 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
         calibration = method.calibration(ctx, config.quant_config())
         if calibration is None:
             continue
-        if config.resume_dir is not None and config.keep_models:
-            kept = Path(method_resume_dir(config, method.name)) / MODEL_INFO
-            if kept.is_file():
-                continue  # reloaded, not calibrated again
         try:
             corpus_path(calibration.corpus, config.data_dir)
         except TorqError as exc:
@@ -158,26 +116,26 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
                 check_destination(
                     saved_model_dir(config, method.name), folder=True, what="--save-dir"
                 )
-    if config.stream:
-        check_streamable(config, checked)
     check_settings(config, checked)
     if config.save_format != "torq":
         check_compressed_tensors(config, checked)
-    if config.hidden_states != "memory" and not config.stream:
-        raise TorqError("--hidden-states applies to a streamed run (--stream)")
-    if config.packed and not from_saved and not (config.stream and config.tasks):
+    if config.hidden_states not in (*HIDDEN_MODES, "auto"):
+        raise TorqError(
+            f"--hidden-states {config.hidden_states}: use auto, {', '.join(HIDDEN_MODES)}"
+        )
+    if config.packed and not from_saved and not config.tasks:
         raise TorqError(
             "--packed loads a saved quantized checkpoint (--model <save-dir>/<model>-<method>), "
-            "or with --stream the checkpoints its --save-dir writes for --tasks"
+            "or with --tasks each method's quantized checkpoint for its tasks"
         )
-    if config.offload_dir is not None and not from_saved and not (config.stream and config.tasks):
+    if config.offload_dir is not None and not from_saved and not config.tasks:
         raise TorqError(
             "--offload-dir keeps a saved quantized checkpoint's layers on disk "
-            "(--model <save-dir>/<model>-<method>, or with --stream the checkpoints its "
-            "--save-dir writes for --tasks)"
+            "(--model <save-dir>/<model>-<method>, or with --tasks each method's quantized "
+            "checkpoint while its tasks run)"
         )
-    if config.skip_ppl and not config.tasks:
-        raise TorqError("nothing to evaluate: no perplexity and no zero-shot tasks")
+    if config.skip_ppl and not config.tasks and config.save_dir is None:
+        raise TorqError("nothing to do: no perplexity, no zero-shot tasks, nothing saved")
     if config.task_subset is not None and config.task_limit is not None:
         raise TorqError("give either --limit (the first questions) or --subset, not both")
     if config.task_subset is not None and config.task_subset < 1:

@@ -46,22 +46,16 @@ class RunConfig:
     # choices of a question share one forward pass of their context (same scores, faster)
     shared_context: bool = True
     skip_ppl: bool = False
-    # where each method's evaluation is kept as it goes (perplexity windows, zero-shot
-    # answers), a sub-directory per method and setting (:func:`method_resume_dir`): the same
-    # run again after a stop measures only what is missing
+    # where each method's progress is kept as it goes (its layers, zero-shot answers, its
+    # finished row), a sub-directory per method and setting (:func:`method_resume_dir`): the
+    # same run again after a stop does only what is missing
     resume_dir: str | None = None
-    # with a resume directory, also keep each quantized model there, so that a restart
-    # reloads it instead of calibrating again (:func:`torq.runs.kept.keep_model`)
-    keep_models: bool = True
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
     # rotation solvers always run on the CPU, where the calibration statistics are kept
     device: str = "cpu"
     # write each quantized model as a checkpoint folder <save_dir>/<model>-<method>
     # (packed 4-bit weights and the online transforms, :mod:`torq.export`)
     save_dir: str | None = None
-    # read the float checkpoint one decoder layer at a time and quantize and evaluate layer
-    # by layer (:mod:`torq.driver`): memory bounded by one layer, not the model
-    stream: bool = False
     # windows longer than the model's context (max_position_embeddings) are refused unless
     allow_long_windows: bool = False
     # what --save-dir writes: torq's own checkpoint ("torq"), or "compressed-tensors"
@@ -69,18 +63,19 @@ class RunConfig:
     save_format: str = "torq"
     # evaluate a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed
     # (:class:`torq.kernels.linear.PackedMXFP4Linear`: 4.25 bits a weight in memory, not 32);
-    # with --stream and --tasks, how each saved checkpoint is loaded for the tasks
+    # with --tasks, how each method's quantized checkpoint is loaded for the tasks
     packed: bool = False
     # what a GGUF model is de-quantized to, once, in the cache: "float32" (transformers'
-    # values; every number in docs/RESULTS.md) or "bfloat16" (half the disk, rounded)
+    # values; every number in docs/research-log.md) or "bfloat16" (half the disk, rounded)
     gguf_dtype: str = "float32"
     # keep a saved quantized checkpoint's decoder layers on disk under this folder while it
     # is evaluated (accelerate's device_map offload, :func:`torq.export.load_quantized`):
     # for a model larger than memory; a scratch folder inside it is removed after the run
     offload_dir: str | None = None
-    # with --stream: how the windows' hidden states are kept between layers, "memory"
-    # (float32, exact), "bfloat16" (half, rounded) or "disk" (float32 files, exact)
-    hidden_states: str = "memory"
+    # how the windows' hidden states are kept between layers: "memory" (float32, exact),
+    # "bfloat16" (half, rounded), "disk" (float32 files, exact) or "auto" (memory when they
+    # fit :data:`torq.pipeline.AUTO_HIDDEN_MEMORY_BYTES`, else disk)
+    hidden_states: str = "auto"
     # the text perplexity is measured on: "wikitext2-test" (the paper's), "wikipedia-en"
     # (held-out text of ../shared/data) or a text file; its first max_windows windows
     eval_corpus: str = DEFAULT_EVAL_CORPUS

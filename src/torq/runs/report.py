@@ -132,7 +132,5 @@ def markdown_table(result: dict[str, Any]) -> str:
     peak = (result.get("peak_memory") or {}).get("host_rss_bytes")
     if peak:
         notes.append(f"peak RSS {peak / 2**30:.2f} GiB")
-    if result["config"].get("stream"):
-        notes.append("streamed one decoder layer at a time")
     out.append("; ".join(notes) + f"; model {result['config']['model']}.")
     return "\n".join(out)

@@ -4,20 +4,16 @@ a checkpoint torq saved already quantized (evaluated as it is), and ``--save-dir
 from __future__ import annotations
 
 import contextlib
-import copy
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from torq.errors import TorqError
-from torq.export import is_quantized_checkpoint, read_manifest, save_quantized
-from torq.models.loading import LoadedModel, load
+from torq.export import is_quantized_checkpoint, read_manifest
+from torq.export.compressed_tensors import compressed_tensors_manifest, is_compressed_tensors_folder
 from torq.paths import check_destination
 from torq.results import command_line, now_iso
 from torq.runs.config import RunConfig
@@ -43,21 +39,18 @@ def offload_scratch(folder: str | None) -> Iterator[Path | None]:
                 Path(folder).rmdir()
 
 
-def fresh_model(config: RunConfig, loaded: LoadedModel, own: bool) -> torch.nn.Module:
-    """A float model for one method to quantize in place: read again from its source when
-    the run loaded it (each method reads the checkpoint anew, as the streamed path does),
-    a copy only of a model object the caller handed in."""
-    device = next(loaded.model.parameters()).device
-    if own:
-        return load(config.model, gguf_dtype=config.gguf_dtype).model.to(device)
-    return copy.deepcopy(loaded.model)
-
-
 def saved_manifest(model: str) -> dict[str, Any] | None:
-    """The manifest when ``model`` is a checkpoint folder torq saved quantized, else None."""
+    """The manifest when ``model`` is a checkpoint folder torq saved quantized (or a
+    compressed-tensors folder, described alike), else None."""
 
     path = Path(model).expanduser()
-    return read_manifest(path) if path.is_dir() and is_quantized_checkpoint(path) else None
+    if not path.is_dir():
+        return None
+    if is_quantized_checkpoint(path):
+        return read_manifest(path)
+    if is_compressed_tensors_folder(path):
+        return compressed_tensors_manifest(path)
+    return None
 
 
 class SavedMethod:
@@ -119,42 +112,6 @@ def streamed_save_dir(config: RunConfig, method: str) -> Path:
     if config.save_format == "compressed-tensors":
         return out.with_name(f".{out.name}.torq")
     return out
-
-
-def save_model(
-    config: RunConfig,
-    method: str,
-    model: torch.nn.Module,
-    loaded: LoadedModel,
-    quantize_seconds: float,
-    details: dict[str, Any],
-) -> dict[str, Any]:
-    """Write one method's quantized ``model`` to :func:`saved_model_dir` in the run's
-    ``save_format`` (torq's checkpoint, or compressed-tensors); what was written, its size
-    and the seconds it took."""
-
-    t0 = time.perf_counter()
-    out = saved_model_dir(config, method)
-    if config.save_format == "compressed-tensors":
-        from torq.export.compressed_tensors import export_compressed_tensors
-
-        export_compressed_tensors(model, out, loaded.tokenizer, overwrite=True)
-    else:
-        save_quantized(
-            model,
-            out,
-            loaded.tokenizer,
-            method=method,
-            info=saved_info(config, loaded.source, quantize_seconds, details),
-            overwrite=True,
-        )
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return {
-        "path": str(out),
-        "format": config.save_format,
-        "bytes": size,
-        "seconds": time.perf_counter() - t0,
-    }
 
 
 def saved_info(

@@ -1,0 +1,308 @@
+"""torq's Python API: quantize a model with a recipe, save it, load it, evaluate it.
+
+    import torq
+
+    model = torq.quantize("smollm2-135m", recipe="default", calib_samples=32)
+    torq.save(model, "smollm2-mxfp4")            # compressed-tensors: transformers loads it
+    print(torq.evaluate(model, max_windows=16)["ppl"])
+    again = torq.load("smollm2-mxfp4")           # either kind of saved folder, or a float model
+
+:func:`quantize` holds the whole model in memory (a model object, or a checkpoint read
+whole); :func:`quantize_checkpoint` streams a checkpoint of any size one decoder layer at
+a time and writes the quantized folder as it goes (``torq quantize``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from torq.calibration.data import CalibrationConfig
+from torq.data import load_eval_text
+from torq.driver import apply_method
+from torq.errors import TorqError
+from torq.eval.perplexity import perplexity, windows_from_text
+from torq.export import save_quantized
+from torq.export.compressed_tensors import (
+    QUANTIZE_RECORD,
+    export_compressed_tensors,
+    is_compressed_tensors_folder,
+    load_compressed_tensors,
+)
+from torq.export.loading import load_model
+from torq.formats import FORMAT_NAMES
+from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from torq.methods.registry import MethodContext, get_method
+from torq.paths import check_destination
+from torq.pipeline import run
+from torq.runs.config import RunConfig
+from torq.runs.source import saved_model_dir
+from torq.surgery.gptq import GPTQConfig
+from torq.surgery.qlinear import QuantConfig
+
+SAVE_FORMATS = ("compressed-tensors", "torq")
+
+
+@dataclass
+class Quantized:
+    """What :func:`quantize` attaches to the model it returns (``model.torq``): the
+    recipe, the tokenizer (for :func:`save` and :func:`evaluate`) and the run's record."""
+
+    recipe: Recipe
+    tokenizer: Any
+    record: dict[str, Any]
+    format: str
+
+
+def _format(fmt: str) -> str:
+    if fmt not in FORMAT_NAMES:
+        raise TorqError(f"unknown format '{fmt}'; choose from {', '.join(FORMAT_NAMES)}")
+    return fmt
+
+
+def recipe_quant_config(recipe: Recipe, fmt: str) -> QuantConfig:
+    """Weights and activations in ``fmt`` with the recipe's scale rule; NVFP4 activations
+    with a static tensor scale, calibrated (what compressed-tensors and vLLM serve)."""
+    act_scale = "static" if fmt == "nvfp4" else "dynamic"
+    return QuantConfig.from_names(fmt, fmt, recipe.scale_mode_for(fmt, fmt), act_scale)
+
+
+def servable(recipe: Recipe, fmt: str) -> str | None:
+    """``None`` when the recipe in ``fmt`` can be written as compressed-tensors, else why
+    not, in one line."""
+    if not recipe.servable:
+        return f"recipe '{recipe.name}': {recipe.not_servable}"
+    if fmt not in ("mxfp4", "nvfp4"):
+        return f"compressed-tensors holds MXFP4 and NVFP4 models, not {fmt}"
+    return None
+
+
+def quantize(
+    model: str | Path | nn.Module,
+    recipe: str = DEFAULT_RECIPE,
+    *,
+    format: str = "mxfp4",
+    calibration: str = "wikitext2-valid",
+    calib_samples: int = 128,
+    calib_seqlen: int = 2048,
+    tokenizer: Any = None,
+    data_dir: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> nn.Module:
+    """Quantize ``model`` (a Hugging Face causal LM, or a name or path :func:`load` reads)
+    to W4A4 ``format`` with ``recipe`` (:data:`torq.methods.recipes.RECIPES`), calibrating
+    on ``calib_samples`` windows of ``calibration`` (a corpus name or a text file). The model
+    is quantized in place and returned, with ``model.torq`` (:class:`Quantized`)."""
+    chosen = get_recipe(recipe)
+    fmt = _format(format)
+    calib = CalibrationConfig(
+        corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
+    )
+    if isinstance(model, nn.Module):
+        if tokenizer is None and chosen.calibrates:
+            raise TorqError(f"recipe '{chosen.name}' calibrates: pass the model's tokenizer=")
+    else:
+        loaded = load_model(str(model))
+        if loaded.quantized is not None:
+            raise TorqError(f"{model} is already quantized: quantize the float model")
+        model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+    method = get_method(chosen.method)
+    ctx = MethodContext(
+        tokenizer=tokenizer,
+        options={
+            "torq_settings": chosen.settings(calib),
+            "gptq_config": GPTQConfig(),
+            "data_dir": data_dir,
+            "progress": progress,
+            "seed": seed,
+        },
+    )
+    t0 = time.perf_counter()
+    record = apply_method(method, model, recipe_quant_config(chosen, fmt), ctx)
+    record["seconds"] = time.perf_counter() - t0
+    model.torq = Quantized(chosen, tokenizer, record, fmt)  # type: ignore[assignment]
+    return model
+
+
+def save(
+    model: nn.Module,
+    out: str | Path,
+    format: str = "compressed-tensors",
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a model :func:`quantize` returned to the folder ``out``: ``compressed-tensors``
+    (transformers and vLLM load it; the default) or ``torq`` (torq's own checkpoint, for
+    every method). The folder appears complete or not at all."""
+    if format not in SAVE_FORMATS:
+        raise TorqError(f"unknown save format '{format}'; choose from {', '.join(SAVE_FORMATS)}")
+    info: Quantized | None = getattr(model, "torq", None)
+    tokenizer = tokenizer or (info.tokenizer if info is not None else None)
+    _check_out(out, overwrite, "the output folder")
+    if format == "compressed-tensors":
+        if info is not None:
+            reason = servable(info.recipe, info.format)
+            if reason is not None:
+                raise TorqError(f"{reason}: save it with format='torq'")
+        return export_compressed_tensors(model, Path(out), tokenizer, overwrite=overwrite)
+    method = info.recipe.method if info is not None else None
+    return save_quantized(model, out, tokenizer, method=method, overwrite=overwrite)
+
+
+def load(path: str | Path, packed: bool = False) -> nn.Module:
+    """A model from ``path``: a compressed-tensors folder (through transformers, its online
+    transforms attached), a folder torq saved (``packed``: MXFP4 weights kept packed), or a
+    float model (an embedded name, a Hugging Face folder or a ``.gguf`` file), with its
+    tokenizer as ``model.tokenizer``."""
+    from transformers import AutoTokenizer
+
+    if is_compressed_tensors_folder(path):
+        model = load_compressed_tensors(path)
+        model.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return model
+    loaded = load_model(str(path), packed=packed)
+    loaded.model.tokenizer = loaded.tokenizer
+    return loaded.model
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer: Any = None,
+    *,
+    max_windows: int | None = None,
+    seqlen: int = 2048,
+    corpus: str = "wikitext2-test",
+    tasks: list[str] | None = None,
+    task_limit: int | None = None,
+    data_dir: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Perplexity on ``corpus`` (WikiText-2's test text, its first ``max_windows`` windows
+    of ``seqlen`` tokens; the paper's protocol) and, with ``tasks``, the zero-shot accuracies
+    (lm-eval); ``{"ppl", "windows", "tasks"}``."""
+    tokenizer = tokenizer or _tokenizer_of(model)
+    windows = windows_from_text(load_eval_text(corpus, data_dir), tokenizer, seqlen, max_windows)
+    result: dict[str, Any] = {
+        "ppl": perplexity(model, windows, progress=progress).ppl,
+        "windows": int(windows.shape[0]),
+        "tasks": None,
+    }
+    if tasks:
+        from torq.eval.zeroshot import evaluate_zeroshot
+
+        scores = evaluate_zeroshot(
+            model, tokenizer, tasks, data_dir, limit=task_limit, progress=progress
+        )
+        result["tasks"] = scores["scores"]
+    return result
+
+
+def _check_out(out: str | Path, overwrite: bool, what: str) -> None:
+    """Refuse, before any work, a destination that is a file, cannot be written, or holds
+    something already (unless ``overwrite``)."""
+    check_destination(out, folder=True, what=what)
+    if not overwrite and Path(out).is_dir() and any(Path(out).iterdir()):
+        raise TorqError(
+            f"{what} {out} is not empty: choose a new folder, or replace it (--overwrite, "
+            "overwrite=True)"
+        )
+
+
+def _tokenizer_of(model: nn.Module) -> Any:
+    info = getattr(model, "torq", None)
+    tokenizer = info.tokenizer if info is not None else getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise TorqError("pass the model's tokenizer= (the model does not carry one)")
+    return tokenizer
+
+
+def quantize_checkpoint(
+    model: str,
+    out: str | Path,
+    recipe: str = DEFAULT_RECIPE,
+    *,
+    format: str = "mxfp4",
+    save_format: str | None = None,
+    calibration: str = "wikitext2-valid",
+    calib_samples: int = 128,
+    calib_seqlen: int = 2048,
+    data_dir: str | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
+    with ``recipe`` and write it to ``out``: compressed-tensors when the recipe and format
+    can be served, else torq's checkpoint (``save_format`` forces one; asking
+    compressed-tensors of what it cannot hold is refused before any work). Returns
+    ``{"path", "format", "bytes", "seconds", "recipe", "method", "record"}``."""
+    chosen = get_recipe(recipe)
+    fmt = _format(format)
+    reason = servable(chosen, fmt)
+    if save_format is None:
+        save_format = "torq" if reason else "compressed-tensors"
+    elif save_format not in SAVE_FORMATS:
+        raise TorqError(
+            f"unknown save format '{save_format}'; choose from {', '.join(SAVE_FORMATS)}"
+        )
+    elif save_format == "compressed-tensors" and reason:
+        other = "" if chosen.servable else ", or use --recipe default"
+        raise TorqError(f"{reason}: write it with --save-format torq{other}")
+    out = Path(out)
+    _check_out(out, overwrite, "--out")
+    qconfig = recipe_quant_config(chosen, fmt)
+    # written beside ``out`` and moved into place when whole: a stop leaves no half folder
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    config = RunConfig(
+        model=str(model),
+        methods=[chosen.method],
+        weight_format=fmt,
+        act_format=fmt,
+        scale_mode=qconfig.activation.scale_mode if qconfig.activation else "ocp",
+        act_scale="static" if fmt == "nvfp4" else "dynamic",
+        data_dir=data_dir,
+        seed=seed,
+        torq=chosen.settings(
+            CalibrationConfig(
+                corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
+            )
+        ),
+        skip_ppl=True,
+        save_dir=str(staging),
+        save_format=save_format,
+    )
+    t0 = time.perf_counter()
+    try:
+        record = run(config, progress=progress)
+        written = saved_model_dir(config, chosen.method)
+        if out.exists():
+            shutil.rmtree(out)
+        written.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    (out / QUANTIZE_RECORD).write_text(
+        json.dumps(
+            {"recipe": chosen.name, "method": chosen.method, "format": fmt, "record": record},
+            indent=1,
+            default=str,
+        )
+    )
+    return {
+        "path": str(out),
+        "format": save_format,
+        "bytes": size,
+        "seconds": time.perf_counter() - t0,
+        "recipe": chosen.name,
+        "method": chosen.method,
+        "record": record,
+    }

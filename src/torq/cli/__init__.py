@@ -1,0 +1,306 @@
+"""The ``torq`` command line: it parses (:mod:`torq.cli.arguments`) and calls the Python API
+(:mod:`torq.api`) or the comparison run (:mod:`torq.pipeline`).
+
+torq quantize smollm2-135m --out smollm2-mxfp4
+torq eval --model smollm2-mxfp4 --max-windows 16
+torq run --model smollm2-135m --methods fp,rtn,had32 --max-windows 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torq.cli.arguments import build_parser
+from torq.errors import TorqError
+from torq.logs import quiet_libraries
+
+if TYPE_CHECKING:
+    from torq.methods.settings import TorqSettings
+
+__all__ = ["build_parser", "main", "torq_settings_from_args"]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(text).name or text).strip("_") or "model"
+
+
+def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
+    """TORQ's settings (Algorithms 1–3 and torq's additions) as ``torq run``'s options give
+    them; with no option given, :class:`~torq.methods.torq_rotation.TorqSettings`' defaults
+    but the calibration's and the solver's seed, which ``--calib-seed`` sets. The benchmark
+    scripts build theirs from the same defaults (a test holds them equal)."""
+    from torq.calibration.data import CalibrationConfig
+    from torq.methods.settings import TorqSettings
+    from torq.rotations.inter_block import InterBlockConfig
+    from torq.rotations.intra_block import IntraBlockConfig
+
+    torq_settings = TorqSettings(
+        inter=InterBlockConfig(construction=args.inter, angle=args.angle, shared=args.shared_inter),
+        intra=IntraBlockConfig(
+            max_iter=args.max_iter,
+            pairs_per_step=args.pairs,
+            lam=args.lam,
+            # torq's default: every column of the block a candidate (32 for K = 32)
+            k_top=args.rotation_block if args.k_top is None else args.k_top,
+            objective=args.objective,
+            max_samples=args.intra_samples,
+            init=args.intra_init,
+            seed=args.calib_seed,
+        ),
+        calibration=CalibrationConfig(
+            corpus=args.calib_corpus,
+            n_samples=args.calib_samples,
+            seqlen=args.calib_seqlen,
+            seed=args.calib_seed,
+        ),
+        sequential=args.sequential,
+        reservoir_tokens=args.reservoir,
+        block_size=args.rotation_block,
+        balance=args.balance,
+        guard=args.torq_guard,
+        fold=args.fold_balance,
+        calibrate=args.torq_calibrate,
+        expert_down_shared=args.expert_down == "shared",
+    )
+    return torq_settings.paper() if args.paper else torq_settings
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from torq.paths import check_destination
+    from torq.pipeline import run
+    from torq.results import write_json_atomic
+    from torq.runs.config import RunConfig
+    from torq.runs.report import markdown_table
+    from torq.surgery.gptq import GPTQConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fmt = getattr(args, "format", "mxfp4")
+    w = getattr(args, "w_format", fmt)
+    a = getattr(args, "a_format", fmt)
+    scale_mode = getattr(args, "scale_mode", "ocp")
+    torq_settings = torq_settings_from_args(args)
+    from torq.runs.source import saved_formats, saved_manifest
+
+    saved = saved_manifest(args.model)
+    methods = args.methods
+    if methods is None:
+        from torq.methods import DEFAULT_METHOD
+
+        methods = f"fp,{DEFAULT_METHOD}" if saved is None else (saved.get("method") or "saved")
+    given = [f for f in ("format", "w_format", "a_format", "scale_mode") if hasattr(args, f)]
+    formats = None if saved is None else saved_formats(saved)
+    # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
+    asked = (w, a, scale_mode if "mxfp4" in (w, a) else "ocp")
+    if given and formats is not None and formats != asked:
+        sw, sa, smode = formats
+        raise TorqError(
+            f"{args.model} was saved quantized with weights {sw or 'float'}, activations "
+            f"{sa or 'float'}, scale rule {smode}; its formats cannot be changed by "
+            f"{', '.join('--' + f.replace('_', '-') for f in given)}. Drop those flags, or "
+            "quantize the float model again with them."
+        )
+    if args.act_scale == "static":
+        if saved is not None:
+            raise TorqError(
+                f"{args.model} was saved quantized: it keeps its own activation scales; "
+                "drop --act-scale, or quantize the float model again with it"
+            )
+        if (a or "none").lower() != "nvfp4":
+            raise TorqError(
+                "--act-scale static is NVFP4's static activation tensor scale: add "
+                f"--a-format nvfp4 (activations here: {a or 'none'})"
+            )
+    config = RunConfig(
+        model=args.model,
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        weight_format=w,
+        act_format=a,
+        scale_mode=scale_mode,
+        act_scale=args.act_scale,
+        seqlen=args.seqlen,
+        max_windows=args.max_windows,
+        eval_corpus=args.eval_corpus,
+        batch_size=args.batch_size,
+        data_dir=args.data_dir,
+        seed=args.seed,
+        resume_dir=args.resume_dir,
+        torq=torq_settings,
+        gptq=GPTQConfig(
+            damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales
+        ),
+        device=args.device,
+        save_dir=args.save_dir,
+        packed=args.packed,
+        offload_dir=args.offload_dir,
+        gguf_dtype=args.gguf_dtype,
+        hidden_states=args.hidden_states,
+        allow_long_windows=args.allow_long_windows,
+        save_format=args.save_format,
+    )
+    if args.command == "eval":
+        from torq.eval.zeroshot import parse_tasks
+
+        config.tasks = [] if args.tasks is None else parse_tasks(args.tasks)
+        config.task_limit = args.limit
+        config.task_subset = args.subset
+        config.task_subset_seed = args.subset_seed
+        config.task_batch_size = args.task_batch_size
+        config.skip_ppl = args.skip_ppl
+        config.shared_context = not args.no_shared_context
+    out = Path(
+        args.out
+        or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    )
+
+    check_destination(out, folder=False, what="--out")
+
+    def save(record: dict) -> str:
+        table = markdown_table(record)
+        record["table"] = table
+        write_json_atomic(out, record)
+        status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
+        out.with_suffix(".md").write_text(f"`{record['command']}`\n\n{table}{status}\n")
+        return table
+
+    with _library_bars(not args.no_progress):
+        result = run(config, progress=not args.no_progress, on_row=save)
+    table = save(result)
+    print(table)
+    if config.tasks and not config.skip_ppl:
+        from torq.eval.figure import accuracy_perplexity_figure
+
+        print(f"figure {accuracy_perplexity_figure(result, out.with_suffix('.png'))}")
+    print(f"\nsaved {out} ({result['wall_seconds']:.0f} s)")
+    return 0
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from torq.api import quantize_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with _library_bars(not args.no_progress):
+        done = quantize_checkpoint(
+            args.model,
+            args.out,
+            args.recipe,
+            format=args.format,
+            save_format=args.save_format,
+            calibration=args.calib_corpus,
+            calib_samples=args.calib_samples,
+            calib_seqlen=args.calib_seqlen,
+            data_dir=args.data_dir,
+            seed=args.calib_seed,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    print(
+        f"torq: wrote {done['path']} ({done['format']}, {done['bytes'] / 1e6:.0f} MB; recipe "
+        f"{done['recipe']} = {done['method']}, {args.format.upper()} W4A4) in "
+        f"{done['seconds']:.0f} s"
+    )
+    if done["format"] == "compressed-tensors":
+        print(
+            f"load it: python -c \"import torq; print(torq.load('{done['path']}'))\"  "
+            "(transformers: docs/serving.md)"
+        )
+    print(f"measure it: torq eval --model {done['path']} --max-windows 16")
+    return 0
+
+
+@contextlib.contextmanager
+def _library_bars(shown: bool) -> Iterator[None]:
+    """``--no-progress`` also hides transformers' own bars (loading and writing weights),
+    for the command only: the switch is process-wide, so it is put back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not shown:
+            hf_logging.enable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``torq`` command: parse ``argv`` and run it; the exit status."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+        return status
+    except BrokenPipeError:
+        # the reader went away (`torq methods | head`): stop quietly, as Unix tools do, and
+        # point stdout at /dev/null so that the interpreter's last flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show_all = "--help-all" in argv
+    if show_all:  # every option in the help, research knobs included
+        argv = ["--help" if a == "--help-all" else a for a in argv]
+    parser = build_parser(show_all)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="torq: %(message)s")
+    quiet_libraries()  # torq's output and the libraries' errors only
+    try:
+        if args.command == "quantize":
+            return _cmd_quantize(args)
+        if args.command in ("run", "eval"):
+            return _cmd_run(args)
+        if args.command == "models":
+            from torq.models.loading import EMBEDDED_MODELS
+
+            for name, entry in EMBEDDED_MODELS.items():
+                print(f"{name}\t{entry.description}\t({entry.install_hint})")
+            return 0
+        if args.command == "export":
+            from torq.export.compressed_tensors import export_saved_compressed_tensors
+
+            # read and written a decoder layer at a time: any model size
+            out = export_saved_compressed_tensors(args.model, args.out, overwrite=args.overwrite)
+            print(f"torq: wrote {out} ({args.to})")
+            return 0
+        if args.command == "methods":
+            from torq.methods import DEFAULT_METHOD, METHODS, get_method
+            from torq.methods.recipes import DEFAULT_RECIPE, RECIPES
+
+            print("recipes (torq quantize --recipe):")
+            for r in RECIPES.values():
+                mark = " (default)" if r.name == DEFAULT_RECIPE else ""
+                serves = "servable" if r.servable else "torq only"
+                print(f"  {r.name}{mark}\t{r.method}\t{serves}\t{r.use_when}")
+            print("methods (torq run --methods):")
+            default = get_method(DEFAULT_METHOD)
+            print(f"{default.name}\t(default)\t{default.description}")
+            for name, method in sorted(METHODS.items()):
+                notes = []
+                if method.supports_gptq:
+                    notes.append(f"with GPTQ weights: {get_method(name + '+gptq').name}")
+                print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))
+            return 0
+    except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:
+        print(f"torq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("torq: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")

@@ -1,0 +1,7 @@
+"""``python -m torq.cli``: the ``torq`` command."""
+
+import sys
+
+from torq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""Recipes: the methods a user picks by what they want (a checkpoint to serve, the lowest
+perplexity, no calibration, the paper's TORQ), each with every setting it needs.
+
+A recipe is a method of the registry plus the run settings that method needs for that use:
+``default`` folds the channel balancing into the float weights (so that only the 32-block
+Hadamard stays online and compressed-tensors can hold the model) and quantizes activations
+with the ``nearest`` MXFP4 scale rule (the rule transformers' compressed-tensors loader
+applies, so torq's numbers are the served model's). The method names stay available for
+research (``torq run --methods``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torq.calibration.data import CalibrationConfig
+from torq.errors import TorqError
+from torq.methods.settings import TorqSettings
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A method (:func:`torq.methods.get_method`'s name) and the settings it runs with."""
+
+    name: str
+    method: str
+    use_when: str
+    # whether the quantized model can be written as compressed-tensors (transformers, vLLM)
+    servable: bool
+    # why not, in one line, when it cannot
+    not_servable: str = ""
+    calibrates: bool = True
+    # the MXFP4 block scale rule (weights and activations); other formats have one rule
+    scale_mode: str = "ocp"
+    # torq's channel balancing folded into the norms and the v/up rows
+    # (:mod:`torq.rotations.fold`) instead of done online
+    fold_balance: bool = False
+    # TORQ exactly as the paper states it (:meth:`TorqSettings.paper`)
+    paper: bool = False
+
+    def settings(self, calibration: CalibrationConfig | None = None) -> TorqSettings:
+        """The capture and TORQ settings of this recipe, calibrating on ``calibration``
+        (default: :class:`CalibrationConfig`'s, 128 windows of WikiText-2's training text)."""
+        settings = TorqSettings(calibration=calibration or CalibrationConfig())
+        if self.paper:
+            return settings.paper()
+        return replace(settings, fold=self.fold_balance)
+
+    def scale_mode_for(self, weight_format: str | None, act_format: str | None) -> str:
+        """The scale rule to run with: this recipe's for MXFP4, ``ocp`` (the only rule)
+        for NVFP4 and MXINT4."""
+        return self.scale_mode if "mxfp4" in (weight_format, act_format) else "ocp"
+
+
+_NOT_SERVABLE = (
+    "TORQ's calibrated rotations have no compressed-tensors form (transformers and vLLM "
+    "apply only fixed Hadamard transforms)"
+)
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "default",
+            "torq-had32+gptq",
+            use_when="a checkpoint to serve: transformers and vLLM load it",
+            servable=True,
+            scale_mode="nearest",
+            fold_balance=True,
+        ),
+        Recipe(
+            "best-ppl",
+            "torq+gptq",
+            use_when="the lowest perplexity, run in torq (its rotations cannot be exported)",
+            servable=False,
+            not_servable=_NOT_SERVABLE,
+        ),
+        Recipe(
+            "fast",
+            "had32",
+            use_when="no calibration data or time: a fixed 32-block Hadamard, seconds",
+            servable=True,
+            calibrates=False,
+            scale_mode="nearest",
+        ),
+        Recipe(
+            "paper",
+            "torq",
+            use_when="the paper's TORQ as published (no balancing, RTN weights), to compare",
+            servable=False,
+            not_servable=_NOT_SERVABLE,
+            paper=True,
+        ),
+    )
+}
+DEFAULT_RECIPE = "default"
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``, or a one-line error listing the recipes."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise TorqError(
+            f"unknown recipe '{name}'; choose from {', '.join(RECIPES)} "
+            "(or name a method with torq run --methods)"
+        ) from None

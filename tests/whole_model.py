@@ -1,0 +1,50 @@
+"""The whole-model reference that the streamed pipeline must equal bit for bit: each method
+quantizes the float model loaded whole, in memory (:func:`torq.driver.apply_method`: the
+driver over the model's layers in memory), and the whole model is evaluated at once."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torq.data import load_eval_text
+from torq.driver import apply_method
+from torq.eval.perplexity import perplexity, windows_from_text
+from torq.export import save_quantized
+from torq.export.compressed_tensors import export_compressed_tensors
+from torq.export.loading import load_model
+from torq.methods.registry import get_method
+from torq.runs.config import RunConfig, method_context
+from torq.runs.source import saved_model_dir
+from torq.runs.store import setting_key
+from torq.seeding import method_rng
+
+
+def whole_model_run(config: RunConfig) -> dict[str, Any]:
+    """``{"rows": [{"method", "ppl", "details"}, ...]}`` of ``config``'s methods, each on
+    its own float model read whole (saved with ``config.save_dir`` in its ``save_format``)."""
+    qconfig = config.quant_config()
+    torch.manual_seed(config.seed)
+    tokenizer = load_model(config.model, gguf_dtype=config.gguf_dtype).tokenizer
+    text = load_eval_text(config.eval_corpus, config.data_dir)
+    windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
+    rows = []
+    for name in config.methods:
+        method = get_method(name)
+        model = load_model(config.model, gguf_dtype=config.gguf_dtype).model
+        ctx = method_context(config, tokenizer, False)
+        with method_rng(config.seed, setting_key(asdict(config), method.name)):
+            details = apply_method(method, model, qconfig, ctx)
+        if config.save_dir is not None and method.quantizes:
+            out = saved_model_dir(config, method.name)
+            if config.save_format == "compressed-tensors":
+                export_compressed_tensors(model, out, tokenizer, overwrite=True)
+            else:
+                save_quantized(model, out, tokenizer, method=method.name, overwrite=True)
+            details["saved"] = {"path": str(Path(out))}
+        res = perplexity(model, windows, config.batch_size, progress=False)
+        rows.append({"method": method.name, "ppl": res.ppl, "details": details})
+    return {"rows": rows}
