@@ -116,26 +116,39 @@ def perplexity(
 NLL_CHUNK = 256
 
 
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's loss ``−log p(target)`` in float32 (``[batch, positions]``), from the
+    logits at those positions; a few hundred rows at a time, since the log-softmax of a whole
+    window is another copy of its logits (400 MB for 2048 tokens of a 49k vocabulary). Each
+    token's loss is its own row's, so the losses are the same either way."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    return torch.cat(
+        [
+            F.cross_entropy(
+                flat[i : i + NLL_CHUNK].float(),
+                flat_targets[i : i + NLL_CHUNK],
+                reduction="none",
+            )
+            for i in range(0, flat_targets.numel(), NLL_CHUNK)
+        ]
+    ).view(targets.shape)
+
+
+def summed_nll(nll: torch.Tensor, first: int = 0) -> list[float]:
+    """Each window's summed NLL (float64 sums of its float32 per-token losses ``nll``,
+    ``[windows, positions]``); a non-finite loss is an error naming the batch's ``first``
+    window."""
+    if not torch.isfinite(nll).all():
+        raise TorqError(f"non-finite loss in window {first}: the model produced NaN/Inf logits")
+    return nll.double().sum(dim=1).tolist()
+
+
 def window_nll(logits: torch.Tensor, batch: torch.Tensor, first: int = 0) -> list[float]:
     """Each window's summed NLL of its tokens ``1..L-1`` (float64 sums of the float32
     per-token losses), from the logits of a batch of windows (``first``: the batch's first
     window, for the error message)."""
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    targets = batch[:, 1:].reshape(-1)
-    # a few hundred tokens at a time: the log-softmax of a whole window is another copy of
-    # its logits (400 MB for 2048 tokens of a 49k vocabulary); each token's loss is its own
-    # row's, so the losses are the same either way
-    nll = torch.cat(
-        [
-            F.cross_entropy(
-                flat[i : i + NLL_CHUNK].float(), targets[i : i + NLL_CHUNK], reduction="none"
-            )
-            for i in range(0, targets.numel(), NLL_CHUNK)
-        ]
-    ).view(batch.shape[0], -1)
-    if not torch.isfinite(nll).all():
-        raise TorqError(f"non-finite loss in window {first}: the model produced NaN/Inf logits")
-    return nll.double().sum(dim=1).tolist()
+    return summed_nll(token_nll(logits[:, :-1], batch[:, 1:]), first)
 
 
 def perplexity_from_nll(
