@@ -11,7 +11,7 @@ DATA_DIR ?= $(firstword $(wildcard ../shared/data))
 ifneq ($(DATA_DIR),)
 export TORQ_DATA_DIR ?= $(abspath $(DATA_DIR))
 endif
-DEMO_WINDOWS ?= 16
+DEMO_WINDOWS ?= 8
 
 .PHONY: setup setup-qwen demo test lint bench-formats bench-kernels clean
 

@@ -163,20 +163,21 @@ def test_the_default_help_shows_the_everyday_options_and_help_all_the_rest(comma
         assert "--hidden-states" in full and "--hidden-states" not in short
 
 
-def test_the_served_folder_loads_with_the_lines_serving_md_shows(
-    tiny_checkpoint, tiny_calibration_data_dir, tmp_path, monkeypatch
+@pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
+def test_the_served_folder_loads_with_the_lines_the_docs_show(
+    doc, tiny_checkpoint, tiny_calibration_data_dir, tmp_path, monkeypatch
 ) -> None:
-    """docs/serving.md's transformers lines, run as written (without torq) on a folder
-    ``torq quantize`` wrote: the same logits as ``torq.load``."""
+    """The README's and docs/serving.md's transformers lines, run as written (without torq)
+    on a folder ``torq quantize`` wrote: the same logits as ``torq.load``."""
     import re
 
-    out = tmp_path / "smollm2-mxfp4"
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (snippet,) = [b for b in blocks if "apply_transform_config" in b and "import torq" not in b]
+    (name,) = re.findall(r'from_pretrained\("([^"]+)"', snippet)
+    out = tmp_path / name
     argv = ["quantize", str(tiny_checkpoint), "--out", str(out)]
     assert main([*argv, "--data-dir", str(tiny_calibration_data_dir), *CALIB_ARGS]) == 0
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
-    (snippet,) = [
-        b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "import torq" not in b
-    ]
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(snippet, scope)  # the documentation's own lines
