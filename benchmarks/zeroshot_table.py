@@ -40,7 +40,6 @@ from torq.errors import TorqError
 from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
 from torq.methods.settings import TorqSettings
-from torq.models.loading import load
 from torq.paths import check_destination
 from torq.pipeline import run
 from torq.results import command_line
@@ -154,7 +153,6 @@ def main() -> None:
         print(f"from {source}: kept {', '.join(kept) or 'nothing'}")
         if kept and source != out:
             merged_commands.extend(other.get("commands") or [other.get("command", "")])
-    loaded = None
     rows: list[dict[str, Any]] = []
     commands = list(record.get("commands", [])) if record else []
     for c in merged_commands:
@@ -167,11 +165,9 @@ def main() -> None:
         if method in done:
             rows.append(done[method])
             continue
-        if loaded is None:
-            loaded = load(args.model)
         prior = earlier.get(setting_key(base_dict, method))
         config = RunConfig(**{**base.__dict__, "methods": [method], "skip_ppl": prior is not None})
-        result = run(config, loaded=loaded)
+        result = run(config)  # the checkpoint streamed again for each method
         row = result["rows"][0]
         row["key"] = setting_key(base_dict, method)
         if prior is not None:
