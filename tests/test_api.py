@@ -186,3 +186,33 @@ def test_the_served_folder_loads_with_the_lines_the_docs_show(
         theirs = scope["model"](input_ids=ids).logits
         ours = torq.load(out)(input_ids=ids).logits
     assert torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "fmt", "written", "scheme"),
+    [
+        ("fast", "mxfp4", "compressed-tensors", "mxfp4-pack-quantized"),
+        ("default", "nvfp4", "compressed-tensors", "nvfp4-pack-quantized"),
+        ("best-ppl", "mxfp4", "torq", None),
+        ("default", "mxint4", "torq", None),
+    ],
+)
+def test_every_recipe_and_format_writes_what_it_can_and_loads_back(
+    recipe, fmt, written, scheme, tiny_checkpoint, tiny_calibration_data_dir, tmp_path
+) -> None:
+    """``torq quantize --recipe R --format F``: compressed-tensors where the recipe and format
+    can be served (NVFP4 with static activation scales, set by the command), else torq's own
+    format; either loads back and runs."""
+    out = tmp_path / "q"
+    done = torq.quantize_checkpoint(
+        str(tiny_checkpoint), out, recipe, format=fmt, data_dir=str(tiny_calibration_data_dir),
+        calib_samples=2, calib_seqlen=32, progress=False,
+    )  # fmt: skip
+    assert done["format"] == written and done["recipe"] == recipe
+    if scheme is not None:
+        config = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert config["format"] == scheme
+    model = torq.load(out)
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(2, 34).view(1, 32)).logits
+    assert torch.isfinite(logits.float()).all()
