@@ -220,7 +220,7 @@ def _tokenizer_of(model: nn.Module) -> Any:
     info = getattr(model, "torq", None)
     tokenizer = info.tokenizer if info is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:
-        raise TorqError("pass the model's tokenizer= (the model does not carry one)")
+        raise TorqError("pass the model's tokenizer= (the model has none attached)")
     return tokenizer
 
 
