@@ -216,3 +216,12 @@ def test_every_recipe_and_format_writes_what_it_can_and_loads_back(
     with torch.no_grad():
         logits = model(input_ids=torch.arange(2, 34).view(1, 32)).logits
     assert torch.isfinite(logits.float()).all()
+
+
+def test_eval_of_a_float_model_evaluates_it_as_it_is(tiny_checkpoint, tiny_data_dir, tmp_path):
+    """``torq eval --model FLOAT`` without ``--methods``: the float model's perplexity only
+    (no calibration); ``torq run`` compares it with the default method."""
+    out = tmp_path / "e.json"
+    argv = ["eval", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1"]
+    assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress", "--out", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["fp"]

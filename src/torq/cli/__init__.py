@@ -98,7 +98,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if methods is None:
         from torq.methods import DEFAULT_METHOD
 
-        methods = f"fp,{DEFAULT_METHOD}" if saved is None else (saved.get("method") or "saved")
+        if saved is not None:  # a folder torq wrote: the method it holds, as it is
+            methods = saved.get("method") or "saved"
+        else:  # a float model: evaluated as it is, or compared with the default method
+            methods = "fp" if args.command == "eval" else f"fp,{DEFAULT_METHOD}"
     given = [f for f in ("format", "w_format", "a_format", "scale_mode") if hasattr(args, f)]
     formats = None if saved is None else saved_formats(saved)
     # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)

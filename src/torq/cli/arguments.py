@@ -252,9 +252,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods (see 'torq methods'); default fp and torq's default "
-        "recipe (torq+gptq: 'torq methods' marks it), or for a model saved quantized by "
-        "--save-dir the method it was saved with",
+        help="comma-separated methods (see 'torq methods'); default: for a folder torq wrote, "
+        "the method it holds; for a float model, torq eval: fp, torq run: fp and the default "
+        "method (torq+gptq: 'torq methods' marks it)",
     )
     run.add_argument(
         "--format",
