@@ -32,8 +32,6 @@ from torq.export import save_quantized
 from torq.export.compressed_tensors import (
     QUANTIZE_RECORD,
     export_compressed_tensors,
-    is_compressed_tensors_folder,
-    load_compressed_tensors,
 )
 from torq.export.loading import load_model
 from torq.formats import FORMAT_NAMES
@@ -44,7 +42,6 @@ from torq.pipeline import run
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
 from torq.surgery.gptq import GPTQConfig
-from torq.surgery.qlinear import QuantConfig
 
 SAVE_FORMATS = ("compressed-tensors", "torq")
 
@@ -64,23 +61,6 @@ def _format(fmt: str) -> str:
     if fmt not in FORMAT_NAMES:
         raise TorqError(f"unknown format '{fmt}'; choose from {', '.join(FORMAT_NAMES)}")
     return fmt
-
-
-def recipe_quant_config(recipe: Recipe, fmt: str) -> QuantConfig:
-    """Weights and activations in ``fmt`` with the recipe's scale rule; NVFP4 activations
-    with a static tensor scale, calibrated (what compressed-tensors and vLLM serve)."""
-    act_scale = "static" if fmt == "nvfp4" else "dynamic"
-    return QuantConfig.from_names(fmt, fmt, recipe.scale_mode_for(fmt, fmt), act_scale)
-
-
-def servable(recipe: Recipe, fmt: str) -> str | None:
-    """``None`` when the recipe in ``fmt`` can be written as compressed-tensors, else why
-    not, in one line."""
-    if not recipe.servable:
-        return f"recipe '{recipe.name}': {recipe.not_servable}"
-    if fmt not in ("mxfp4", "nvfp4"):
-        return f"compressed-tensors holds MXFP4 and NVFP4 models, not {fmt}"
-    return None
 
 
 def quantize(
@@ -125,7 +105,7 @@ def quantize(
         },
     )
     t0 = time.perf_counter()
-    record = apply_method(method, model, recipe_quant_config(chosen, fmt), ctx)
+    record = apply_method(method, model, chosen.quant_config(fmt), ctx)
     record["seconds"] = time.perf_counter() - t0
     model.torq = Quantized(chosen, tokenizer, record, fmt)  # type: ignore[assignment]
     return model
@@ -149,7 +129,7 @@ def save(
     _check_out(out, overwrite, "the output folder")
     if format == "compressed-tensors":
         if info is not None:
-            reason = servable(info.recipe, info.format)
+            reason = info.recipe.cannot_serve(info.format)
             if reason is not None:
                 raise TorqError(f"{reason}: save it with format='torq'")
         return export_compressed_tensors(model, Path(out), tokenizer, overwrite=overwrite)
@@ -162,12 +142,6 @@ def load(path: str | Path, packed: bool = False) -> nn.Module:
     transforms attached), a folder torq saved (``packed``: MXFP4 weights kept packed), or a
     float model (an embedded name, a Hugging Face folder or a ``.gguf`` file), with its
     tokenizer as ``model.tokenizer``."""
-    from transformers import AutoTokenizer
-
-    if is_compressed_tensors_folder(path):
-        model = load_compressed_tensors(path)
-        model.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return model
     loaded = load_model(str(path), packed=packed)
     loaded.model.tokenizer = loaded.tokenizer
     return loaded.model
@@ -246,7 +220,7 @@ def quantize_checkpoint(
     ``{"path", "format", "bytes", "seconds", "recipe", "method", "record"}``."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
-    reason = servable(chosen, fmt)
+    reason = chosen.cannot_serve(fmt)
     if save_format is None:
         save_format = "torq" if reason else "compressed-tensors"
     elif save_format not in SAVE_FORMATS:
@@ -254,11 +228,11 @@ def quantize_checkpoint(
             f"unknown save format '{save_format}'; choose from {', '.join(SAVE_FORMATS)}"
         )
     elif save_format == "compressed-tensors" and reason:
-        other = "" if chosen.servable else ", or use --recipe default"
+        other = "" if fmt not in ("mxfp4", "nvfp4") else ", or use --recipe default"
         raise TorqError(f"{reason}: write it with --save-format torq{other}")
     out = Path(out)
     _check_out(out, overwrite, "--out")
-    qconfig = recipe_quant_config(chosen, fmt)
+    qconfig = chosen.quant_config(fmt)
     # written beside ``out`` and moved into place when whole: a stop leaves no half folder
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -267,8 +241,8 @@ def quantize_checkpoint(
         methods=[chosen.method],
         weight_format=fmt,
         act_format=fmt,
-        scale_mode=qconfig.activation.scale_mode if qconfig.activation else "ocp",
-        act_scale="static" if fmt == "nvfp4" else "dynamic",
+        scale_mode=qconfig.weight.scale_mode,
+        act_scale="static" if qconfig.static_activations else "dynamic",
         data_dir=data_dir,
         seed=seed,
         torq=chosen.settings(

@@ -289,7 +289,7 @@ def _main(argv: list[str] | None) -> int:
             print("recipes (torq quantize --recipe):")
             for r in RECIPES.values():
                 mark = " (default)" if r.name == DEFAULT_RECIPE else ""
-                serves = "servable" if r.servable else "torq only"
+                serves = "torq only" if r.cannot_serve() else "servable"
                 print(f"  {r.name}{mark}\t{r.method}\t{serves}\t{r.use_when}")
             print("methods (torq run --methods):")
             default = get_method(DEFAULT_METHOD)

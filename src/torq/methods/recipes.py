@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 
 from torq.calibration.data import CalibrationConfig
 from torq.errors import TorqError
+from torq.methods.registry import MethodContext, get_method
 from torq.methods.settings import TorqSettings
+from torq.surgery.qlinear import QuantConfig
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,6 @@ class Recipe:
     name: str
     method: str
     use_when: str
-    # whether the quantized model can be written as compressed-tensors (transformers, vLLM)
-    servable: bool
-    # why not, in one line, when it cannot
-    not_servable: str = ""
     calibrates: bool = True
     # the MXFP4 block scale rule (weights and activations); other formats have one rule
     scale_mode: str = "ocp"
@@ -46,16 +44,23 @@ class Recipe:
             return settings.paper()
         return replace(settings, fold=self.fold_balance)
 
-    def scale_mode_for(self, weight_format: str | None, act_format: str | None) -> str:
-        """The scale rule to run with: this recipe's for MXFP4, ``ocp`` (the only rule)
-        for NVFP4 and MXINT4."""
-        return self.scale_mode if "mxfp4" in (weight_format, act_format) else "ocp"
+    def quant_config(self, fmt: str) -> QuantConfig:
+        """Weights and activations in ``fmt`` with this recipe's scale rule (MXFP4's; NVFP4
+        and MXINT4 have one rule each); NVFP4 activations with a static tensor scale,
+        calibrated (what compressed-tensors and vLLM serve)."""
+        scale_mode = self.scale_mode if fmt == "mxfp4" else "ocp"
+        act_scale = "static" if fmt == "nvfp4" else "dynamic"
+        return QuantConfig.from_names(fmt, fmt, scale_mode, act_scale)
 
+    def cannot_serve(self, fmt: str = "mxfp4") -> str | None:
+        """Why this recipe in ``fmt`` cannot be written as compressed-tensors (transformers,
+        vLLM), in one line, as its method answers it; ``None`` when it can."""
+        if fmt not in ("mxfp4", "nvfp4"):
+            return f"compressed-tensors holds MXFP4 and NVFP4 models, not {fmt}"
+        ctx = MethodContext(options={"torq_settings": self.settings()})
+        reason = get_method(self.method).transform.compressed_tensors(self.quant_config(fmt), ctx)
+        return None if reason is None else f"recipe '{self.name}': {reason}"
 
-_NOT_SERVABLE = (
-    "TORQ's calibrated rotations have no compressed-tensors form (transformers and vLLM "
-    "apply only fixed Hadamard transforms)"
-)
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
@@ -64,7 +69,6 @@ RECIPES: dict[str, Recipe] = {
             "default",
             "torq-had32+gptq",
             use_when="a checkpoint to serve: transformers and vLLM load it",
-            servable=True,
             scale_mode="nearest",
             fold_balance=True,
         ),
@@ -72,14 +76,11 @@ RECIPES: dict[str, Recipe] = {
             "best-ppl",
             "torq+gptq",
             use_when="the lowest perplexity, run in torq (its rotations cannot be exported)",
-            servable=False,
-            not_servable=_NOT_SERVABLE,
         ),
         Recipe(
             "fast",
             "had32",
             use_when="no calibration data or time: a fixed 32-block Hadamard, seconds",
-            servable=True,
             calibrates=False,
             scale_mode="nearest",
         ),
@@ -87,8 +88,6 @@ RECIPES: dict[str, Recipe] = {
             "paper",
             "torq",
             use_when="the paper's TORQ as published (no balancing, RTN weights), to compare",
-            servable=False,
-            not_servable=_NOT_SERVABLE,
             paper=True,
         ),
     )

@@ -274,7 +274,10 @@ class TorqTransform(TransformBuilder):
     def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
         settings = self.settings(qconfig, ctx)
         if not self.fixed_hadamard or settings.permute:
-            return "TORQ's calibrated rotations have no compressed-tensors form"
+            return (
+                "TORQ's calibrated rotations have no compressed-tensors form (transformers "
+                "and vLLM apply only fixed Hadamard transforms)"
+            )
         if settings.block_size != 32:
             return (
                 f"compressed-tensors holds the balanced 32-block Hadamard only, not blocks of "
