@@ -17,15 +17,17 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from dataclasses import asdict
 
 import torch
 
 from common import save
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
 from torq.formats import fake_quantize, get_format
-from torq.methods import MethodContext, TorqSettings, get_method
+from torq.methods import TorqSettings
+from torq.methods.registry import method_spec
 from torq.models import load
 from torq.results import machine_info, now_iso, versions
 from torq.rotations.intra_block import IntraBlockConfig
@@ -85,8 +87,8 @@ def main() -> None:
     windows = windows_from_text(
         load_wikitext2_test(args.data_dir), lm.tokenizer, 2048, args.max_windows
     )
+    capture = CaptureSettings(CalibrationConfig(n_samples=args.calib_samples))
     settings = TorqSettings(
-        calibration=CalibrationConfig(n_samples=args.calib_samples),
         intra=IntraBlockConfig(
             max_iter=args.max_iter,
             k_top=args.k_top,
@@ -101,11 +103,9 @@ def main() -> None:
     print(f"fp {fp:.2f}", flush=True)
     for method_name in args.methods.split(","):
         base = copy.deepcopy(lm.model)
-        method = get_method(method_name)
-        ctx = MethodContext(
-            tokenizer=lm.tokenizer,
-            options={"torq_settings": settings, "data_dir": args.data_dir, "progress": False},
-        )
+        spec = method_spec(method_name, settings)
+        method = spec.method
+        ctx = spec.context(capture, lm.tokenizer, data_dir=args.data_dir, progress=False)
         t0 = time.perf_counter()
         apply_method(method, base, QuantConfig(None, None), ctx)
         build = time.perf_counter() - t0
@@ -134,6 +134,7 @@ def main() -> None:
         "args": vars(args),
         "windows": int(windows.shape[0]),
         "torq_settings": settings.to_dict(),
+        "capture": asdict(capture),
         "rows": rows,
         "versions": versions(),
         "machine": machine_info(),

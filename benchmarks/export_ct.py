@@ -31,6 +31,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -38,12 +39,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.data import load_wikitext2_test
 from torq.driver import apply_method
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
-from torq.methods import MethodContext, TorqSettings, get_method
+from torq.methods import TorqSettings
+from torq.methods.registry import method_spec
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso
 from torq.runs.config import resolve_device
@@ -83,11 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     base = load(args.model)
     text = load_wikitext2_test(args.data_dir)
     windows = windows_from_text(text, base.tokenizer, 2048, args.max_windows)
-    settings = TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples), fold=True)
-    context = MethodContext(
-        tokenizer=base.tokenizer,
-        options={"progress": False, "torq_settings": settings, "data_dir": args.data_dir},
-    )
+    settings = TorqSettings(fold=True)
+    capture = CaptureSettings(CalibrationConfig(n_samples=args.calib_samples))
     rows = []
     for method in args.methods.split(","):
         row: dict = {"method": method}
@@ -106,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
                 qconfig = QuantConfig.from_names("nvfp4", "nvfp4", act_scale=mode)
             else:
                 qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=mode)
-            apply_method(get_method(method), model, qconfig, context)
+            spec = method_spec(method, settings)
+            context = spec.context(capture, base.tokenizer, progress=False, data_dir=args.data_dir)
+            apply_method(spec.method, model, qconfig, context)
             row[f"torq_{mode}"] = perplexity(model, windows, progress=False).ppl
             if mode == modes[0]:
                 with tempfile.TemporaryDirectory() as tmp:
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "format": args.format,
         "windows": int(windows.shape[0]),
         "torq_settings": settings.to_dict(),
+        "capture": asdict(capture),
         "rows": rows,
         "command": command_line(),
         "date": now_iso(),

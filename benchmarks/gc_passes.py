@@ -24,8 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torq.models.streaming as streaming
 from common import save
-from torq.calibration.data import CalibrationConfig
-from torq.methods.settings import TorqSettings
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.models.streaming import ResidentPeak
 from torq.pipeline import run
 from torq.runs.config import RunConfig
@@ -74,7 +73,7 @@ def main() -> None:
         methods=args.methods.split(","),
         max_windows=args.max_windows,
         data_dir=args.data_dir,
-        torq=TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples)),
+        capture=CaptureSettings(CalibrationConfig(n_samples=args.calib_samples)),
     )
     tracked = len(gc.get_objects())
     rss = ResidentPeak()

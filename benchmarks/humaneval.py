@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.eval.generation import (
@@ -53,7 +53,8 @@ from torq.eval.generation import (
 )
 from torq.eval.humaneval import load_humaneval
 from torq.eval.zeroshot import sessions_seconds
-from torq.methods import MethodContext, TorqSettings, get_method
+from torq.methods import TorqSettings, get_method
+from torq.methods.registry import method_spec
 from torq.models import load
 from torq.models.fingerprint import fingerprint_ids
 from torq.results import command_line, machine_info, now_iso
@@ -288,32 +289,30 @@ def quantize(
     """Quantize ``model`` in place with ``method`` in ``args.format`` (weights and
     activations), calibrated as ``args`` says (:func:`torq_settings`)."""
     qconfig = QuantConfig.from_names(args.format, args.format)
-    ctx = MethodContext(
-        tokenizer=tokenizer,
-        options={
-            "progress": False,
-            "torq_settings": settings or torq_settings(args),
-            "data_dir": args.data_dir,
-        },
-    )
+    spec = method_spec(method, settings or torq_settings(args))
+    ctx = spec.context(capture(args), tokenizer, progress=False, data_dir=args.data_dir)
     # a method's draws depend on its own quantization settings, never on what ran
     # before it nor on the task it is scored on
     with method_rng(0, _quantization_identity(args, method)):
-        apply_method(get_method(method), model, qconfig, ctx)
+        apply_method(spec.method, model, qconfig, ctx)
 
 
-def torq_settings(args: argparse.Namespace) -> TorqSettings:
-    """The calibrated methods' settings: the calibration windows, and the seed of their
-    draws (as ``torq run --calib-seed``: the windows, each group's token sample, the
-    intra-block solver's)."""
+def capture(args: argparse.Namespace) -> CaptureSettings:
+    """The calibration windows of the calibrated methods (and the seed of their draws)."""
     calibration = CalibrationConfig(
         n_samples=args.calib_samples, corpus=args.calib_corpus, seed=args.calib_seed
     )
+    return CaptureSettings(calibration=calibration)
+
+
+def torq_settings(args: argparse.Namespace) -> TorqSettings:
+    """TORQ's settings with the seed of its draws (as ``torq run --calib-seed``: each
+    group's token sample, the intra-block solver's)."""
     # torq's own intra-block defaults (the Hadamard start, every column a candidate) with the
     # seed replaced: a bare IntraBlockConfig is the paper's (identity start, K/2 candidates),
     # which the rows from 2026-11-26 14:44 to 2026-11-27 03:40 ran by mistake (RESULTS §12.1)
     intra = replace(TorqSettings().intra, seed=args.calib_seed)
-    return TorqSettings(calibration=calibration, intra=intra)
+    return TorqSettings(intra=intra)
 
 
 def _quantization_identity(args: argparse.Namespace, method: str) -> str:
@@ -336,7 +335,9 @@ def _identity(args: argparse.Namespace, method: str) -> str:
         identity["calib_seed"] = args.calib_seed
     if args.prompt != "completion":
         identity["prompt"] = args.prompt
-    recipe = get_method(method).transform.key_settings({"torq": asdict(torq_settings(args))})
+    recipe = get_method(method).transform.key_settings(
+        {}, asdict(torq_settings(args)), asdict(capture(args))
+    )
     if recipe:  # what the transform reads (TORQ's settings): a model kept with other
         # settings is never reloaded for these; none for RTN and the fixed Hadamards,
         # whose directories keep their names

@@ -35,11 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
 from torq.eval.figure import accuracy_perplexity_figure
 from torq.eval.zeroshot import parse_tasks
-from torq.methods.settings import TorqSettings
 from torq.paths import check_destination
 from torq.pipeline import run
 from torq.results import command_line
@@ -113,7 +112,7 @@ def main() -> None:
         act_format=args.format,
         max_windows=args.max_windows,
         data_dir=args.data_dir,
-        torq=TorqSettings(calibration=CalibrationConfig(n_samples=args.calib_samples)),
+        capture=CaptureSettings(CalibrationConfig(n_samples=args.calib_samples)),
         tasks=parse_tasks(args.tasks),
         task_limit=args.limit,
         task_subset=args.subset,

@@ -56,6 +56,25 @@ def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB):
     )
 
 
+def calibrated_context(
+    tokenizer, corpus: str, n_samples: int = 4, seqlen: int = 48, max_iter: int = 2,
+    reservoir: int = 64,
+):  # fmt: skip
+    """A method's context for a short calibration on ``corpus`` (TORQ's settings with
+    ``max_iter`` solver steps)."""
+    from torq.calibration.data import CalibrationConfig, CaptureSettings
+    from torq.methods import MethodContext, TorqSettings
+    from torq.rotations.intra_block import IntraBlockConfig
+
+    calibration = CalibrationConfig(corpus=corpus, n_samples=n_samples, seqlen=seqlen)
+    return MethodContext(
+        tokenizer=tokenizer,
+        options={"progress": False},
+        settings=TorqSettings(intra=IntraBlockConfig(max_iter=max_iter)),
+        capture=CaptureSettings(calibration, reservoir_tokens=reservoir),
+    )
+
+
 def tiny_model(model_type: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
     from transformers import AutoModelForCausalLM
 

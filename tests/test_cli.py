@@ -213,7 +213,13 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
         "zeroshot_limit": None,
         "zeroshot_subset": None,
     }
-    assert res["config"]["methods"] == ["fp", "rtn"] and res["config"]["max_windows"] == 3
+    # each method with its own settings (none for these two), the run's capture beside them
+    assert res["config"]["methods"] == [
+        {"name": "fp", "settings": None, "gptq": None},
+        {"name": "rtn", "settings": None, "gptq": None},
+    ]
+    assert "torq" not in res["config"] and res["config"]["capture"]["reservoir_tokens"] == 1024
+    assert res["config"]["max_windows"] == 3
     for key in ("command", "versions", "machine", "wall_seconds", "date", "quant_config"):
         assert res[key]
     assert rtn["eval_tokens_per_s"] > 0
@@ -398,26 +404,23 @@ def _cpu_and_gpu_perplexities(
 ) -> dict[str, dict[str, float]]:
     """Each method's perplexity from the same run on the CPU and on the GPU (small
     calibration, two windows; ``fold``: torq's balancing folded into the producers)."""
-    from torq.calibration.data import CalibrationConfig
+    from torq.calibration.data import CalibrationConfig, CaptureSettings
+    from torq.methods.registry import method_specs
     from torq.methods.settings import TorqSettings
     from torq.pipeline import run
     from torq.runs.config import RunConfig
 
     corpus = data_dir / "wikitext-2-raw" / "wiki.test.raw"
-    settings = TorqSettings(
-        calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
-        reservoir_tokens=16,
-        fold=fold,
-    )
+    calibration = CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32)
     rows = {}
     for device in ("cpu", "cuda"):
         cfg = RunConfig(
             model=str(checkpoint),
-            methods=methods,
+            methods=method_specs(methods, TorqSettings(fold=fold)),
             seqlen=64,
             max_windows=2,
             data_dir=str(data_dir),
-            torq=settings,
+            capture=CaptureSettings(calibration, reservoir_tokens=16),
             device=device,
             **formats,
         )

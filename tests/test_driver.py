@@ -17,11 +17,11 @@ import torch
 
 from tests.conftest import tiny_model
 from tests.whole_model import whole_model_run
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import run_layerwise
 from torq.errors import TorqError
 from torq.eval.perplexity import perplexity
-from torq.methods.registry import LayerPlan
+from torq.methods.registry import LayerPlan, method_specs
 from torq.methods.settings import TorqSettings
 from torq.models.streaming import LayerStream, ModelLayers
 from torq.pipeline import run
@@ -67,19 +67,27 @@ def test_batches_of_windows_give_the_same_perplexity(tmp_path, tiny_tokenizer) -
     assert one.perplexity.ppl == pytest.approx(two.perplexity.ppl, rel=1e-6)
 
 
-def _config(folder: Path, data_dir: Path, methods: list[str], **kw) -> RunConfig:
+def _config(
+    folder: Path,
+    data_dir: Path,
+    methods: list[str],
+    sequential: bool = False,
+    fold: bool = False,
+    **kw,
+) -> RunConfig:
     settings = TorqSettings(
-        calibration=CalibrationConfig(n_samples=3, seqlen=48),
-        intra=IntraBlockConfig(max_iter=1, init="hadamard", k_top=32),
-        reservoir_tokens=48,
+        intra=IntraBlockConfig(max_iter=1, init="hadamard", k_top=32), fold=fold
+    )
+    capture = CaptureSettings(
+        CalibrationConfig(n_samples=3, seqlen=48), sequential=sequential, reservoir_tokens=48
     )
     return RunConfig(
         model=str(folder),
-        methods=methods,
+        methods=method_specs(methods, settings),
         seqlen=48,
         max_windows=3,
         data_dir=str(data_dir),
-        torq=settings,
+        capture=capture,
         **kw,
     )
 
@@ -294,12 +302,10 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 0.0)  # keep every layer
 
     def config(**kw):
-        cfg = _config(folder, data_dir, [method], hidden_states=hidden)
+        cfg = _config(folder, data_dir, [method], sequential, hidden_states=hidden)
         if save:
             kw.setdefault("save_dir", str(tmp_path / "saved"))
-        cfg = replace(cfg, **kw)
-        cfg.torq.sequential = sequential
-        return cfg
+        return replace(cfg, **kw)
 
     whole = run(config(save_dir=str(tmp_path / "whole")) if save else config(), progress=False)
     whole = whole["rows"][0]
@@ -493,8 +499,7 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
     methods = ["fp", "torq+gptq"]
     rows = {}
     for mode in ("memory", "disk", "bfloat16"):
-        cfg = _config(folder, data_dir, methods, hidden_states=mode)
-        cfg.torq.sequential = sequential
+        cfg = _config(folder, data_dir, methods, sequential, hidden_states=mode)
         rows[mode] = run(cfg, progress=False)["rows"]
     assert [r["ppl"] for r in rows["disk"]] == [r["ppl"] for r in rows["memory"]]
     assert list((tmp_path / "tmp").glob("torq-hidden-*")) == []
@@ -544,8 +549,8 @@ def test_a_folded_balancing_streams_and_saves_as_the_whole_model(
     folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
     runs = {}
     for name, runner in (("whole", whole_model_run), ("streamed", run)):
-        cfg = _config(folder, data_dir, ["torq-had32"], save_dir=str(tmp_path / name))
-        runs[name] = runner(replace(cfg, torq=replace(cfg.torq, fold=True)))["rows"][0]
+        cfg = _config(folder, data_dir, ["torq-had32"], fold=True, save_dir=str(tmp_path / name))
+        runs[name] = runner(cfg)["rows"][0]
     assert runs["whole"]["ppl"] == runs["streamed"]["ppl"]
     assert "'into': 'self_attn.v_proj'" in str(runs["streamed"]["details"]["layers"][0])
     ids = torch.randint(0, 300, (2, 24))

@@ -260,9 +260,9 @@ def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
     first = bench.parser().parse_args(base)
     second = bench.parser().parse_args([*base, "--calib-seed", "1"])
     settings = bench.torq_settings(second)
-    assert (settings.calibration.seed, settings.intra.seed) == (1, 1)
+    assert (bench.capture(second).calibration.seed, settings.intra.seed) == (1, 1)
     settings = bench.torq_settings(first)
-    assert (settings.calibration.seed, settings.intra.seed) == (0, 0)
+    assert (bench.capture(first).calibration.seed, settings.intra.seed) == (0, 0)
     digest = hashlib.sha1(bench._identity(first, "rtn").encode()).hexdigest()[:10]
     assert digest == "e79dfe421a"  # the directory of the partial RTN row measured before
     assert bench._identity(second, "rtn") != bench._identity(first, "rtn")
@@ -285,7 +285,7 @@ def test_the_benchmarks_torq_is_torq_runs_and_names_its_recipe(
     identity start with K/2 candidates, was used instead for a while). What the transform
     reads names the resume directory, so a model kept with other settings is not reloaded;
     RTN's and ``had32``'s directories (and carried copies) keep their names."""
-    from torq.cli import build_parser, torq_settings_from_args
+    from torq.cli import build_parser, capture_from_args, torq_settings_from_args
 
     bench = _benchmark(monkeypatch)
     base = ["--model", "qwen2.5-coder-0.5b", "--calib-samples", "16", "--out", "x.json"]
@@ -295,6 +295,7 @@ def test_the_benchmarks_torq_is_torq_runs_and_names_its_recipe(
             ["run", "--model", "m", "--calib-samples", "16", "--calib-seed", seed]
         )
         assert bench.torq_settings(args) == torq_settings_from_args(run)
+        assert bench.capture(args) == capture_from_args(run)
         assert bench.torq_settings(args).intra.init == "hadamard"
     args = bench.parser().parse_args(base)
     kept = bench._identity(args, "torq")

@@ -10,8 +10,9 @@ import torch
 
 from tests.conftest import tiny_model
 from torq.calibration.capture import BlockStatistics
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.methods import METHODS, get_method
+from torq.methods.registry import method_specs
 from torq.methods.settings import TorqSettings
 from torq.pipeline import run
 from torq.rotations.intra_block import IntraBlockConfig
@@ -97,20 +98,17 @@ def tiny_folder(tmp_path: Path, tiny_tokenizer) -> Path:
 
 
 def _run(methods: list[str], data_dir, folder, seed: int = 0) -> dict[str, float]:
-    settings = TorqSettings(
-        # 4 × 64 calibration tokens into a reservoir of 48: the sample is drawn at random
-        calibration=CalibrationConfig(n_samples=4, seqlen=64),
-        intra=IntraBlockConfig(max_iter=2, init="hadamard", k_top=32),
-        reservoir_tokens=48,
-    )
+    settings = TorqSettings(intra=IntraBlockConfig(max_iter=2, init="hadamard", k_top=32))
+    # 4 × 64 calibration tokens into a reservoir of 48: the sample is drawn at random
+    capture = CaptureSettings(CalibrationConfig(n_samples=4, seqlen=64), reservoir_tokens=48)
     config = RunConfig(
         model=str(folder),
-        methods=methods,
+        methods=method_specs(methods, settings),
         seqlen=64,
         max_windows=3,
         data_dir=str(data_dir),
         seed=seed,
-        torq=settings,
+        capture=capture,
     )
     rows = run(config, progress=False)["rows"]
     return {r["method"]: r["ppl"] for r in rows}

@@ -4,7 +4,7 @@ driver over the model's layers in memory), and the whole model is evaluated at o
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export import save_quantized
 from torq.export.compressed_tensors import export_compressed_tensors
 from torq.export.loading import load_model
-from torq.methods.registry import get_method
 from torq.runs.config import RunConfig, method_context
 from torq.runs.source import saved_model_dir
 from torq.runs.store import setting_key
@@ -26,16 +25,17 @@ from torq.seeding import method_rng
 def whole_model_run(config: RunConfig) -> dict[str, Any]:
     """``{"rows": [{"method", "ppl", "details"}, ...]}`` of ``config``'s methods, each on
     its own float model read whole (saved with ``config.save_dir`` in its ``save_format``)."""
+    config = replace(config, methods=config.specs())
     qconfig = config.quant_config()
     torch.manual_seed(config.seed)
     tokenizer = load_model(config.model, gguf_dtype=config.gguf_dtype).tokenizer
     text = load_eval_text(config.eval_corpus, config.data_dir)
     windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
     rows = []
-    for name in config.methods:
-        method = get_method(name)
+    for spec in config.specs():
+        method = spec.method
         model = load_model(config.model, gguf_dtype=config.gguf_dtype).model
-        ctx = method_context(config, tokenizer, False)
+        ctx = method_context(config, spec, tokenizer, False, model.config)
         with method_rng(config.seed, setting_key(asdict(config), method.name)):
             details = apply_method(method, model, qconfig, ctx)
         if config.save_dir is not None and method.quantizes:

@@ -36,12 +36,10 @@ from torq.export.compressed_tensors import (
 from torq.export.loading import load_model
 from torq.formats import FORMAT_NAMES
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from torq.methods.registry import MethodContext, get_method
 from torq.paths import check_destination
 from torq.pipeline import run
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
-from torq.surgery.gptq import GPTQConfig
 
 SAVE_FORMATS = ("compressed-tensors", "torq")
 
@@ -93,19 +91,12 @@ def quantize(
         if loaded.quantized is not None:
             raise TorqError(f"{model} is already quantized: quantize the float model")
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-    method = get_method(chosen.method)
-    ctx = MethodContext(
-        tokenizer=tokenizer,
-        options={
-            "torq_settings": chosen.settings(calib),
-            "gptq_config": GPTQConfig(),
-            "data_dir": data_dir,
-            "progress": progress,
-            "seed": seed,
-        },
+    spec = chosen.spec()
+    ctx = spec.context(
+        chosen.capture(calib), tokenizer, data_dir=data_dir, progress=progress, seed=seed
     )
     t0 = time.perf_counter()
-    record = apply_method(method, model, chosen.quant_config(fmt), ctx)
+    record = apply_method(spec.method, model, chosen.quant_config(fmt), ctx)
     record["seconds"] = time.perf_counter() - t0
     model.torq = Quantized(chosen, tokenizer, record, fmt)  # type: ignore[assignment]
     return model
@@ -238,14 +229,14 @@ def quantize_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     config = RunConfig(
         model=str(model),
-        methods=[chosen.method],
+        methods=[chosen.spec()],
         weight_format=fmt,
         act_format=fmt,
         scale_mode=qconfig.weight.scale_mode,
         act_scale="static" if qconfig.static_activations else "dynamic",
         data_dir=data_dir,
         seed=seed,
-        torq=chosen.settings(
+        capture=chosen.capture(
             CalibrationConfig(
                 corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
             )

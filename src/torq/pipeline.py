@@ -39,7 +39,7 @@ from torq.export import load_quantized
 from torq.export.checkpoint import CheckpointWriter
 from torq.export.loading import load_model
 from torq.methods.layers import layer_plan
-from torq.methods.registry import LayerPlan, Method, MethodContext, get_method
+from torq.methods.registry import LayerPlan, Method, MethodSpec
 from torq.models.loading import LoadedModel, model_folder
 from torq.models.streaming import LayerStream
 from torq.paths import write_json_atomic
@@ -84,24 +84,10 @@ def run(
         saved = saved_manifest(config.model)
         if saved is not None:
             return _evaluate_saved(saved_config(config, saved), saved, progress, scratch)
-        methods = _methods(config.methods)
-        check_run(config, methods, from_saved=False)
-        return _run_streamed(config, methods, progress, on_row, scratch)
-
-
-def _methods(names: list[str]) -> list[Method]:
-    """The methods named, each once."""
-    methods = [get_method(m) for m in names]
-    seen: dict[str, str] = {}
-    for given, method in zip(names, methods, strict=True):
-        if method.name in seen:
-            first = seen[method.name]
-            twice = f"'{given}' is given twice"
-            if first.strip().lower() != given.strip().lower():
-                twice = f"'{first}' and '{given}' are the same method"
-            raise TorqError(f"methods: {twice}")
-        seen[method.name] = given
-    return methods
+        # each method with its own settings, as the record keeps them
+        config = replace(config, methods=config.specs())
+        check_run(config, from_saved=False)
+        return _run_streamed(config, progress, on_row, scratch)
 
 
 def _evaluate_saved(
@@ -110,7 +96,7 @@ def _evaluate_saved(
     """The row of a checkpoint torq saved already quantized, evaluated as it is: loaded
     whole (its weights packed with ``config.packed``, its layers offloaded to ``scratch``)."""
     method = SavedMethod(saved)
-    check_run(config, [method], from_saved=True)
+    check_run(config, from_saved=True)
     qconfig = config.quant_config()
     t_start = time.perf_counter()
     device = resolve_device(config.device)
@@ -200,7 +186,6 @@ def hidden_states_mode(
 
 def _run_streamed(
     config: RunConfig,
-    methods: list[Method],
     progress: bool,
     on_row: Callable[[dict[str, Any]], None] | None,
     scratch: Path | None,
@@ -218,13 +203,14 @@ def _run_streamed(
     # a method whose offline rotation cannot be fused into this architecture fails now,
     # not after the methods before it have run
     skeleton = LayerStream(folder, device).model
+    specs = [m for m in config.methods if isinstance(m, MethodSpec)]
     plans = []
-    for method in methods:
-        ctx = MethodContext(options={"seed": config.seed}, model_config=skeleton.config)
+    for spec in specs:
+        method = spec.method
+        ctx = method_context(config, spec, tokenizer, False, skeleton.config)
         parts = method.transform.residual(ctx) if method.quantizes else None
         if parts is not None:
             parts.check(skeleton)
-        ctx = replace(method_context(config, tokenizer, False), model_config=skeleton.config)
         plans.append(layer_plan(method, qconfig, ctx))
     hidden_size = int(skeleton.config.hidden_size)
     windows = _eval_windows(config, tokenizer)
@@ -233,19 +219,20 @@ def _run_streamed(
     rows: list[MethodRow] = []
     # what the record says of the model: its config and size, not its weights
     loaded = LoadedModel(skeleton, tokenizer, source_name, str(folder))
-    for method in methods:
+    for spec in specs:
+        method = spec.method
         resume = open_method_resume_dir(config, method.name)
         row = _finished_row(config, resume, windows, method)
         if row is None:
             row = _stream_method(
-                config, method, qconfig, folder, source_name, tokenizer, windows, hidden,
+                config, spec, qconfig, folder, source_name, tokenizer, windows, hidden,
                 device, progress, scratch, resume,
             )  # fmt: skip
             if resume is not None:
                 write_json_atomic(resume / _row_file(config, windows), asdict(row))
         rows.append(row)
         gc.collect()
-        if on_row is not None and len(rows) < len(methods):
+        if on_row is not None and len(rows) < len(specs):
             on_row(run_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
     return run_record(config, qconfig, loaded, windows, rows, t_start, complete=True)
 
@@ -302,7 +289,7 @@ def _task_checkpoint(
 
 def _stream_method(
     config: RunConfig,
-    method: Method,
+    spec: MethodSpec,
     qconfig: QuantConfig,
     folder: Path,
     source_name: str,
@@ -317,7 +304,8 @@ def _stream_method(
     """One method's row: quantized and evaluated layer by layer, saved as it goes."""
     source = LayerStream(folder, device)
     t0 = time.perf_counter()
-    ctx = replace(method_context(config, tokenizer, progress), model_config=source.model.config)
+    method = spec.method
+    ctx = method_context(config, spec, tokenizer, progress, source.model.config)
     with (
         method_rng(config.seed, setting_key(asdict(config), method.name)),
         _task_checkpoint(config, method, resume, scratch) as task_dir,

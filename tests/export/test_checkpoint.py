@@ -10,16 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import TINY_TEXT, TINY_VOCAB, tiny_model
-from torq.calibration.data import CalibrationConfig
+from tests.conftest import TINY_TEXT, TINY_VOCAB, calibrated_context, tiny_model
 from torq.cli import main
 from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.export import MANIFEST, is_quantized_checkpoint, load_quantized, save_quantized
 from torq.formats import get_format
 from torq.kernels.linear import PackedMXFP4Linear
-from torq.methods import MethodContext, TorqSettings, get_method
-from torq.rotations.intra_block import IntraBlockConfig
+from torq.methods import MethodContext, get_method
 from torq.rotations.transform import BlockRotation
 from torq.surgery import QuantConfig, QuantLinear
 from torq.surgery.qlinear import QuantExperts
@@ -36,14 +34,9 @@ def corpus(tmp_path_factory) -> str:
 
 
 def _ctx(tokenizer, corpus: str | None = None) -> MethodContext:
-    options: dict = {"progress": False}
-    if corpus is not None:
-        options["torq_settings"] = TorqSettings(
-            calibration=CalibrationConfig(corpus=corpus, n_samples=4, seqlen=48),
-            intra=IntraBlockConfig(max_iter=2),
-            reservoir_tokens=64,
-        )
-    return MethodContext(tokenizer=tokenizer, options=options)
+    if corpus is None:
+        return MethodContext(tokenizer=tokenizer, options={"progress": False})
+    return calibrated_context(tokenizer, corpus)
 
 
 def _quantized(arch: str, method: str, qconfig: QuantConfig = MX, tokenizer=None, corpus=None):

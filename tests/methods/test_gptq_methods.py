@@ -8,25 +8,16 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_TEXT, tiny_model
-from torq.calibration.data import CalibrationConfig
+from tests.conftest import TINY_TEXT, calibrated_context, tiny_model
 from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.formats import fake_quantize, get_format
-from torq.methods import MethodContext, TorqSettings, get_method
-from torq.rotations.intra_block import IntraBlockConfig
+from torq.methods import MethodContext, get_method
 from torq.surgery import QuantConfig, QuantLinear
 
 
 def _ctx(corpus: str, tokenizer) -> MethodContext:
-    settings = TorqSettings(
-        calibration=CalibrationConfig(corpus=corpus, n_samples=4, seqlen=48),
-        intra=IntraBlockConfig(max_iter=2),
-        reservoir_tokens=64,
-    )
-    return MethodContext(
-        tokenizer=tokenizer, options={"torq_settings": settings, "progress": False}
-    )
+    return calibrated_context(tokenizer, corpus)
 
 
 def test_names_compose() -> None:

@@ -15,7 +15,7 @@ import torch
 
 import torq.methods.layers as method_layers
 from tests.conftest import tiny_model
-from torq.calibration.data import CalibrationConfig, calibration_windows
+from torq.calibration.data import CalibrationConfig, CaptureSettings, calibration_windows
 from torq.driver import apply_method
 from torq.export.checkpoint import save_quantized
 from torq.export.reading import load_quantized
@@ -28,17 +28,17 @@ from torq.surgery import QuantConfig, QuantExperts
 MX = QuantConfig.from_names("mxfp4", "mxfp4")
 
 
-def _settings(corpus: str, **kw) -> TorqSettings:
-    return TorqSettings(
-        calibration=CalibrationConfig(corpus=corpus, n_samples=4, seqlen=48),
-        intra=IntraBlockConfig(max_iter=2),
-        reservoir_tokens=64,
-        **kw,
-    )
+def _settings(corpus: str, sequential: bool = False, **kw) -> dict:
+    """TORQ's settings and the capture, as a method's context holds them."""
+    calibration = CalibrationConfig(corpus=corpus, n_samples=4, seqlen=48)
+    return {
+        "settings": TorqSettings(intra=IntraBlockConfig(max_iter=2), **kw),
+        "capture": CaptureSettings(calibration, sequential=sequential, reservoir_tokens=64),
+    }
 
 
-def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tokenizer) -> dict:
-    ctx = MethodContext(tokenizer=tokenizer, options={"torq_settings": settings, "progress": False})
+def _apply(model, method: str, qconfig: QuantConfig, settings: dict, tokenizer) -> dict:
+    ctx = MethodContext(tokenizer=tokenizer, options={"progress": False}, **settings)
     return apply_method(get_method(method), model, qconfig, ctx)
 
 
@@ -132,7 +132,9 @@ def test_gptq_lowers_the_experts_error_on_their_calibration_tokens(corpus, tiny_
     model = tiny_model("qwen3_moe")
     settings = _settings(corpus)
     w4 = QuantConfig.from_names("mxfp4", None)
-    x, index = _expert_inputs(model, calibration_windows(tiny_tokenizer, settings.calibration))
+    x, index = _expert_inputs(
+        model, calibration_windows(tiny_tokenizer, settings["capture"].calibration)
+    )
     float_w = model.model.layers[0].mlp.experts.gate_up_proj.detach()
     errors = {}
     for method in ("rtn", "gptq"):

@@ -12,15 +12,17 @@ import torch
 
 from tests.conftest import tiny_model
 from tests.whole_model import whole_model_run
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
 from torq.methods import METHODS, Method, MethodContext, TransformBuilder, get_method, register
 from torq.methods.hadamard import block_hadamard
 from torq.methods.layers import layer_plan
+from torq.methods.registry import MethodSpec, method_spec, method_specs, record_key
 from torq.methods.settings import TorqSettings
 from torq.pipeline import run
 from torq.runs.config import RunConfig
 from torq.runs.store import method_resume_dir
+from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -61,31 +63,69 @@ def test_settings_keys_name_the_directories_they_named_before() -> None:
     """A method's resume folder is named by the hash of its settings key: the keys of
     today give the names the kept zero-shot rows were measured under, so a resumed row
     finds its answers (QuaRot's name changed once, on purpose, when its signs moved)."""
-    config = RunConfig(model="smollm2-135m", resume_dir="r")
-    config.torq = TorqSettings(calibration=CalibrationConfig(n_samples=32))
+    capture = CaptureSettings(calibration=CalibrationConfig(n_samples=32))
     for name in KEPT_ROWS:
         method = name.rsplit("-", 1)[0]
-        assert Path(method_resume_dir(config, method)).name == name, method
+        # the run's methods as bare names and as specs (what a run records) alike
+        for methods in (["fp"], method_specs([method])):
+            config = RunConfig(model="smollm2-135m", resume_dir="r", capture=capture)
+            config.methods = methods
+            assert Path(method_resume_dir(config, method)).name == name, method
+
+
+def test_records_made_before_runs_held_specs_keep_their_keys() -> None:
+    """A record of a run whose TORQ settings held the capture (the form of every record
+    in docs/records/ before specs) gives the key a spec of the same settings gives."""
+    capture = CaptureSettings(calibration=CalibrationConfig(n_samples=32), reservoir_tokens=512)
+    torq = TorqSettings(balance=0.3)
+    gptq = GPTQConfig(damp=0.05)
+    for name in ("torq", "torq-had32+gptq", "mr-gptq", "had32", "quarot+gptq"):
+        new = asdict(
+            RunConfig(model="m", methods=method_specs([name], torq, gptq), capture=capture)
+        )
+        old = {k: v for k, v in new.items() if k not in ("methods", "capture")}
+        old["methods"] = [name]
+        old["torq"] = {**asdict(torq), **asdict(capture)}
+        old["gptq"] = asdict(gptq)
+        assert record_key(old, name) == record_key(new, name), name
+
+
+def _key(name: str, *given: object) -> str:
+    return record_key(asdict(RunConfig(model="m", methods=method_specs([name], *given))), name)
 
 
 def test_keys_hold_only_what_a_method_reads() -> None:
-    base = asdict(RunConfig(model="m"))
-    other_torq = {**base, "torq": {**base["torq"], "balance": 0.3}}
-    other_gptq = {**base, "gptq": {**base["gptq"], "damp": 0.1}}
-    assert get_method("had32").settings_key(other_torq) == get_method("had32").settings_key(base)
-    assert get_method("torq").settings_key(other_torq) != get_method("torq").settings_key(base)
-    assert get_method("torq").settings_key(other_gptq) == get_method("torq").settings_key(base)
-    torq_gptq = get_method("torq+gptq")
-    assert torq_gptq.settings_key(other_gptq) != torq_gptq.settings_key(base)
-    assert torq_gptq.settings_key(other_torq) != torq_gptq.settings_key(base)
+    other_torq = TorqSettings(balance=0.3)
+    other_gptq = GPTQConfig(damp=0.1)
+    assert _key("had32", other_torq) == _key("had32")
+    assert _key("torq", other_torq) != _key("torq")
+    assert _key("torq", other_gptq) == _key("torq")
+    assert _key("torq+gptq", other_gptq) != _key("torq+gptq")
+    assert _key("torq+gptq", other_torq) != _key("torq+gptq")
     # MR-GPTQ's own GPTQ settings are in its key, over the run's; settings added since
     # the carried keys were made stay out of the others' keys at their defaults
-    mr = json.loads(get_method("mr-gptq").settings_key(base))[1]["gptq"]
+    mr = json.loads(_key("mr-gptq"))[1]["gptq"]
     assert mr["act_order"] is True and mr["scale_search"] == "mse"
-    plain = json.loads(get_method("gptq").settings_key(base))[1]["gptq"]
+    plain = json.loads(_key("gptq"))[1]["gptq"]
     assert "scale_search" not in plain and plain["act_order"] is False
-    mse = {**base, "gptq": {**base["gptq"], "scale_search": "mse"}}
-    assert get_method("gptq").settings_key(mse) != get_method("gptq").settings_key(base)
+    assert _key("gptq", GPTQConfig(scale_search="mse")) != _key("gptq")
+
+
+def test_a_spec_holds_its_own_settings_only() -> None:
+    """Each method takes the settings values of its own types; the run has no field for
+    any method's settings."""
+    torq, gptq = TorqSettings(balance=0.3), GPTQConfig(damp=0.05)
+    assert method_spec("torq", torq, gptq) == MethodSpec("torq", torq, None)
+    assert method_spec("had32+gptq", torq, gptq) == MethodSpec("had32+gptq", None, gptq)
+    assert method_spec("mr-gptq", gptq).gptq == GPTQConfig(
+        damp=0.05, act_order=True, scale_search="mse"
+    )
+    assert method_spec("torq").settings == TorqSettings()
+    assert method_spec("fp", torq).settings is None
+    fields = set(RunConfig.__dataclass_fields__)
+    assert not fields & {"torq", "gptq"}
+    with pytest.raises(TorqError, match="same method"):
+        method_specs(["rtn+gptq", "gptq"])
 
 
 class _Hadamard32Again(TransformBuilder):
@@ -116,7 +156,7 @@ def test_a_new_method_is_one_definition(
     methods = ["had32", "my-had32", "had32+gptq", "my-had32+gptq"]
     common = {"model": str(folder), "methods": methods, "seqlen": 48, "max_windows": 2}
     common["data_dir"] = str(data)
-    common["torq"] = TorqSettings(calibration=CalibrationConfig(n_samples=2, seqlen=48))
+    common["capture"] = CaptureSettings(CalibrationConfig(n_samples=2, seqlen=48))
     whole = {r["method"]: r["ppl"] for r in whole_model_run(RunConfig(**common))["rows"]}
     streamed = run(RunConfig(**common), progress=False)["rows"]
     assert whole["my-had32"] == whole["had32"]

@@ -4,31 +4,40 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from tests.conftest import tiny_model
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.methods import MethodContext, TorqSettings, get_method
+from torq.methods.registry import method_specs, record_key
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.rotations.transform import BlockRotation
+from torq.runs.config import RunConfig
 from torq.surgery import QuantConfig, QuantLinear
 
 
-def _settings(corpus: str, **kw) -> TorqSettings:
-    return TorqSettings(
-        calibration=CalibrationConfig(corpus=corpus, n_samples=3, seqlen=48),
-        intra=IntraBlockConfig(max_iter=2),
-        reservoir_tokens=64,
-        **kw,
-    )
+def _settings(corpus: str, sequential: bool = False, **kw) -> dict:
+    """TORQ's settings and the capture, as a method's context holds them."""
+    calibration = CalibrationConfig(corpus=corpus, n_samples=3, seqlen=48)
+    return {
+        "settings": TorqSettings(intra=IntraBlockConfig(max_iter=2), **kw),
+        "capture": CaptureSettings(calibration, sequential=sequential, reservoir_tokens=64),
+    }
 
 
-def _apply(model, method: str, qconfig: QuantConfig, settings: TorqSettings, tokenizer):
-    ctx = MethodContext(tokenizer=tokenizer, options={"torq_settings": settings, "progress": False})
+def _key(name: str, *given: object) -> str:
+    """The settings key of ``name`` in a run's record, the spec made from ``given``."""
+    run = asdict(RunConfig(model="m", methods=method_specs([name], *given)))
+    return record_key(run, name)
+
+
+def _apply(model, method: str, qconfig: QuantConfig, settings: dict, tokenizer):
+    ctx = MethodContext(tokenizer=tokenizer, options={"progress": False}, **settings)
     return apply_method(get_method(method), model, qconfig, ctx)
 
 
@@ -83,7 +92,7 @@ def test_w4a4_torq_runs_and_is_finite(sequential, corpus, tiny_tokenizer) -> Non
     model = tiny_model("qwen2")
     qc = QuantConfig.from_names("mxfp4", "mxfp4")
     rec = _apply(model, "torq", qc, _settings(corpus, sequential=sequential), tiny_tokenizer)
-    assert rec["settings"]["sequential"] is sequential
+    assert rec["calibration"]["sequential"] is sequential
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 300, (1, 16))).logits
     assert torch.isfinite(out).all()
@@ -130,7 +139,7 @@ def test_guard_keeps_the_transform_with_the_lower_held_back_error(corpus, tiny_t
         stats.update(x)
         weight = torch.randn(48, 64, generator=gen) * 0.1
         settings = _settings(corpus, guard=0.25)
-        t, rec = build_group_transform(stats, settings, fmt, weight, fmt)
+        t, rec = build_group_transform(stats, settings["settings"], fmt, weight, fmt)
         guard = rec["guard"]
         assert guard["held_tokens"] == 24 and rec["intra"]["samples"] == 72 * 2
         errors = guard["error"]
@@ -141,7 +150,8 @@ def test_guard_keeps_the_transform_with_the_lower_held_back_error(corpus, tiny_t
             assert t.r_inter is None
             assert torch.equal(t.r_intra, hadamard_matrix(32, dtype=torch.float64).float())
         chosen.add(guard["chosen"])
-        _, plain_rec = build_group_transform(stats, _settings(corpus), fmt, weight, fmt)
+        plain = _settings(corpus)["settings"]
+        _, plain_rec = build_group_transform(stats, plain, fmt, weight, fmt)
         assert "guard" not in plain_rec and rec["intra"]["samples"] < plain_rec["intra"]["samples"]
     assert chosen  # (which one wins depends on the draw)
     with pytest.raises(ValueError, match="fraction"):
@@ -149,9 +159,6 @@ def test_guard_keeps_the_transform_with_the_lower_held_back_error(corpus, tiny_t
 
 
 def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tokenizer) -> None:
-    from dataclasses import asdict
-
-    from torq.runs.config import RunConfig
 
     model = tiny_model("llama")
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
@@ -161,20 +168,14 @@ def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tok
     guarded = [g["guard"] for g in groups if "guard" in g]
     assert len(guarded) == 4 * model.config.num_hidden_layers
     assert rec["settings"]["guard"] == 0.25
-    base = asdict(RunConfig(model="m"))
-    assert "guard" not in get_method("torq").settings_key(base)
-    run_guard = {**base, "torq": {**base["torq"], "guard": 0.5}}
-    assert get_method("torq").settings_key(run_guard) != get_method("torq").settings_key(base)
+    assert "guard" not in _key("torq")
+    assert _key("torq", TorqSettings(guard=0.5)) != _key("torq")
 
 
 def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None:
     """``calibrate=("o_proj",)``: o_proj's input group gets ``torq``'s calibrated transform
     and every other group ``torq-had32``'s, each bit for bit; names are checked; the setting
     stays out of the keys of the methods it cannot change."""
-    from dataclasses import asdict
-
-    from torq.runs.config import RunConfig
-
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
     models = {}
     for label, method, kw in [
@@ -202,12 +203,10 @@ def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None
         _settings(corpus, calibrate=("o_proj", "not a name"))
     with pytest.raises(ValueError, match="calibrate names"):
         _settings(corpus, calibrate=())
-    base = asdict(RunConfig(model="m"))
-    run_o = {**base, "torq": {**base["torq"], "calibrate": ("o_proj",)}}
-    assert "calibrate" not in json.dumps(get_method("torq").settings_key(base))
-    assert get_method("torq").settings_key(run_o) != get_method("torq").settings_key(base)
-    had = get_method("torq-had32")
-    assert had.settings_key(run_o) == had.settings_key(base)
+    o_only = TorqSettings(calibrate=("o_proj",))
+    assert "calibrate" not in _key("torq")
+    assert _key("torq", o_only) != _key("torq")
+    assert _key("torq-had32", o_only) == _key("torq-had32")
 
 
 def test_the_block_mass_permutation_is_kept_where_it_lowers_the_held_back_error(

@@ -7,12 +7,10 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_TEXT, tiny_model
-from torq.calibration.data import CalibrationConfig
+from tests.conftest import TINY_TEXT, calibrated_context, tiny_model
 from torq.driver import apply_method
 from torq.errors import TorqError
-from torq.methods import METHODS, MethodContext, TorqSettings, get_method
-from torq.rotations.intra_block import IntraBlockConfig
+from torq.methods import METHODS, MethodContext, get_method
 from torq.runs.kept import MODEL_FILE, MODEL_INFO, keep_model, load_kept_model
 from torq.surgery import QuantConfig
 
@@ -23,14 +21,7 @@ QUANTIZING = sorted(name for name, cls in METHODS.items() if cls.quantizes)
 def ctx(tmp_path_factory, tiny_tokenizer) -> MethodContext:
     corpus = tmp_path_factory.mktemp("calib") / "corpus.txt"
     corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
-    settings = TorqSettings(
-        calibration=CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32),
-        intra=IntraBlockConfig(max_iter=1),
-        reservoir_tokens=32,
-    )
-    return MethodContext(
-        tokenizer=tiny_tokenizer, options={"torq_settings": settings, "progress": False}
-    )
+    return calibrated_context(tiny_tokenizer, str(corpus), 2, 32, max_iter=1, reservoir=32)
 
 
 def _ids(tokenizer) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,23 @@ class CalibrationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """What every calibrating method of a run reads alike: the calibration windows, how
+    many tokens of each block's inputs are kept as samples (``reservoir_tokens``), and
+    whether each layer is calibrated on the quantized layers' outputs before it
+    (``sequential``) or on the float model's. A run holds one; a method's own settings are
+    its :class:`torq.methods.registry.MethodSpec`'s."""
+
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    sequential: bool = False
+    reservoir_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.reservoir_tokens < 1:
+            raise ValueError(f"reservoir_tokens must be positive: {self.reservoir_tokens}")
 
 
 def python_stdlib_files() -> list[Path]:

@@ -24,9 +24,10 @@ from torq.errors import TorqError
 from torq.logs import quiet_libraries
 
 if TYPE_CHECKING:
+    from torq.calibration.data import CaptureSettings
     from torq.methods.settings import TorqSettings
 
-__all__ = ["build_parser", "main", "torq_settings_from_args"]
+__all__ = ["build_parser", "capture_from_args", "main", "torq_settings_from_args"]
 
 
 def _slug(text: str) -> str:
@@ -38,7 +39,6 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
     them; with no option given, :class:`~torq.methods.torq_rotation.TorqSettings`' defaults
     but the calibration's and the solver's seed, which ``--calib-seed`` sets. The benchmark
     scripts build theirs from the same defaults (a test holds them equal)."""
-    from torq.calibration.data import CalibrationConfig
     from torq.methods.settings import TorqSettings
     from torq.rotations.inter_block import InterBlockConfig
     from torq.rotations.intra_block import IntraBlockConfig
@@ -56,14 +56,6 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
             init=args.intra_init,
             seed=args.calib_seed,
         ),
-        calibration=CalibrationConfig(
-            corpus=args.calib_corpus,
-            n_samples=args.calib_samples,
-            seqlen=args.calib_seqlen,
-            seed=args.calib_seed,
-        ),
-        sequential=args.sequential,
-        reservoir_tokens=args.reservoir,
         block_size=args.rotation_block,
         balance=args.balance,
         guard=args.torq_guard,
@@ -74,9 +66,26 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
     return torq_settings.paper() if args.paper else torq_settings
 
 
+def capture_from_args(args: argparse.Namespace) -> CaptureSettings:
+    """The calibration every calibrating method of the run reads, as the options give it."""
+    from torq.calibration.data import CalibrationConfig, CaptureSettings
+
+    return CaptureSettings(
+        calibration=CalibrationConfig(
+            corpus=args.calib_corpus,
+            n_samples=args.calib_samples,
+            seqlen=args.calib_seqlen,
+            seed=args.calib_seed,
+        ),
+        sequential=args.sequential,
+        reservoir_tokens=args.reservoir,
+    )
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
+    from torq.methods.registry import method_specs
     from torq.paths import check_destination
     from torq.pipeline import run
     from torq.results import write_json_atomic
@@ -125,9 +134,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "--act-scale static is NVFP4's static activation tensor scale: add "
                 f"--a-format nvfp4 (activations here: {a or 'none'})"
             )
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    gptq = GPTQConfig(damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales)
     config = RunConfig(
         model=args.model,
-        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        # a saved model's method is evaluated as it is; a float model's methods each take
+        # their own settings from the options
+        methods=names if saved is not None else method_specs(names, torq_settings, gptq),
         weight_format=w,
         act_format=a,
         scale_mode=scale_mode,
@@ -139,10 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         seed=args.seed,
         resume_dir=args.resume_dir,
-        torq=torq_settings,
-        gptq=GPTQConfig(
-            damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales
-        ),
+        capture=capture_from_args(args),
         device=args.device,
         save_dir=args.save_dir,
         packed=args.packed,

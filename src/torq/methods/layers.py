@@ -305,7 +305,7 @@ class _BuilderSolver(GroupSolver):
         return self.method.transform.fold(layer, groups, transforms, self.qconfig, self.ctx)
 
     def expert_down_shared(self) -> bool:
-        return bool(getattr(self.ctx.capture_settings(), "expert_down_shared", False))
+        return self.method.transform.expert_down_shared(self.ctx)
 
     def calibrates(self) -> bool:
         return self.method.transform.calibrates
@@ -319,7 +319,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
     builder.check(qconfig, ctx)
     record = builder.record(qconfig, ctx)
     parts = builder.residual(ctx)
-    capture = ctx.capture_settings()
+    capture = ctx.capture
     static = qconfig.static_activations
     if static:
         record = {**record, "act_scale": qconfig.act_scale}
@@ -357,7 +357,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
     return LayerPlan(
         _BuilderSolver(method, qconfig, ctx, gptq),
         calibration=capture.calibration,
-        block_size=capture.block_size,
+        block_size=builder.capture_block(ctx),
         reservoir=capture.reservoir_tokens,
         sequential=capture.sequential,
         hessian=gptq is not None,

@@ -70,7 +70,9 @@ class QuaRotTransform(TransformBuilder):
             "seed": int(ctx.options.get("seed", 0)),
         }
 
-    def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
+    def key_settings(
+        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+    ) -> dict[str, Any]:
         # the random signs follow the run's seed; "signs" marks QuaRot's Q = diag(s)·H, so
         # models kept or carried from torq's earlier H·diag(s) (whose signs had no effect,
         # docs/research-log.md §6.1) are never taken for this one

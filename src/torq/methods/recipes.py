@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
-from torq.methods.registry import MethodContext, get_method
+from torq.methods.registry import MethodSpec, method_spec
 from torq.methods.settings import TorqSettings
 from torq.surgery.qlinear import QuantConfig
 
@@ -36,13 +36,16 @@ class Recipe:
     # TORQ exactly as the paper states it (:meth:`TorqSettings.paper`)
     paper: bool = False
 
-    def settings(self, calibration: CalibrationConfig | None = None) -> TorqSettings:
-        """The capture and TORQ settings of this recipe, calibrating on ``calibration``
-        (default: :class:`CalibrationConfig`'s, 128 windows of WikiText-2's training text)."""
-        settings = TorqSettings(calibration=calibration or CalibrationConfig())
-        if self.paper:
-            return settings.paper()
-        return replace(settings, fold=self.fold_balance)
+    def spec(self) -> MethodSpec:
+        """This recipe's method with its settings."""
+        settings = TorqSettings()
+        settings = settings.paper() if self.paper else replace(settings, fold=self.fold_balance)
+        return method_spec(self.method, settings)
+
+    def capture(self, calibration: CalibrationConfig | None = None) -> CaptureSettings:
+        """The calibration of this recipe: ``calibration`` (default:
+        :class:`CalibrationConfig`'s, 128 windows of WikiText-2's validation text)."""
+        return CaptureSettings(calibration=calibration or CalibrationConfig())
 
     def quant_config(self, fmt: str) -> QuantConfig:
         """Weights and activations in ``fmt`` with this recipe's scale rule (MXFP4's; NVFP4
@@ -57,8 +60,9 @@ class Recipe:
         vLLM), in one line, as its method answers it; ``None`` when it can."""
         if fmt not in ("mxfp4", "nvfp4"):
             return f"compressed-tensors holds MXFP4 and NVFP4 models, not {fmt}"
-        ctx = MethodContext(options={"torq_settings": self.settings()})
-        reason = get_method(self.method).transform.compressed_tensors(self.quant_config(fmt), ctx)
+        spec = self.spec()
+        ctx = spec.context(self.capture())
+        reason = spec.method.transform.compressed_tensors(self.quant_config(fmt), ctx)
         return None if reason is None else f"recipe '{self.name}': {reason}"
 
 

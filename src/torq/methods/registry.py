@@ -4,9 +4,15 @@ A :class:`Method` is a frozen value: its name, an online-transform builder
 (:class:`TransformBuilder`: none, a fixed block Hadamard, QuaRot's, TORQ's calibrated
 ones…) and a weight quantizer (``"rtn"`` or ``"gptq"``). ``<method>+gptq`` is the same
 value with GPTQ weights (:meth:`Method.with_gptq`), composable with any transform, as
-llm-compressor composes its GPTQ modifier with any transform. Each builder declares the
-run settings it reads (:meth:`TransformBuilder.key_settings`), so a method's settings key
-(:meth:`Method.settings_key`) names exactly what makes its quantized model.
+llm-compressor composes its GPTQ modifier with any transform.
+
+A run holds :class:`MethodSpec` values: a method's name with its own frozen settings (its
+builder's :attr:`TransformBuilder.settings_type`, e.g. TORQ's, and its GPTQ settings),
+made by :func:`method_spec` from whatever settings values the caller has; what every
+calibrating method reads alike is the run's
+:class:`~torq.calibration.data.CaptureSettings`. Each builder keys its own settings
+(:meth:`TransformBuilder.key_settings`), so a spec's settings key
+(:meth:`MethodSpec.key`) names exactly what makes its quantized model.
 
 Every method becomes a :class:`LayerPlan` (:func:`torq.methods.layers.layer_plan`) that
 :func:`torq.driver.run_layerwise` runs one decoder layer at a time, on a model in memory
@@ -19,16 +25,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
-from torq.methods.settings import TorqSettings
 from torq.surgery.gptq import GPTQConfig, gptq_key
 from torq.surgery.qlinear import QuantConfig
 
@@ -37,22 +42,19 @@ WEIGHT_QUANTIZERS: tuple[str, ...] = ("rtn", "gptq")
 
 @dataclass
 class MethodContext:
-    """What a method may need beyond the model: tokenizer, calibration settings, options."""
+    """What one method reads beyond the model: its own settings (its
+    :class:`MethodSpec`'s), the run's capture, the tokenizer and the run's options
+    (``data_dir``, ``progress``, ``seed``)."""
 
     tokenizer: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     # the model's Hugging Face configuration (shapes a builder may read; the driver sets it)
     model_config: Any = None
-
-    def capture_settings(self) -> Any:
-        """The run's :class:`~torq.methods.torq_rotation.TorqSettings`, which also hold the
-        capture settings every calibrating method shares (windows, reservoir, sequential)."""
-
-        return self.options.get("torq_settings") or TorqSettings()
-
-    def gptq_config(self) -> Any:
-
-        return self.options.get("gptq_config") or GPTQConfig()
+    # the transform's own settings (a :attr:`TransformBuilder.settings_type` value; None:
+    # that type's defaults) and, with GPTQ weights, GPTQ's
+    settings: Any = None
+    gptq: GPTQConfig | None = None
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
 
 
 LayerQuantize = Callable[[int, nn.Module, list[LinearGroup], dict[str, BlockStatistics]], dict]
@@ -97,6 +99,9 @@ class TransformBuilder:
 
     calibrates: bool = False
     composes_with_gptq: bool = True
+    # the frozen type of this transform's own settings (a :class:`MethodSpec` holds a value
+    # of it, made from its defaults when the run gives none); None: it has none
+    settings_type: type | None = None
 
     def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> nn.Module | None:
         """The transform for an input of ``width`` channels (``None``: none)."""
@@ -145,9 +150,22 @@ class TransformBuilder:
         QuaRot; ``None``: none."""
         return None
 
-    def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
-        """The run settings (``asdict(RunConfig)``) this transform reads, for the key."""
+    def key_settings(
+        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+    ) -> dict[str, Any]:
+        """What of its own ``settings`` (``asdict`` of its settings type), the run's
+        ``capture`` and the run (``asdict(RunConfig)``: its seed…) makes this transform, for
+        the settings key."""
         return {}
+
+    def capture_block(self, ctx: MethodContext) -> int:
+        """The block width of the statistics a calibrating transform reads."""
+        return 32
+
+    def expert_down_shared(self, ctx: MethodContext) -> bool:
+        """Fused MoE experts: whether one ``down_proj`` transform is fitted on every
+        expert's inputs pooled, instead of one per expert."""
+        return False
 
     def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         """The method-level record (the settings it ran with)."""
@@ -175,9 +193,9 @@ class Method:
                 raise ValueError("GPTQ settings need GPTQ weights")
             GPTQConfig(**dict(self.gptq_settings))  # names and values checked now
 
-    def gptq_config(self, ctx: MethodContext) -> Any:
-        """The GPTQ settings this method runs with: the run's, then its own."""
-        return replace(ctx.gptq_config(), **dict(self.gptq_settings))
+    def gptq_config(self, ctx: MethodContext) -> GPTQConfig:
+        """The GPTQ settings this method runs with: its spec's, then its own."""
+        return replace(ctx.gptq or GPTQConfig(), **dict(self.gptq_settings))
 
     @property
     def gptq_enabled(self) -> bool:
@@ -211,34 +229,35 @@ class Method:
     ) -> CalibrationConfig | None:
         """The calibration tokens the method reads with these options; ``None`` when it
         needs no data (checked before any work, :func:`torq.pipeline.run`)."""
-        return ctx.capture_settings().calibration if self.calibrates(qconfig) else None
+        return ctx.capture.calibration if self.calibrates(qconfig) else None
 
-    def settings_key(self, run: dict[str, Any]) -> str:
+    def settings_key(
+        self,
+        run: dict[str, Any],
+        settings: dict[str, Any] | None,
+        gptq: dict[str, Any] | None,
+        capture: dict[str, Any],
+    ) -> str:
         """What makes two rows of this method the same quantized model: the model, formats
-        and window length, plus the settings its transform reads and, with GPTQ, GPTQ's
-        and the calibration's (``run`` is ``asdict(RunConfig)``)."""
+        and window length (``run``: ``asdict(RunConfig)``), plus what its transform keys of
+        its own ``settings`` and, with GPTQ, its ``gptq`` settings and the ``capture``."""
         key: dict[str, Any] = {
             k: run.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")
         }
         key["seqlen"] = run.get("seqlen")
         if run.get("gguf_dtype", "float32") != "float32":  # another float model
             key["gguf_dtype"] = run["gguf_dtype"]
-        key.update(self.transform.key_settings(run))
+        key.update(self.transform.key_settings(run, settings, capture))
         if self.gptq_enabled:
-            torq = run.get("torq") or {}
-            gptq = run.get("gptq")
-            if self.gptq_settings:
-                gptq = {**(gptq or {}), **dict(self.gptq_settings)}
-            key["gptq"] = gptq_key(gptq)
+            key["gptq"] = gptq_key({**(gptq or {}), **dict(self.gptq_settings)})
             key["calibration"] = [
-                torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
+                capture.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
             ]
         if run.get("act_scale", "dynamic") != "dynamic":
             # static activation scales: calibrated on the calibration windows (absent at
             # the default, so the keys made before stay)
             key["act_scale"] = run["act_scale"]
-            torq = run.get("torq") or {}
-            key["act_calibration"] = [torq.get(k) for k in ("calibration", "sequential")]
+            key["act_calibration"] = [capture.get(k) for k in ("calibration", "sequential")]
         return json.dumps([self.name, key], sort_keys=True, default=str)
 
 
@@ -287,3 +306,86 @@ def get_method(name: str) -> Method:
             f"unknown method '{name}'; known methods: {', '.join(sorted(METHODS))}"
             f" (and <method>+gptq)"
         ) from None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method of a run with its own settings: its name (:func:`get_method`'s), its
+    transform's settings (a value of the builder's ``settings_type``, or None) and, with
+    GPTQ weights, its GPTQ settings (its own, such as MR-GPTQ's, already applied)."""
+
+    name: str
+    settings: Any = None
+    gptq: GPTQConfig | None = None
+
+    @property
+    def method(self) -> Method:
+        return get_method(self.name)
+
+    def context(
+        self,
+        capture: CaptureSettings,
+        tokenizer: Any = None,
+        model_config: Any = None,
+        **options: Any,
+    ) -> MethodContext:
+        """What this method reads as it runs (:class:`MethodContext`)."""
+        return MethodContext(
+            tokenizer=tokenizer,
+            options=options,
+            model_config=model_config,
+            settings=self.settings,
+            gptq=self.gptq,
+            capture=capture,
+        )
+
+
+def method_spec(name: str, *given: Any) -> MethodSpec:
+    """The method ``name`` as a run holds it, its settings taken from ``given`` (settings
+    values of any types: each method takes those of its own types, and its types' defaults
+    where none is given)."""
+    method = get_method(name)
+    settings = None
+    kind = method.transform.settings_type
+    if kind is not None and method.quantizes:
+        settings = next((g for g in given if isinstance(g, kind)), None) or kind()
+    gptq = None
+    if method.gptq_enabled:
+        base = next((g for g in given if isinstance(g, GPTQConfig)), None) or GPTQConfig()
+        gptq = replace(base, **dict(method.gptq_settings))
+    return MethodSpec(method.name, settings, gptq)
+
+
+def method_specs(names: list[Any], *given: Any) -> list[MethodSpec]:
+    """:func:`method_spec` of each name (a spec given stays as it is), each method once."""
+    specs = [n if isinstance(n, MethodSpec) else method_spec(n, *given) for n in names]
+    seen: dict[str, str] = {}
+    for n, spec in zip(names, specs, strict=True):
+        named = n.name if isinstance(n, MethodSpec) else str(n)
+        if spec.name in seen:
+            first = seen[spec.name]
+            twice = f"'{named}' is given twice"
+            if first.strip().lower() != named.strip().lower():
+                twice = f"'{first}' and '{named}' are the same method"
+            raise TorqError(f"methods: {twice}")
+        seen[spec.name] = named
+    return specs
+
+
+def record_key(run: dict[str, Any], name: str) -> str:
+    """The settings key (:meth:`Method.settings_key`) of the method ``name`` in a run's
+    record (``asdict(RunConfig)``): from its spec, or, in records made before runs held
+    specs, from the run's TORQ and GPTQ settings, which then held the capture too."""
+    method = get_method(name)
+    spec = next(
+        (m for m in run.get("methods") or [] if isinstance(m, dict) and m["name"] == method.name),
+        None,
+    )
+    if spec is None and "torq" not in run:  # a bare name: its settings' defaults
+        spec = asdict(method_spec(method.name))
+    if spec is not None:
+        capture = run.get("capture") or asdict(CaptureSettings())
+        return method.settings_key(run, spec["settings"], spec["gptq"], capture)
+    torq = run["torq"]
+    capture = {k: torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")}
+    return method.settings_key(run, torq, run.get("gptq"), capture)

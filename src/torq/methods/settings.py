@@ -1,5 +1,6 @@
-"""TORQ's settings (:class:`TorqSettings`), which also hold the capture settings every
-calibrating method shares (calibration windows, reservoir, sequential), and their key."""
+"""TORQ's own settings (:class:`TorqSettings`), frozen, and their settings key
+(:func:`torq_key`). The calibration every calibrating method shares is the run's
+:class:`torq.calibration.data.CaptureSettings`, not TORQ's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torq.calibration.capture import LinearGroup
-from torq.calibration.data import CalibrationConfig
 from torq.rotations.inter_block import InterBlockConfig
 from torq.rotations.intra_block import IntraBlockConfig
 
@@ -22,9 +22,10 @@ TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorqSettings:
-    """Every knob of TORQ; recorded verbatim in the result JSON.
+    """Every knob of TORQ (Algorithms 1–3 and torq's additions); recorded verbatim in the
+    result JSON.
 
     ``balance`` is the migration strength ``α`` of the channel balancing step
     (:func:`torq.rotations.balance.balance_scales`; ``0.5`` is its optimum), or ``None``
@@ -35,9 +36,6 @@ class TorqSettings:
     use_intra: bool = True
     inter: InterBlockConfig = field(default_factory=InterBlockConfig)
     intra: IntraBlockConfig = field(default_factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS))
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    sequential: bool = False
-    reservoir_tokens: int = 1024
     block_size: int = 32
     balance: float | None = 0.5
     # the fraction of each group's sampled tokens held back to check the calibrated
@@ -69,7 +67,7 @@ class TorqSettings:
                     "calibrate names the linear layers whose input groups get the calibrated "
                     f"rotations (e.g. o_proj), got {self.calibrate!r}"
                 )
-            self.calibrate = names
+            object.__setattr__(self, "calibrate", names)
         if self.permute and (self.use_inter or self.balance is None):
             raise ValueError(
                 "the block-mass permutation needs the balancing and no inter-block rotation "
@@ -113,10 +111,13 @@ class TorqSettings:
         )
 
 
-def torq_key(settings: dict[str, Any]) -> dict[str, Any]:
-    """TORQ's settings (``asdict(TorqSettings)``) as a settings key holds them: settings
-    added after results were kept are left out at their defaults, so those keys still match."""
-    return {k: v for k, v in settings.items() if not (k in _LATER and v is _LATER[k])}
+def torq_key(settings: dict[str, Any], capture: dict[str, Any] | None = None) -> dict[str, Any]:
+    """TORQ's settings (``asdict(TorqSettings)``) as a settings key holds them, with the
+    run's capture (``asdict(CaptureSettings)``), which TORQ's settings held when the first
+    keys were made: settings added after results were kept are left out at their defaults,
+    so those keys still match."""
+    merged = {**settings, **(capture or {})}
+    return {k: v for k, v in merged.items() if not (k in _LATER and v is _LATER[k])}
 
 
 # settings added after keys were kept, at their defaults (``is``: None and False themselves)

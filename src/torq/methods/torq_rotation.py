@@ -28,7 +28,7 @@ then ``H₃₂``, the permutation checked by the guard like a calibrated transfo
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -205,6 +205,7 @@ class TorqTransform(TransformBuilder):
     balancing (``fixed_hadamard``: Algorithm 2 from the Hadamard with no iteration)."""
 
     calibrates = True
+    settings_type = TorqSettings
 
     def __init__(
         self,
@@ -219,9 +220,9 @@ class TorqTransform(TransformBuilder):
         self.permute = permute
 
     def settings(self, qconfig: QuantConfig, ctx: MethodContext) -> TorqSettings:
-        """The run's settings with this method's levels, and the intra-block solver's scale
+        """The spec's settings with this method's levels, and the intra-block solver's scale
         rule that of the MXFP4 activations it fits for."""
-        base: TorqSettings = ctx.options.get("torq_settings") or TorqSettings()
+        base: TorqSettings = ctx.settings or TorqSettings()
         settings = replace(base, use_inter=self.use_inter, use_intra=self.use_intra)
         if self.fixed_hadamard:
             settings = replace(
@@ -309,11 +310,19 @@ class TorqTransform(TransformBuilder):
             out[g.name] = (t.without_channel_scale(), record)
         return out
 
-    def key_settings(self, run: dict[str, Any]) -> dict[str, Any]:
-        settings = dict(run.get("torq") or {})
+    def key_settings(
+        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+    ) -> dict[str, Any]:
+        own = dict(settings if settings is not None else asdict(TorqSettings()))
         if self.fixed_hadamard:
-            settings.pop("calibrate", None)  # every group gets H₃₂ whatever it names
-        return {"torq": torq_key(settings)}
+            own.pop("calibrate", None)  # every group gets H₃₂ whatever it names
+        return {"torq": torq_key(own, capture)}
+
+    def capture_block(self, ctx: MethodContext) -> int:
+        return (ctx.settings or TorqSettings()).block_size
+
+    def expert_down_shared(self, ctx: MethodContext) -> bool:
+        return (ctx.settings or TorqSettings()).expert_down_shared
 
     def record(self, qconfig: QuantConfig, ctx: MethodContext) -> dict[str, Any]:
         return {"settings": self.settings(qconfig, ctx).to_dict()}

@@ -8,40 +8,39 @@ from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import eval_text_path
 from torq.errors import TorqError
 from torq.export.compressed_tensors import CT_HOLDS, NVFP4_ACTIVATIONS
-from torq.methods.registry import Method, MethodContext
+from torq.methods.registry import MethodSpec
 from torq.models.loading import context_length
 from torq.paths import check_destination
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
 
 
-def check_settings(config: RunConfig, methods: list[Method]) -> None:
+def check_settings(config: RunConfig, specs: list[MethodSpec]) -> None:
     """Fail before any work when a setting cannot work with the model or the methods: a
     window longer than the model's context (unless ``allow_long_windows``), TORQ's
     intra-block settings against its block size."""
 
     qconfig = config.quant_config()
-    calibrates = any(m.calibrates(qconfig) for m in methods)
+    calibrates = any(s.method.calibrates(qconfig) for s in specs)
     limit = None if config.allow_long_windows else context_length(config.model)
     if limit is not None:
         lengths = [("--seqlen", config.seqlen)]
         if calibrates:
-            lengths.append(("--calib-seqlen", config.torq.calibration.seqlen))
+            lengths.append(("--calib-seqlen", config.capture.calibration.seqlen))
         for option, n in lengths:
             if n > limit:
                 raise TorqError(
                     f"{option} {n} is longer than the model's context ({limit} positions); "
                     "add --allow-long-windows if you mean it"
                 )
-    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
-    for m in methods:  # each method's own settings, before the model is read
+    for spec in specs:  # each method's own settings, before the model is read
         try:
-            m.transform.check(qconfig, ctx)
+            spec.method.transform.check(qconfig, spec.context(config.capture))
         except TorqError as exc:
-            raise TorqError(f"{m.name}: {exc}") from None
+            raise TorqError(f"{spec.name}: {exc}") from None
 
 
-def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
+def check_compressed_tensors(config: RunConfig, specs: list[MethodSpec]) -> None:
     """Fail before any work when ``--save-format compressed-tensors`` cannot hold a method
     (what the model's layers hold, a bias under a transform, is checked as each is saved)."""
 
@@ -63,9 +62,9 @@ def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
             raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
     elif config.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
         raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
-    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
     qconfig = config.quant_config()
-    for method in methods:
+    for spec in specs:
+        method, ctx = spec.method, spec.context(config.capture)
         reason = method.transform.compressed_tensors(qconfig, ctx) if method.quantizes else None
         if reason is not None:
             raise TorqError(
@@ -73,19 +72,18 @@ def check_compressed_tensors(config: RunConfig, methods: list[Method]) -> None:
             )
 
 
-def check_data(config: RunConfig, methods: list[Method]) -> None:
+def check_data(config: RunConfig, specs: list[MethodSpec]) -> None:
     """Fail before any work when data the run will read is missing: a method's calibration
     corpus (unless its quantized model is kept in the resume directory), the WikiText-2 test
     file in a configured data directory, the zero-shot tasks' files (or the hub)."""
-    ctx = MethodContext(options={"torq_settings": config.torq, "gptq_config": config.gptq})
-    for method in methods:
-        calibration = method.calibration(ctx, config.quant_config())
+    for spec in specs:
+        calibration = spec.method.calibration(spec.context(config.capture), config.quant_config())
         if calibration is None:
             continue
         try:
             corpus_path(calibration.corpus, config.data_dir)
         except TorqError as exc:
-            raise TorqError(f"method '{method.name}' calibrates: {exc}") from None
+            raise TorqError(f"method '{spec.name}' calibrates: {exc}") from None
     if not config.skip_ppl:
         eval_text_path(config.eval_corpus, config.data_dir)
     if config.tasks:
@@ -98,11 +96,11 @@ def check_data(config: RunConfig, methods: list[Method]) -> None:
             task_data_files(config.tasks, config.data_dir)
 
 
-def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> None:
+def check_run(config: RunConfig, from_saved: bool) -> None:
     """Every check of a run before its model is loaded: its destinations, its options
-    together, and each method's settings, formats and data (``methods`` are not checked
+    together, and each method's settings, formats and data (its methods are not checked
     for a model that was ``from_saved`` quantized: it is evaluated as it is)."""
-    checked = [] if from_saved else methods
+    checked = [] if from_saved else config.specs()
     # what would fail only when the work is done (a file where a folder goes) fails now
     for option, folder in (
         ("--save-dir", config.save_dir),
@@ -111,10 +109,10 @@ def check_run(config: RunConfig, methods: list[Method], from_saved: bool) -> Non
         if folder is not None:
             check_destination(folder, folder=True, what=option)
     if config.save_dir is not None and not from_saved:
-        for method in methods:
-            if method.quantizes:
+        for spec in checked:
+            if spec.method.quantizes:
                 check_destination(
-                    saved_model_dir(config, method.name), folder=True, what="--save-dir"
+                    saved_model_dir(config, spec.name), folder=True, what="--save-dir"
                 )
     check_settings(config, checked)
     if config.save_format != "torq":

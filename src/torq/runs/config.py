@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
+from torq.calibration.data import CaptureSettings
 from torq.data import DEFAULT_EVAL_CORPUS
 from torq.errors import TorqError
-from torq.methods.registry import MethodContext
-from torq.methods.settings import TorqSettings
-from torq.surgery.gptq import GPTQConfig
+from torq.methods.registry import MethodContext, MethodSpec, method_specs
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -21,7 +20,9 @@ class RunConfig:
     """Everything that determines a comparison run; recorded verbatim with its results."""
 
     model: str = "smollm2-135m"
-    methods: list[str] = field(default_factory=lambda: ["fp", "rtn"])
+    # each method with its own settings (:class:`MethodSpec`, :func:`method_spec`); a bare
+    # name is that method with its settings' defaults (:meth:`specs`)
+    methods: list[MethodSpec | str] = field(default_factory=lambda: ["fp", "rtn"])
     weight_format: str | None = "mxfp4"
     act_format: str | None = "mxfp4"
     scale_mode: str = "ocp"
@@ -34,8 +35,8 @@ class RunConfig:
     batch_size: int = 1
     data_dir: str | None = None
     seed: int = 0
-    torq: TorqSettings = field(default_factory=TorqSettings)
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    # the calibration every calibrating method reads alike (windows, reservoir, sequential)
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
     # zero-shot tasks through lm-eval (``torq eval``); empty: perplexity only
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None
@@ -85,18 +86,26 @@ class RunConfig:
             self.weight_format, self.act_format, self.scale_mode, self.act_scale
         )
 
+    def specs(self) -> list[MethodSpec]:
+        """The run's methods as specs, each once (a bare name: its settings' defaults)."""
+        return method_specs(self.methods)
 
-def method_context(config: RunConfig, tokenizer: Any, progress: bool) -> MethodContext:
-    """What every method of the run reads beyond the model."""
-    return MethodContext(
-        tokenizer=tokenizer,
-        options={
-            "torq_settings": config.torq,
-            "gptq_config": config.gptq,
-            "data_dir": config.data_dir,
-            "progress": progress,
-            "seed": config.seed,
-        },
+    def method_names(self) -> list[str]:
+        """The methods' names as given (a saved model's method need not be registered)."""
+        return [m.name if isinstance(m, MethodSpec) else m for m in self.methods]
+
+
+def method_context(
+    config: RunConfig, spec: MethodSpec, tokenizer: Any, progress: bool, model_config: Any = None
+) -> MethodContext:
+    """What the method ``spec`` of the run reads beyond the model."""
+    return spec.context(
+        config.capture,
+        tokenizer,
+        model_config,
+        data_dir=config.data_dir,
+        progress=progress,
+        seed=config.seed,
     )
 
 

@@ -65,7 +65,7 @@ class SavedMethod:
 def saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
     """``config`` with the saved model's formats; its methods must name the saved method."""
     name = manifest.get("method") or "saved"
-    if config.methods != [name]:
+    if config.method_names() != [name]:
         raise TorqError(
             f"{config.model} holds a model already quantized with '{name}'; evaluate it with "
             f"--methods {name} (or without --methods). To compare other methods, start from "

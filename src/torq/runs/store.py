@@ -12,7 +12,7 @@ import torch
 
 from torq.data import DEFAULT_EVAL_CORPUS
 from torq.errors import TorqError
-from torq.methods.registry import get_method
+from torq.methods.registry import record_key
 from torq.runs.config import RunConfig
 from torq.runs.kept import record_setting
 
@@ -41,8 +41,8 @@ def _slug_name(text: str) -> str:
 
 def setting_key(config: dict[str, Any], method: str) -> str:
     """What makes two rows of one method the same quantized model (``config`` is
-    ``asdict(RunConfig)``): the method's own settings key, :meth:`Method.settings_key`."""
-    return get_method(method).settings_key(config)
+    ``asdict(RunConfig)``): the method's own settings key, :func:`record_key`."""
+    return record_key(config, method)
 
 
 def setting_digest(config: dict[str, Any], method: str) -> str:
