@@ -59,6 +59,7 @@ from torq.models import load
 from torq.models.fingerprint import fingerprint_ids
 from torq.results import command_line, machine_info, now_iso
 from torq.runs.kept import keep_model, load_kept_model, record_setting
+from torq.runs.store import FolderStore
 from torq.seeding import method_rng
 from torq.surgery import QuantConfig
 
@@ -168,8 +169,10 @@ def main(argv: list[str] | None = None) -> None:
                     {"method": method, "identity": identity, "quantize_seconds": quantize_seconds},
                 )
         cache = None if resume is None else resume / "answers"
+        store = None
         if cache is not None:  # the answers' folder names the row
             record_setting(cache, identity)
+            store = FolderStore(cache)
         if args.task == "gsm8k":
             result = evaluate_gsm8k(
                 model,
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.n,
                 args.seed,
                 batch_size=args.batch_size,
-                request_cache=cache,
+                store=store,
             )
             result["batch_size"] = args.batch_size
             print(method, result["flexible-extract"], flush=True)
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.data_dir,
                 args.limit,
                 args.max_gen_toks,
-                request_cache=cache,
+                store=store,
                 prompt=args.prompt,
                 batch_size=args.batch_size,
                 problems=args.problems,

@@ -55,7 +55,7 @@ from torq.runs.source import (
     saved_model_dir,
     streamed_save_dir,
 )
-from torq.runs.store import open_method_resume_dir, ppl_checkpoint_name, setting_key
+from torq.runs.store import FolderStore, open_method_resume_dir, ppl_record_name, setting_key
 from torq.seeding import method_rng
 from torq.surgery.qlinear import QuantConfig
 
@@ -119,9 +119,8 @@ def _evaluate_saved(
             config.batch_size,
             progress,
             desc=method.name,
-            checkpoint=None
-            if resume is None
-            else resume / ppl_checkpoint_name(config.eval_corpus, windows),
+            store=None if resume is None else FolderStore(resume),
+            name=ppl_record_name(config.eval_corpus, windows),
         )
     zeroshot = None
     if config.tasks:
@@ -458,7 +457,7 @@ def _zeroshot(
         batch_size=config.task_batch_size,
         shared_context=config.shared_context,
         progress=progress,
-        request_cache=resume,
+        store=None if resume is None else FolderStore(resume),
     )
     details["lm_eval"] = zs["lm_eval"]
     keys = ("seconds", "limit", "subset", "shared_context", "request_cache")

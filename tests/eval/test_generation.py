@@ -95,20 +95,20 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
     from tests.conftest import SHARED_DATA, tiny_model
     from torq.errors import TorqError
     from torq.eval.generation import generate_humaneval
+    from torq.eval.store import MemoryStore
 
     model = tiny_model("llama")
     whole, none = generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6)
     assert none is None and len(whole) == 3
 
-    cache = tmp_path / "answers"
+    # the answers kept in memory: the evaluation knows only the store, not where it keeps them
+    cache = MemoryStore()
     _count_generations(monkeypatch, stop_after=1)
     with pytest.raises(RuntimeError, match="stopped"):
-        generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache)
+        generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6, store=cache)
 
     calls = _count_generations(monkeypatch)
-    again, info = generate_humaneval(
-        model, tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
-    )
+    again, info = generate_humaneval(model, tiny_tokenizer, str(SHARED_DATA), 3, 6, store=cache)
     assert again == whole
     assert len(calls) == 2  # the answer kept before the stop was not generated again
     assert info is not None and info["entries_before"] == 1 and info["entries_after"] == 3
@@ -116,7 +116,7 @@ def test_generation_goes_on_where_a_stopped_run_stopped(tiny_tokenizer, tmp_path
 
     with pytest.raises(TorqError, match="another model"):
         generate_humaneval(
-            tiny_model("llama", seed=1), tiny_tokenizer, str(SHARED_DATA), 3, 6, request_cache=cache
+            tiny_model("llama", seed=1), tiny_tokenizer, str(SHARED_DATA), 3, 6, store=cache
         )
 
 

@@ -22,6 +22,7 @@ from torq.eval.paired import (
     paired_difference,
     question_scores,
 )
+from torq.runs.store import FolderStore
 
 pytest.importorskip("lm_eval")
 
@@ -95,7 +96,7 @@ def test_kept_answers_are_scored_as_lm_eval_scores_them(
     fp_dir = resume / "fp-0123abcd"
     tasks = ["arc_easy", "piqa", "lambada_openai"]
     out = zs.evaluate_zeroshot(
-        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, request_cache=fp_dir
+        lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, store=FolderStore(fp_dir)
     )
     answers = bench.kept_answers(fp_dir)
     questions = build_questions(tasks, str(data))
@@ -178,7 +179,7 @@ def test_a_seeded_subset_scores_the_drawn_questions_and_pairs_with_a_full_row(
     drawn = zs.seeded_subset(tasks, 3, 5, str(data))
     part = zs.evaluate_zeroshot(
         lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False, subset=3,
-        subset_seed=5, request_cache=tmp_path / "part",
+        subset_seed=5, store=FolderStore(tmp_path / "part"),
     )  # fmt: skip
     assert part["subset"] == {"n": 3, "seed": 5, "questions": {"arc_easy": 3, "piqa": 3}}
     assert part["request_cache"]["entries_after"] == 3 * 4 + 3 * 2
@@ -192,7 +193,7 @@ def test_a_seeded_subset_scores_the_drawn_questions_and_pairs_with_a_full_row(
 
     zs.evaluate_zeroshot(
         lm.model, lm.tokenizer, tasks, data_dir=str(data), progress=False,
-        request_cache=tmp_path / "full",
+        store=FolderStore(tmp_path / "full"),
     )  # fmt: skip
     full, _ = question_scores(bench.kept_answers(tmp_path / "full"), questions)
     cmp = compare_rows(full, scores)

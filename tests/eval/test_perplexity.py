@@ -11,6 +11,8 @@ from tests.conftest import tiny_model
 from torq.data import DATA_DIR_ENV
 from torq.errors import TorqError
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval.store import EvalStore, MemoryStore
+from torq.runs.store import FolderStore
 
 
 def test_windows_are_non_overlapping_and_drop_the_tail(tiny_tokenizer, tiny_data_dir) -> None:
@@ -75,8 +77,9 @@ def test_checkpoint_resumes_only_the_missing_windows(tmp_path) -> None:
     torch.manual_seed(0)
     windows = torch.randint(0, model.config.vocab_size, (5, 32))
     whole = perplexity(model, windows, batch_size=2, progress=False)
+    store = FolderStore(tmp_path)
     ckpt = tmp_path / "ppl.json"
-    assert perplexity(model, windows, 2, False, checkpoint=ckpt).ppl == pytest.approx(
+    assert perplexity(model, windows, 2, False, store=store, name="ppl").ppl == pytest.approx(
         whole.ppl, rel=1e-9
     )
     saved = json.loads(ckpt.read_text())
@@ -88,13 +91,33 @@ def test_checkpoint_resumes_only_the_missing_windows(tmp_path) -> None:
     hook = model.register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
-    resumed = perplexity(model, windows, 2, False, checkpoint=ckpt)
+    resumed = perplexity(model, windows, 2, False, store=store, name="ppl")
     hook.remove()
     assert resumed.ppl == pytest.approx(whole.ppl, rel=1e-9)
     assert seen == [1, 2, 1]  # the fingerprint, then windows 2-3 and 4 only
     with pytest.raises(TorqError, match="other perplexity windows"):
-        perplexity(model, windows[:4], 2, False, checkpoint=ckpt)
+        perplexity(model, windows[:4], 2, False, store=store, name="ppl")
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
     with pytest.raises(TorqError, match="another model's results"):
-        perplexity(model, windows, 2, False, checkpoint=ckpt)
+        perplexity(model, windows, 2, False, store=store, name="ppl")
+
+
+def test_the_evaluation_knows_only_its_store() -> None:
+    """The same resume through a store in memory: what a stopped call measured is not
+    measured again, whatever keeps it."""
+    model = tiny_model("llama")
+    windows = torch.randint(
+        0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1)
+    )
+    store = MemoryStore()
+    first = perplexity(model, windows, 2, False, store=store)
+    assert sorted(store.read("perplexity")["nll"], key=int) == ["0", "1", "2", "3"]
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    again = perplexity(model, windows, 2, False, store=store)
+    hook.remove()
+    assert again.ppl == first.ppl and seen == [1]  # the fingerprint only
+    assert isinstance(store, EvalStore) and isinstance(FolderStore("x"), EvalStore)

@@ -10,6 +10,7 @@ import pytest
 from torq.cli import main
 from torq.errors import TorqError
 from torq.eval import zeroshot as zs
+from torq.runs.store import FolderStore
 
 pytest.importorskip("lm_eval")
 
@@ -195,7 +196,7 @@ def test_request_cache_resumes_and_refuses_another_model(
     def score(limit: int, model: torch.nn.Module, request_cache: Path | None) -> dict:
         return zs.evaluate_zeroshot(
             model, lm.tokenizer, ["arc_easy", "piqa"], data_dir=data, limit=limit,
-            progress=False, request_cache=request_cache,
+            progress=False, store=None if request_cache is None else FolderStore(request_cache),
         )  # fmt: skip
 
     monkeypatch.setattr(zs, "HEARTBEAT_SECONDS", 0.01)  # a killed session still has its time

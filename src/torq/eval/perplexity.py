@@ -10,11 +10,9 @@ Because every window has the same length, this equals exp of the mean of the mod
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torq.errors import TorqError
+from torq.eval.store import EvalStore
 from torq.models.fingerprint import check_fingerprint, logits_fingerprint
-from torq.paths import write_json_atomic
 
 
 @dataclass
@@ -70,20 +68,21 @@ def perplexity(
     batch_size: int = 1,
     progress: bool = True,
     desc: str = "perplexity",
-    checkpoint: str | Path | None = None,
+    store: EvalStore | None = None,
+    name: str = "perplexity",
 ) -> PerplexityResult:
     """Perplexity of a causal LM over token windows (method-notes §3).
 
-    ``checkpoint``: a JSON file that keeps each window's NLL as it is measured; the same call
-    again after a stop measures only the windows it lacks (same windows and same model,
-    checked by hash and logits fingerprint, :mod:`torq.runs.kept`). ``seconds`` then counts
-    the time of every session that contributed.
+    ``store`` keeps each window's NLL as it is measured, as its record ``name``
+    (:class:`~torq.eval.store.EvalStore`); the same call again after a stop measures only
+    the windows it lacks (same windows and same model, checked by hash and logits
+    fingerprint). ``seconds`` then counts the time of every session that contributed.
     """
     if windows.dim() != 2:
         raise TorqError(f"windows must be [n_windows, seqlen], got shape {tuple(windows.shape)}")
     device = next(model.parameters()).device
     n, seqlen = windows.shape
-    saved = _open_checkpoint(Path(checkpoint), model, windows) if checkpoint else None
+    saved = _open_kept(store, name, model, windows) if store is not None else None
     done: dict[str, float] = saved["nll"] if saved else {}
     earlier_seconds = saved["seconds"] if saved else 0.0
     total_nll = 0.0
@@ -105,7 +104,7 @@ def perplexity(
         if saved is not None:
             done.update({str(i + b): v for b, v in enumerate(per_window)})
             saved["seconds"] = earlier_seconds + time.perf_counter() - start
-            write_json_atomic(Path(checkpoint), saved)  # type: ignore[arg-type]
+            store.write(name, saved)  # type: ignore[union-attr]
         bar.update(batch.shape[0])
     bar.close()
     seconds = earlier_seconds + time.perf_counter() - start
@@ -173,17 +172,19 @@ def windows_digest(windows: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _open_checkpoint(path: Path, model: nn.Module, windows: torch.Tensor) -> dict[str, Any]:
-    """The checkpoint of this model on these windows: read (and checked) or started."""
+def _open_kept(
+    store: EvalStore, name: str, model: nn.Module, windows: torch.Tensor
+) -> dict[str, Any]:
+    """What ``store`` kept of this model on these windows: read (and checked) or started."""
     fingerprint = logits_fingerprint(model, windows[:1, : min(64, windows.shape[1])])
     digest = windows_digest(windows)
-    if path.is_file():
-        saved = json.loads(path.read_text())
+    saved = store.read(name)
+    where = f"{store} ({name})"
+    if saved is not None:
         if saved.get("windows_sha256") != digest:
-            raise TorqError(f"{path} is a checkpoint of other perplexity windows; remove it")
-        check_fingerprint(saved["fingerprint"], fingerprint, path)
+            raise TorqError(f"{where} holds other perplexity windows; remove it")
+        check_fingerprint(saved["fingerprint"], fingerprint, where)
         return saved
-    path.parent.mkdir(parents=True, exist_ok=True)
     saved = {"windows_sha256": digest, "fingerprint": fingerprint, "nll": {}, "seconds": 0.0}
-    write_json_atomic(path, saved)
+    store.write(name, saved)
     return saved

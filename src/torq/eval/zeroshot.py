@@ -15,7 +15,6 @@ it, else ``acc``; :func:`headline_scores` does the same and adds the average.
 
 from __future__ import annotations
 
-import json
 import socket
 import sqlite3
 import tempfile
@@ -31,8 +30,8 @@ import torch
 
 from torq.data import DATA_DIR_ENV, resolve_data_dir
 from torq.errors import TorqError
+from torq.eval.store import EvalStore
 from torq.models.fingerprint import check_fingerprint, fingerprint_ids, logits_fingerprint
-from torq.paths import write_json_atomic
 from torq.results import now_iso
 
 
@@ -264,7 +263,7 @@ def evaluate_zeroshot(
     batch_size: int = 8,
     progress: bool = True,
     shared_context: bool = True,
-    request_cache: str | Path | None = None,
+    store: EvalStore | None = None,
     subset: int | None = None,
     subset_seed: int = 0,
 ) -> dict[str, Any]:
@@ -277,10 +276,10 @@ def evaluate_zeroshot(
     of their common context (:class:`torq.eval.shared_context.SharedContextHFLM`, same
     scores to float rounding); ``False`` uses lm-eval's ``HFLM`` as it is.
 
-    ``request_cache`` is a directory for this model's answers (lm-eval's ``CachingLM``,
-    written as they are scored): a run that is stopped keeps what it scored, and the same
-    call again scores only the rest. The directory belongs to one model: its logits
-    fingerprint (:mod:`torq.runs.kept`) is stored there and a different model is refused.
+    ``store`` keeps this model's answers as they are scored (:func:`answers_cached_in`): a
+    run that is stopped keeps what it scored, and the same call again scores only the rest.
+    A store belongs to one model: its logits fingerprint is kept there and a different
+    model is refused.
 
     Returns ``{"scores": headline_scores(...), "lm_eval": <lm-eval's results, configs and
     versions>, "seconds": wall time, "limit": limit, "subset": {"n", "seed", "questions"}
@@ -303,7 +302,7 @@ def evaluate_zeroshot(
 
             base = SharedContextHFLM
         lm = in_process_lm(base, model, tokenizer, batch_size)
-        with answers_cached_in(request_cache, model, tokenizer, lm) as cache:
+        with answers_cached_in(store, model, tokenizer, lm) as cache:
             t0 = time.perf_counter()
             out = simple_evaluate(
                 model=lm,
@@ -342,8 +341,8 @@ HEARTBEAT_SECONDS = 60.0
 CACHE_STEM = "requests"  # lm-eval's CachingLM adds "_rank<N>.db"
 
 
-def _answers_db(root: Path) -> Path:
-    return root / f"{CACHE_STEM}_rank0.db"
+def _answers_db(store: EvalStore) -> Path:
+    return Path(store.file(f"{CACHE_STEM}_rank0.db"))
 
 
 def _cache_entries(db: Path) -> int:
@@ -358,66 +357,69 @@ def _cache_entries(db: Path) -> int:
         con.close()
 
 
+# the store's record of the answers' sessions (and the model they belong to)
+SESSIONS = "meta"
+
+
 def open_request_cache(
-    root: Path, model: torch.nn.Module, tokenizer: Any, batch_size: Any = None
+    store: EvalStore, model: torch.nn.Module, tokenizer: Any, batch_size: Any = None
 ) -> dict[str, Any]:
-    """Check (or claim) ``root`` for ``model`` (:mod:`torq.runs.kept`); log the session's
-    start in ``meta.json``, with the batch size its answers are made in where given (a
-    generated answer may depend on it)."""
-    root.mkdir(parents=True, exist_ok=True)
-    meta_path = root / "meta.json"
+    """Check (or claim) ``store`` for ``model`` by its logits fingerprint; log the
+    session's start, with the batch size its answers are made in where given (a generated
+    answer may depend on it)."""
     fingerprint = logits_fingerprint(model, fingerprint_ids(tokenizer))
-    meta: dict[str, Any] = {"fingerprint": fingerprint, "sessions": []}
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        check_fingerprint(meta["fingerprint"], fingerprint, root)
-    before = _cache_entries(_answers_db(root))
+    meta = store.read(SESSIONS)
+    if meta is None:
+        meta = {"fingerprint": fingerprint, "sessions": []}
+    else:
+        check_fingerprint(meta["fingerprint"], fingerprint, str(store))
+    before = _cache_entries(_answers_db(store))
     session: dict[str, Any] = {"started": now_iso(), "entries_before": before}
     if batch_size is not None:
         session["batch_size"] = batch_size
     meta["sessions"].append(session)
-    write_json_atomic(meta_path, meta)
-    return {"dir": str(root), "entries_before": before}
+    store.write(SESSIONS, meta)
+    return {"store": str(store), "entries_before": before}
 
 
 class _Heartbeat(threading.Thread):
-    """Records the running session's time and answers in ``meta.json`` every ``every``
+    """Records the running session's time and answers in the store every ``every``
     seconds, so that a session that is killed still tells how long it scored."""
 
     def __init__(
         self,
-        root: Path,
+        store: EvalStore,
         t0: float,
         every: float | None = None,
     ) -> None:
         super().__init__(daemon=True)
-        self.root, self.t0 = root, t0
+        self.store, self.t0 = store, t0
         self.every = HEARTBEAT_SECONDS if every is None else every
         self._halt = threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self._halt.wait(self.every):
-            meta_path = self.root / "meta.json"
-            meta = json.loads(meta_path.read_text())
+            meta = self.store.read(SESSIONS)
+            assert meta is not None, "the session was opened"
             meta["sessions"][-1].update(
                 seconds_so_far=time.perf_counter() - self.t0,
-                entries_so_far=_cache_entries(_answers_db(self.root)),
+                entries_so_far=_cache_entries(_answers_db(self.store)),
             )
-            write_json_atomic(meta_path, meta)
+            self.store.write(SESSIONS, meta)
 
     def stop(self) -> None:
         self._halt.set()
         self.join()
 
 
-def close_request_cache(root: Path, info: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """Log the finished session in ``meta.json``; the record's summary of the cache."""
-    meta_path = root / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    after = _cache_entries(_answers_db(root))
+def close_request_cache(store: EvalStore, info: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """Log the finished session in the store; the record's summary of the kept answers."""
+    meta = store.read(SESSIONS)
+    assert meta is not None, "the session was opened"
+    after = _cache_entries(_answers_db(store))
     meta["sessions"][-1].update(finished=now_iso(), seconds=seconds, entries_after=after)
-    write_json_atomic(meta_path, meta)
+    store.write(SESSIONS, meta)
     return {**info, "entries_after": after, "sessions": meta["sessions"]}
 
 
@@ -438,24 +440,23 @@ class CachedAnswers:
 
 @contextmanager
 def answers_cached_in(
-    root: str | Path | None,
+    store: EvalStore | None,
     model: torch.nn.Module,
     tokenizer: Any,
     lm: Any,
 ) -> Iterator[CachedAnswers]:
-    """An lm-eval run whose answers are kept in ``root`` as they come (lm-eval's
-    ``CachingLM``; ``None``: not kept): the directory is checked (or claimed) for ``model``
-    by its logits fingerprint, a heartbeat logs the session in ``meta.json``, lm-eval's
-    SQLite writer (on ``lm``'s cache hook) is closed after the run, and when the body
-    finished, ``info`` summarises the cache for the record."""
-    if root is None:
+    """An lm-eval run whose answers are kept in ``store`` as they come (lm-eval's
+    ``CachingLM``, in the store's file; ``None``: not kept): the store is checked (or
+    claimed) for ``model`` by its logits fingerprint, a heartbeat logs the session there,
+    lm-eval's SQLite writer (on ``lm``'s cache hook) is closed after the run, and when the
+    body finished, ``info`` summarises the kept answers for the record."""
+    if store is None:
         yield CachedAnswers(None)
         return
-    root = Path(root)
-    opened = open_request_cache(root, model, tokenizer, getattr(lm, "batch_size", None))
+    opened = open_request_cache(store, model, tokenizer, getattr(lm, "batch_size", None))
     t0 = time.perf_counter()
-    cache = CachedAnswers(str(root / CACHE_STEM))
-    heartbeat = _Heartbeat(root, t0)
+    cache = CachedAnswers(store.file(CACHE_STEM))
+    heartbeat = _Heartbeat(store, t0)
     try:
         yield cache
     finally:
@@ -464,4 +465,4 @@ def answers_cached_in(
         db = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
         if db is not None:
             db.close()
-    cache.info = close_request_cache(root, opened, time.perf_counter() - t0)
+    cache.info = close_request_cache(store, opened, time.perf_counter() - t0)

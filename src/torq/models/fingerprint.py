@@ -39,7 +39,7 @@ def fingerprint_distance(stored: list[float], current: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(stored, current, strict=True)), default=0.0)
 
 
-def check_fingerprint(stored: list[float], current: list[float], where: Path) -> None:
+def check_fingerprint(stored: list[float], current: list[float], where: Path | str) -> None:
     """Raise unless ``current`` is the model that wrote ``stored`` (within the tolerance)."""
     if len(stored) != len(current):
         raise TorqError(f"{where} was written by another kind of model; remove it")

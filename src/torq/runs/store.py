@@ -4,6 +4,7 @@ settings) and its perplexity windows' file there."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from torq.data import DEFAULT_EVAL_CORPUS
 from torq.errors import TorqError
 from torq.methods.registry import record_key
+from torq.paths import write_json_atomic
 from torq.runs.config import RunConfig
 from torq.runs.kept import record_setting
 
@@ -24,14 +26,38 @@ def eval_dataset_label(corpus: str) -> str:
     )
 
 
-def ppl_checkpoint_name(corpus: str, windows: torch.Tensor) -> str:
-    """The kept perplexity windows' file in a method's resume folder: one per text and
-    window shape (the WikiText-2 test split's name is the one it always had)."""
+def ppl_record_name(corpus: str, windows: torch.Tensor) -> str:
+    """The kept perplexity windows' record in a method's store: one per text and window
+    shape (the WikiText-2 test split's name is the one it always had)."""
     shape = f"{windows.shape[0]}x{windows.shape[1]}"
     if corpus == DEFAULT_EVAL_CORPUS:
-        return f"ppl-{shape}.json"
+        return f"ppl-{shape}"
     digest = hashlib.sha1(corpus.encode()).hexdigest()[:8]
-    return f"ppl-{_slug_name(corpus)}-{digest}-{shape}.json"
+    return f"ppl-{_slug_name(corpus)}-{digest}-{shape}"
+
+
+class FolderStore:
+    """An :class:`~torq.eval.store.EvalStore` in a folder (a method's resume folder): each
+    record a JSON file ``<name>.json`` written whole (:func:`torq.paths.write_json_atomic`),
+    a library's files beside them."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        path = self.root / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write(self, name: str, value: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.root / f"{name}.json", value)
+
+    def file(self, name: str) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return str(self.root / name)
+
+    def __str__(self) -> str:
+        return str(self.root)
 
 
 def _slug_name(text: str) -> str:
