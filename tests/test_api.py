@@ -226,3 +226,27 @@ def test_eval_of_a_float_model_evaluates_it_as_it_is(tiny_checkpoint, tiny_data_
     argv = ["eval", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1"]
     assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress", "--out", str(out)]) == 0
     assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["fp"]
+
+
+def test_compare_runs_methods_side_by_side_and_refuses_new_formats_for_a_saved_model(
+    tiny_checkpoint, tiny_data_dir, tmp_path
+) -> None:
+    """``torq.compare`` (what ``torq run`` calls): each method with its own settings, the
+    record and its table written after each method; a folder saved quantized keeps its
+    formats, and asking others is one line before any work."""
+    from torq.methods.settings import TorqSettings
+
+    out = tmp_path / "run.json"
+    common = {"seqlen": 32, "max_windows": 2, "data_dir": str(tiny_data_dir), "progress": False}
+    record = torq.compare(
+        str(tiny_checkpoint), ["fp", "rtn"], (TorqSettings(balance=0.3),), out=out,
+        save_dir=str(tmp_path / "saved"), **common,
+    )  # fmt: skip
+    assert [r["method"] for r in record["rows"]] == ["fp", "rtn"]
+    assert json.loads(out.read_text())["table"] == record["table"]
+    assert "| rtn |" in out.with_suffix(".md").read_text()
+    saved = record["rows"][1]["details"]["saved"]["path"]
+    again = torq.compare(saved, **common)  # evaluated as it is, with its own formats
+    assert again["rows"][0]["ppl"] == pytest.approx(record["rows"][1]["ppl"], rel=1e-6)
+    with pytest.raises(TorqError, match="formats cannot be changed"):
+        torq.compare(saved, weight_format="nvfp4", act_format="nvfp4", **common)

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from torq.calibration.data import CalibrationConfig
+from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.data import load_eval_text
 from torq.driver import apply_method
 from torq.errors import TorqError
@@ -36,7 +36,7 @@ from torq.export.compressed_tensors import (
 from torq.export.loading import load_model
 from torq.formats import FORMAT_NAMES
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from torq.paths import check_destination
+from torq.paths import check_destination, write_json_atomic
 from torq.pipeline import run
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
@@ -271,3 +271,82 @@ def quantize_checkpoint(
         "method": chosen.method,
         "record": record,
     }
+
+
+def compare(
+    model: str,
+    methods: list[str] | None = None,
+    settings: tuple[Any, ...] = (),
+    *,
+    capture: CaptureSettings | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
+    """Quantize ``model`` with each of ``methods`` and evaluate every one on the same
+    windows (``torq run`` / ``torq eval``); the run's record (rows, table, provenance).
+
+    ``settings`` are settings values (:class:`~torq.methods.settings.TorqSettings`,
+    :class:`~torq.surgery.gptq.GPTQConfig`…): each method takes those of its own types
+    (:func:`~torq.methods.registry.method_spec`). ``capture`` is the calibration every
+    calibrating method reads; ``options`` are :class:`~torq.runs.config.RunConfig`'s other
+    fields (formats, windows, tasks, folders). Without ``methods``: a folder torq saved is
+    evaluated as it is, a float model is compared with the default method. With ``out`` the
+    record is written there (and its table beside it, ``.md``) after each method."""
+    from torq.methods import DEFAULT_METHOD
+    from torq.methods.registry import method_specs
+    from torq.runs.report import markdown_table
+    from torq.runs.source import saved_formats, saved_manifest
+
+    saved = saved_manifest(model)
+    if methods is None:  # a folder torq wrote: the method it holds, as it is
+        methods = [saved.get("method") or "saved"] if saved else ["fp", DEFAULT_METHOD]
+    formats = None if saved is None else saved_formats(saved)
+    given = [f for f in ("weight_format", "act_format", "scale_mode") if f in options]
+    weight = options.get("weight_format", "mxfp4")
+    act = options.get("act_format", "mxfp4")
+    scale_mode = options.get("scale_mode", "ocp")
+    # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
+    asked = (weight, act, scale_mode if "mxfp4" in (weight, act) else "ocp")
+    if given and formats is not None and formats != asked:
+        sw, sa, smode = formats
+        raise TorqError(
+            f"{model} was saved quantized with weights {sw or 'float'}, activations "
+            f"{sa or 'float'}, scale rule {smode}; its formats cannot be changed (asked: "
+            f"{asked[0] or 'float'}, {asked[1] or 'float'}, {asked[2]}). Drop the format "
+            "options, or quantize the float model again with them."
+        )
+    if options.get("act_scale", "dynamic") == "static":
+        if saved is not None:
+            raise TorqError(
+                f"{model} was saved quantized: it keeps its own activation scales; "
+                "drop --act-scale, or quantize the float model again with it"
+            )
+        if (act or "none").lower() != "nvfp4":
+            raise TorqError(
+                "--act-scale static is NVFP4's static activation tensor scale: add "
+                f"--a-format nvfp4 (activations here: {act or 'none'})"
+            )
+    config = RunConfig(
+        model=model,
+        # a saved model's method is evaluated as it is; a float model's methods each take
+        # their own settings from ``settings``
+        methods=list(methods) if saved is not None else method_specs(methods, *settings),
+        capture=capture or CaptureSettings(),
+        **options,
+    )
+    path = None if out is None else Path(out)
+    if path is not None:
+        check_destination(path, folder=False, what="--out")
+
+    def write(record: dict[str, Any]) -> None:
+        record["table"] = markdown_table(record)
+        if path is None:
+            return
+        write_json_atomic(path, record)
+        status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
+        path.with_suffix(".md").write_text(f"`{record['command']}`\n\n{record['table']}{status}\n")
+
+    record = run(config, progress=progress, on_row=write)
+    write(record)
+    return record

@@ -85,113 +85,70 @@ def capture_from_args(args: argparse.Namespace) -> CaptureSettings:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from torq.methods.registry import method_specs
-    from torq.paths import check_destination
-    from torq.pipeline import run
-    from torq.results import write_json_atomic
-    from torq.runs.config import RunConfig
-    from torq.runs.report import markdown_table
+    from torq.api import compare
     from torq.surgery.gptq import GPTQConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    fmt = getattr(args, "format", "mxfp4")
-    w = getattr(args, "w_format", fmt)
-    a = getattr(args, "a_format", fmt)
-    scale_mode = getattr(args, "scale_mode", "ocp")
-    torq_settings = torq_settings_from_args(args)
-    from torq.runs.source import saved_formats, saved_manifest
-
-    saved = saved_manifest(args.model)
-    methods = args.methods
-    if methods is None:
-        from torq.methods import DEFAULT_METHOD
-
-        if saved is not None:  # a folder torq wrote: the method it holds, as it is
-            methods = saved.get("method") or "saved"
-        else:  # a float model: evaluated as it is, or compared with the default method
-            methods = "fp" if args.command == "eval" else f"fp,{DEFAULT_METHOD}"
-    given = [f for f in ("format", "w_format", "a_format", "scale_mode") if hasattr(args, f)]
-    formats = None if saved is None else saved_formats(saved)
-    # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
-    asked = (w, a, scale_mode if "mxfp4" in (w, a) else "ocp")
-    if given and formats is not None and formats != asked:
-        sw, sa, smode = formats
-        raise TorqError(
-            f"{args.model} was saved quantized with weights {sw or 'float'}, activations "
-            f"{sa or 'float'}, scale rule {smode}; its formats cannot be changed by "
-            f"{', '.join('--' + f.replace('_', '-') for f in given)}. Drop those flags, or "
-            "quantize the float model again with them."
-        )
-    if args.act_scale == "static":
-        if saved is not None:
-            raise TorqError(
-                f"{args.model} was saved quantized: it keeps its own activation scales; "
-                "drop --act-scale, or quantize the float model again with it"
-            )
-        if (a or "none").lower() != "nvfp4":
-            raise TorqError(
-                "--act-scale static is NVFP4's static activation tensor scale: add "
-                f"--a-format nvfp4 (activations here: {a or 'none'})"
-            )
-    names = [m.strip() for m in methods.split(",") if m.strip()]
-    gptq = GPTQConfig(damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales)
-    config = RunConfig(
-        model=args.model,
-        # a saved model's method is evaluated as it is; a float model's methods each take
-        # their own settings from the options
-        methods=names if saved is not None else method_specs(names, torq_settings, gptq),
-        weight_format=w,
-        act_format=a,
-        scale_mode=scale_mode,
-        act_scale=args.act_scale,
-        seqlen=args.seqlen,
-        max_windows=args.max_windows,
-        eval_corpus=args.eval_corpus,
-        batch_size=args.batch_size,
-        data_dir=args.data_dir,
-        seed=args.seed,
-        resume_dir=args.resume_dir,
-        capture=capture_from_args(args),
-        device=args.device,
-        save_dir=args.save_dir,
-        packed=args.packed,
-        offload_dir=args.offload_dir,
-        gguf_dtype=args.gguf_dtype,
-        hidden_states=args.hidden_states,
-        allow_long_windows=args.allow_long_windows,
-        save_format=args.save_format,
-    )
+    # the format options only where given: a saved quantized model keeps its own
+    options: dict = {}
+    fmt = getattr(args, "format", None)
+    for name, flag in (("weight_format", "w_format"), ("act_format", "a_format")):
+        if hasattr(args, flag) or fmt is not None:
+            options[name] = getattr(args, flag, fmt)
+    if hasattr(args, "scale_mode"):
+        options["scale_mode"] = args.scale_mode
     if args.command == "eval":
         from torq.eval.zeroshot import parse_tasks
 
-        config.tasks = [] if args.tasks is None else parse_tasks(args.tasks)
-        config.task_limit = args.limit
-        config.task_subset = args.subset
-        config.task_subset_seed = args.subset_seed
-        config.task_batch_size = args.task_batch_size
-        config.skip_ppl = args.skip_ppl
-        config.shared_context = not args.no_shared_context
+        options.update(
+            tasks=[] if args.tasks is None else parse_tasks(args.tasks),
+            task_limit=args.limit,
+            task_subset=args.subset,
+            task_subset_seed=args.subset_seed,
+            task_batch_size=args.task_batch_size,
+            skip_ppl=args.skip_ppl,
+            shared_context=not args.no_shared_context,
+        )
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",")]
+    if methods is None and args.command == "eval":
+        from torq.runs.source import saved_manifest
+
+        if saved_manifest(args.model) is None:  # a float model: evaluated as it is
+            methods = ["fp"]
+    gptq = GPTQConfig(damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales)
     out = Path(
         args.out
         or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     )
-
-    check_destination(out, folder=False, what="--out")
-
-    def save(record: dict) -> str:
-        table = markdown_table(record)
-        record["table"] = table
-        write_json_atomic(out, record)
-        status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
-        out.with_suffix(".md").write_text(f"`{record['command']}`\n\n{table}{status}\n")
-        return table
-
     with _library_bars(not args.no_progress):
-        result = run(config, progress=not args.no_progress, on_row=save)
-    table = save(result)
-    print(table)
-    if config.tasks and not config.skip_ppl:
+        result = compare(
+            args.model,
+            [m for m in methods if m] if methods is not None else None,
+            (torq_settings_from_args(args), gptq),
+            capture=capture_from_args(args),
+            out=out,
+            progress=not args.no_progress,
+            act_scale=args.act_scale,
+            seqlen=args.seqlen,
+            max_windows=args.max_windows,
+            eval_corpus=args.eval_corpus,
+            batch_size=args.batch_size,
+            data_dir=args.data_dir,
+            seed=args.seed,
+            resume_dir=args.resume_dir,
+            device=args.device,
+            save_dir=args.save_dir,
+            packed=args.packed,
+            offload_dir=args.offload_dir,
+            gguf_dtype=args.gguf_dtype,
+            hidden_states=args.hidden_states,
+            allow_long_windows=args.allow_long_windows,
+            save_format=args.save_format,
+            **options,
+        )
+    print(result["table"])
+    if result["config"]["tasks"] and not result["config"]["skip_ppl"]:
         from torq.eval.figure import accuracy_perplexity_figure
 
         print(f"figure {accuracy_perplexity_figure(result, out.with_suffix('.png'))}")
