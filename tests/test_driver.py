@@ -5,6 +5,7 @@ that follows one layer's size."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -271,6 +272,7 @@ def _untimed(record):
         ("torq", "disk", True, 1, True),
         ("had32", "bfloat16", False, 0, True),
         ("quarot", "memory", False, 1, True),
+        ("torq-had32+gptaq", "disk", False, 1, True),
     ],
 )
 def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
@@ -559,3 +561,33 @@ def test_a_folded_balancing_streams_and_saves_as_the_whole_model(
         assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
     float_norm = tiny_model("llama").model.layers[0].input_layernorm.weight
     assert not torch.equal(b.model.layers[0].input_layernorm.weight, float_norm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_gptaq_carries_the_float_states_beside_the_quantized_ones(
+    arch, tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """``+gptaq``: every layer is calibrated on the quantized model's states with the float
+    model's beside them. Streamed from the checkpoint it is the whole model in memory bit
+    for bit, in memory or on disk; its weights differ from GPTQ's (each linear's target
+    shifted by the cross term; fused experts keep GPTQ's loss)."""
+    folder = _save(arch, tmp_path / arch, tiny_tokenizer)
+    methods = ["had32+gptq", "had32+gptaq"]
+    whole = whole_model_run(_config(folder, data_dir, methods))
+    rows = {}
+    for mode in ("memory", "disk"):
+        rows[mode] = run(_config(folder, data_dir, methods, hidden_states=mode), progress=False)
+    for got in rows.values():
+        assert [r["ppl"] for r in got["rows"]] == [r["ppl"] for r in whole["rows"]]
+    plain, asym = rows["memory"]["rows"]
+    assert asym["ppl"] != plain["ppl"] and math.isfinite(asym["ppl"])
+    layer = asym["details"]["layers"][1]
+    shifts = [
+        r["asymmetric_shift"]
+        for g in layer.values()
+        if isinstance(g, dict)
+        for r in g.get("gptq", {}).values()
+        if isinstance(r, dict) and "asymmetric_shift" in r
+    ]
+    assert shifts and all(s > 0 for s in shifts)
+    assert asym["details"]["calibration"]["sequential"] is True

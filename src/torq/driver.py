@@ -221,6 +221,11 @@ def run_layerwise(
             t0 = time.perf_counter()
             calib, calib_kwargs = embed_windows(source, calibration_windows, into=new_store())
             t_fwd += time.perf_counter() - t0
+        # the float model's calibration states beside the quantized model's, for a weight
+        # quantizer that sees both (GPTAQ); the same states until the first layer is quantized
+        calib_fp: Any = None
+        if plan.asymmetric and calib is not None:
+            calib_fp = _copied(calib, new_store())
         hidden: Any = None
         eval_kwargs: list[dict[str, Any]] = []
         if eval_windows is not None:
@@ -280,6 +285,9 @@ def run_layerwise(
                 # are the ones the stopped run had after its last saved layer
                 start = int(state["next_layer"])
                 calib = _restored(calib, state["calibration"], new_store, source.device)
+                calib_fp = _restored(
+                    calib_fp, state.get("calibration_float"), new_store, source.device
+                )
                 hidden = _restored(hidden, state["evaluation"], new_store, source.device)
                 if sink is not None:
                     fp_hidden = _restored(
@@ -322,7 +330,13 @@ def run_layerwise(
                     plan.calibration.seed,
                     plan.hessian,
                     keep_outputs=not plan.sequential,
+                    reference=calib_fp,
                 )
+                if calib_fp is not None:
+                    # the float layer's outputs are the float states on; the quantized
+                    # model's come from the layer once quantized (below: sequential)
+                    _release(calib_fp, outputs)
+                    calib_fp, outputs = outputs, []
                 fwd += time.perf_counter() - t0
                 peaks["capture"] = rss.peak()
                 rss.restart()
@@ -389,6 +403,9 @@ def run_layerwise(
                         "next_layer": li + 1,
                         # after the last layer only the evaluation states are left to use
                         "calibration": None if li == source.num_layers - 1 else _stored(calib),
+                        "calibration_float": None
+                        if li == source.num_layers - 1
+                        else _stored(calib_fp),
                         "evaluation": _stored(hidden),
                         "fingerprint": _stored(fp_hidden),
                         "sink": None if sink is None else sink.snapshot(),
@@ -403,7 +420,9 @@ def run_layerwise(
         bar.close()
         t_quant += t_fwd + t_solve
         _release(calib, None)
-        calib = outputs = None  # the calibration states are done: not held through the head step
+        _release(calib_fp, None)
+        # the calibration states are done: not held through the head step
+        calib = calib_fp = outputs = None
         give_back_memory()
         result = None
         fingerprint = None
@@ -491,6 +510,14 @@ def _restored(
     out: Any = [] if store is None else store
     while saved:
         out.append(saved.pop(0).to(device))  # one batch at a time: no second copy of all
+    return out
+
+
+def _copied(states: Any, store: HiddenStates | None) -> Any:
+    """A copy of every batch of ``states``, held the same way (``store``: files)."""
+    out: Any = [] if store is None else store
+    for h in states:
+        out.append(h.clone())
     return out
 
 

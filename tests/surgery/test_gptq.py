@@ -110,3 +110,37 @@ def test_mse_scales_are_for_mx_formats() -> None:
             torch.randn(4, 32), torch.eye(32, dtype=torch.float64), get_format("nvfp4"),
             GPTQConfig(scale_search="mse"),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_asymmetric_gptq_is_closer_to_the_float_models_output(act_order: bool) -> None:
+    """GPTAQ's loss ‖Q X̃ − W X‖² (X̃: the inputs an earlier quantization left, X: the
+    float model's): GPTQ from the shifted target (asymmetry 1) lowers it below GPTQ on X̃
+    alone, which only matches Q X̃ to W X̃; asymmetry 0 or no cross term is GPTQ exactly."""
+    gen = torch.Generator().manual_seed(3)
+    k = 128
+    x = _correlated_inputs(4096, k, gen)
+    # the quantized model's inputs: the float ones with a structured error
+    drift = torch.randn(k, k, generator=gen, dtype=torch.float64) * 0.05
+    x_q = x + x @ drift + 0.02 * torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(40, k, generator=gen, dtype=torch.float64).float()
+    fmt = get_format("mxfp4")
+    h = x_q.T @ x_q
+    cross = (x - x_q).T @ x_q
+    plain, _ = gptq_quantize(w, h, fmt, GPTQConfig(act_order=act_order))
+    cfg = GPTQConfig(act_order=act_order, asymmetry=1.0)
+    asym, rec = gptq_quantize(w, h, fmt, cfg, cross)
+    target = x @ w.double().T
+
+    def loss(q: torch.Tensor) -> float:
+        return float((x_q @ q.double().T - target).pow(2).sum())
+
+    assert loss(asym) < 0.9 * loss(plain)
+    assert rec["asymmetric_shift"] > 0
+    assert torch.equal(asym, fake_quantize(asym, fmt))  # on the grid
+    same, _ = gptq_quantize(w, h, fmt, GPTQConfig(act_order=act_order), cross)
+    assert torch.equal(same, plain)
+    with pytest.raises(ValueError, match="cross term"):
+        gptq_quantize(w, h, fmt, cfg, cross[:8])
+    with pytest.raises(ValueError, match="asymmetry"):
+        GPTQConfig(asymmetry=1.5)

@@ -51,7 +51,13 @@ class BlockStatistics:
     """Streaming ``Σ_k`` (per-position block covariance) and a token reservoir for one group."""
 
     def __init__(
-        self, width: int, block_size: int, reservoir: int, seed: int, hessian: bool = False
+        self,
+        width: int,
+        block_size: int,
+        reservoir: int,
+        seed: int,
+        hessian: bool = False,
+        cross: bool = False,
     ) -> None:
         if width % block_size:
             raise ValueError(
@@ -68,9 +74,14 @@ class BlockStatistics:
         self._gen = torch.Generator().manual_seed(seed)
         # Σ x xᵀ over the tokens (float64), for GPTQ; only when asked for
         self.xtx = torch.zeros(width, width, dtype=torch.float64) if hessian else None
+        # Σ (x_float − x) xᵀ with the float model's inputs beside these (GPTAQ's cross term,
+        # :func:`torq.surgery.gptq.gptq_quantize`); only when asked for
+        self.xtx_cross = torch.zeros(width, width, dtype=torch.float64) if cross else None
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        """Add the tokens ``x``; with the cross term, ``reference`` holds the float model's
+        inputs of the same tokens."""
         x = x.detach().reshape(-1, self.width)
         if not torch.isfinite(x).all():
             raise ValueError("calibration activations contain NaN or Inf")
@@ -79,6 +90,12 @@ class BlockStatistics:
         if self.xtx is not None:
             x64 = xb.reshape(-1, self.width)
             self.xtx += (x64.T @ x64).cpu()
+        if self.xtx_cross is not None:
+            if reference is None:
+                raise ValueError("the cross term needs the float model's inputs")
+            x64 = xb.reshape(-1, self.width)
+            diff = reference.detach().reshape(-1, self.width).to(torch.float64) - x64
+            self.xtx_cross += (diff.T @ x64).cpu()
         self.count += x.shape[0]
         self._reservoir(x.float().cpu())
 
@@ -116,6 +133,11 @@ class BlockStatistics:
         if self.xtx is None:
             raise ValueError("these statistics were captured without the Hessian")
         return self.xtx / max(self.count, 1)
+
+    def cross_term(self) -> torch.Tensor | None:
+        """``E[(x_float − x) xᵀ]`` (``[d, d]``, float64; the Hessian's scale), or ``None``
+        when captured without the float model's inputs."""
+        return None if self.xtx_cross is None else self.xtx_cross / max(self.count, 1)
 
 
 @dataclass
@@ -275,26 +297,47 @@ def capture_layer(
     seed: int = 0,
     hessian: bool = False,
     keep_outputs: bool = True,
+    reference: list[torch.Tensor] | HiddenStates | None = None,
 ) -> tuple[list[LinearGroup], dict[str, Any], Any]:
     """One layer of the capture: its input groups (linears, then fused experts), their
     statistics (:class:`BlockStatistics`; :class:`ExpertsStatistics`) over ``hidden`` (every
     calibration batch) and, with ``keep_outputs``, the layer's outputs (the next layer's
     inputs). Group ``gi`` of layer ``index`` samples its reservoir with the seed
-    ``seed·1000 + index·10 + gi``: a stable identity, whatever ran before."""
+    ``seed·1000 + index·10 + gi``: a stable identity, whatever ran before.
+
+    With ``reference`` (the float model's states of the same windows, ``hidden`` being the
+    quantized model's), each linear group also sums GPTAQ's cross term from the float
+    layer's inputs on ``reference`` (:meth:`BlockStatistics.cross_term`; fused experts: none),
+    and the outputs returned are the float layer's on ``reference`` (the float model's next
+    states; the quantized ones come from the layer once quantized)."""
     groups: list[LinearGroup] = list(discover_groups(layer, hidden[0], kwargs))
     experts = discover_experts(layer)
     stats: dict[str, Any] = {
         g.name: BlockStatistics(
-            g.width, block_size, reservoir, seed=seed * 1000 + index * 10 + gi, hessian=hessian
+            g.width,
+            block_size,
+            reservoir,
+            seed=seed * 1000 + index * 10 + gi,
+            hessian=hessian,
+            cross=reference is not None,
         )
         for gi, g in enumerate(groups)
     }
     modules = dict(layer.named_modules())
     handles = []
+    # while the float model's states go through, each group's input is only held, for the
+    # same tokens of the quantized model's states that follow
+    held: dict[str, torch.Tensor] = {}
+    holding = [False]
     for g in groups:
 
-        def hook(_m: nn.Module, args: tuple, _s: BlockStatistics = stats[g.name]) -> None:
-            _s.update(args[0])
+        def hook(
+            _m: nn.Module, args: tuple, _s: BlockStatistics = stats[g.name], _n: str = g.name
+        ) -> None:
+            if holding[0]:
+                held[_n] = args[0].detach()
+            else:
+                _s.update(args[0], held.pop(_n, None))
 
         handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
     for gi, g in enumerate(experts, start=len(groups)):
@@ -303,16 +346,27 @@ def capture_layer(
         )
 
         def experts_hook(m: nn.Module, args: tuple, _s: ExpertsStatistics = stats[g.name]) -> None:
-            _s.update(m, *args)
+            if not holding[0]:
+                _s.update(m, *args)
 
         handles.append(modules[g.members[0]].register_forward_pre_hook(experts_hook))
     groups += experts
     outputs: Any = hidden.empty_like() if isinstance(hidden, HiddenStates) else []
+    pairs = (
+        zip(hidden, reference, strict=True)
+        if reference is not None
+        else ((h, None) for h in hidden)
+    )
     try:
-        for hs in hidden:
+        for hs, ref in pairs:
+            if ref is not None:
+                holding[0] = True
+                outputs.append(_layer_output(layer(ref, **kwargs)))
+                holding[0] = False
             out = _layer_output(layer(hs, **kwargs))
-            if keep_outputs:
+            if keep_outputs and reference is None:
                 outputs.append(out)
+            held.clear()
     finally:
         for h in handles:
             h.remove()

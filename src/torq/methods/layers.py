@@ -60,12 +60,16 @@ def quantize_group(
     produces the group's input (default: ``T``)."""
     shared = ActivationQuantizer(qconfig.activation, transform if online is _SAME else online)
     record: dict[str, Any] = {}
-    h = None
+    h = cross = None
     if gptq is not None and qconfig.weight is not None:
         if stats is None:
             raise ValueError("GPTQ needs the group's calibration statistics")
         h = stats.hessian()
         h = h if transform is None else transform.conjugate_hessian(h)
+        cross = stats.cross_term() if gptq.asymmetry > 0 else None
+        if cross is not None and transform is not None:
+            # T C Tᵀ (C is not symmetric: conjugate_hessian of Cᵀ gives it)
+            cross = transform.conjugate_hessian(cross.T.contiguous())
     for name in group.members:
         # looked up one at a time, not from a table of the layer's modules: a float linear
         # is freed as soon as its quantized replacement is in place (an 8B layer's float
@@ -80,7 +84,7 @@ def quantize_group(
             assert qconfig.weight is not None
             if qconfig.weight.name == "nvfp4":  # GPTQ's, from the weight it starts from
                 tensor_scale = nvfp4_weight_tensor_scale(weight)
-            weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq)
+            weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq, cross)
             record[name] = rec
             quantized = True
         setattr(
@@ -354,14 +358,17 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
     gptq = method.gptq_config(ctx) if method.gptq_enabled else None
     if gptq is not None:
         record = {**record, "gptq": gptq.__dict__}
+    # GPTAQ: the quantized model's inputs with the float model's beside them
+    asymmetric = gptq is not None and gptq.asymmetry > 0
     return LayerPlan(
         _BuilderSolver(method, qconfig, ctx, gptq),
         calibration=capture.calibration,
         block_size=builder.capture_block(ctx),
         reservoir=capture.reservoir_tokens,
-        sequential=capture.sequential,
+        sequential=capture.sequential or asymmetric,
         hessian=gptq is not None,
         record=record,
         parts=parts,
         observe_activations=static,
+        asymmetric=asymmetric,
     )

@@ -38,6 +38,11 @@ from torq.surgery.gptq import GPTQConfig, gptq_key
 from torq.surgery.qlinear import QuantConfig
 
 WEIGHT_QUANTIZERS: tuple[str, ...] = ("rtn", "gptq")
+GPTQ_SUFFIX = "+gptq"
+# ``<method>+gptaq``: GPTQ on GPTAQ's asymmetric loss, its asymmetric term weighted as in
+# GPTAQ's own code (α = 0.25; :class:`~torq.surgery.gptq.GPTQConfig`'s ``asymmetry``)
+GPTAQ_SUFFIX = "+gptaq"
+GPTAQ_ASYMMETRY = 0.25
 
 
 @dataclass
@@ -89,6 +94,10 @@ class LayerPlan:
     # the quantized layer once, each activation quantizer taking the amax it saw
     # (:func:`torq.surgery.qlinear.calibrate_activation_scales`)
     observe_activations: bool = False
+    # the float model's calibration states carried beside the quantized model's (which it
+    # needs ``sequential``), each group's statistics with GPTAQ's cross term
+    # (:meth:`torq.calibration.capture.BlockStatistics.cross_term`)
+    asymmetric: bool = False
 
 
 class TransformBuilder:
@@ -206,16 +215,20 @@ class Method:
         """Whether ``<name>+gptq`` exists: this transform, then GPTQ weights."""
         return self.quantizes and self.transform.composes_with_gptq and not self.gptq_enabled
 
-    def with_gptq(self, name: str | None = None) -> Method:
-        """The same transform with GPTQ weights (``<name>+gptq``)."""
+    def with_gptq(self, name: str | None = None, asymmetric: bool = False) -> Method:
+        """The same transform with GPTQ weights (``<name>+gptq``) or, ``asymmetric``, GPTAQ's
+        (``<name>+gptaq``: GPTQ against the float model's output,
+        :func:`torq.surgery.gptq.gptq_quantize`)."""
         if not self.supports_gptq:
             raise TorqError(f"method '{self.name}' does not compose with GPTQ")
         what = self.description.replace("(RTN weights)", "").rstrip()
+        suffix = GPTAQ_SUFFIX if asymmetric else GPTQ_SUFFIX
         return replace(
             self,
-            name=name or f"{self.name}+gptq",
-            description=f"{what}, GPTQ weights",
+            name=name or f"{self.name}{suffix}",
+            description=f"{what}, {'GPTAQ' if asymmetric else 'GPTQ'} weights",
             weights="gptq",
+            gptq_settings=(("asymmetry", GPTAQ_ASYMMETRY),) if asymmetric else (),
         )
 
     def calibrates(self, qconfig: QuantConfig | None = None) -> bool:
@@ -274,8 +287,6 @@ def register(method: Method) -> Method:
     return method
 
 
-GPTQ_SUFFIX = "+gptq"
-
 # What ``torq run`` and ``torq eval`` quantize with when no method is named, and what
 # ``make demo`` shows (issue 27's fallback): TORQ's rotations after torq's balancing, with GPTQ
 # weights, the best row measured on both models' perplexity (full WikiText-2 test, held-out
@@ -286,25 +297,28 @@ DEFAULT_METHOD = "torq+gptq"
 
 def get_method(name: str) -> Method:
     """A registered method by name; ``<method>+gptq`` composes its transform with GPTQ
-    weights (``rtn+gptq`` is ``gptq``). Unknown names list the known ones."""
+    weights (``rtn+gptq`` is ``gptq``), ``<method>+gptaq`` with GPTAQ's (``rtn+gptaq`` is
+    ``gptaq``). Unknown names list the known ones."""
     key = name.strip().lower()
-    if key.endswith(GPTQ_SUFFIX):
-        base = key[: -len(GPTQ_SUFFIX)]
+    for suffix in (GPTQ_SUFFIX, GPTAQ_SUFFIX):
+        if not key.endswith(suffix):
+            continue
+        base = key[: -len(suffix)]
         if base == "rtn":
-            return get_method("gptq")
+            return get_method(suffix[1:])
         method = METHODS.get(base)
         if method is None or not method.supports_gptq:
             composable = sorted(n for n, m in METHODS.items() if m.supports_gptq and n != "rtn")
             raise TorqError(
-                f"unknown method '{name}': '+gptq' composes with rtn, {', '.join(composable)}"
+                f"unknown method '{name}': '{suffix}' composes with rtn, {', '.join(composable)}"
             )
-        return method.with_gptq(key)
+        return method.with_gptq(key, asymmetric=suffix == GPTAQ_SUFFIX)
     try:
         return METHODS[key]
     except KeyError:
         raise TorqError(
             f"unknown method '{name}'; known methods: {', '.join(sorted(METHODS))}"
-            f" (and <method>+gptq)"
+            f" (and <method>+gptq, <method>+gptaq)"
         ) from None
 
 

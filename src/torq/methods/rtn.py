@@ -3,7 +3,7 @@ weights without a transform."""
 
 from __future__ import annotations
 
-from torq.methods.registry import Method, register
+from torq.methods.registry import GPTAQ_ASYMMETRY, Method, register
 
 # The float model itself (the GGUF de-quantized to float32): the baseline row.
 FP = register(Method("fp", "full precision, no quantization", quantizes=False))
@@ -17,5 +17,17 @@ GPTQ = register(
         "gptq",
         "GPTQ weights (format grid, damp 0.01), RTN activations, no transform",
         weights="gptq",
+    )
+)
+
+# GPTAQ weights (GPTQ on the asymmetric loss ‖Ŵ X̃ − W X‖², ``rtn+gptaq``): the quantized
+# model's inputs against the float model's output, no transform.
+GPTAQ = register(
+    Method(
+        "gptaq",
+        "GPTAQ weights (GPTQ against the float model's output, asymmetry 0.25), RTN "
+        "activations, no transform",
+        weights="gptq",
+        gptq_settings=(("asymmetry", GPTAQ_ASYMMETRY),),
     )
 )

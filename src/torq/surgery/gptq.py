@@ -15,6 +15,14 @@ that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 a
 With an online transform ``T`` (TORQ, Hadamard), the layer computes ``W' (T x)``, so the
 Hessian is that of the transformed inputs, ``T H Tᵀ``:
 :meth:`torq.rotations.transform.BlockRotation.conjugate_hessian`.
+
+Asymmetric calibration (GPTAQ, Li et al., ICML 2025: ``asymmetry`` ``α > 0``): the inputs
+``X̃`` are the quantized model's and the target is the float model's output ``W X``, the
+loss ``‖Ŵ X̃ − W X‖²``. With ``H = X̃ X̃ᵀ`` and ``C = (X − X̃) X̃ᵀ`` it is
+``(Ŵ − T) H (Ŵ − T)ᵀ`` up to a constant, ``T = W + W C H⁻¹``: the same quadratic as GPTQ's
+about a shifted target, so GPTQ run from ``T`` is the greedy column-by-column solution of
+the asymmetric loss. GPTAQ's own code damps the asymmetric term by ``α = 0.25``; here
+``T = W + α W C H⁻¹`` (``α = 1``: the loss exactly).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from torq.surgery.qlinear import nvfp4_weight_tensor_scale
 SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
 # settings added after results were kept under keys without them: at their defaults they
 # stay out of a method's settings key (:meth:`GPTQConfig.key`), so those keys still match
-_KEYLESS_AT_DEFAULT = {"scale_search": "amax", "mse_norm": 2.4}
+_KEYLESS_AT_DEFAULT = {"scale_search": "amax", "mse_norm": 2.4, "asymmetry": 0.0}
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,10 @@ class GPTQConfig:
     # candidate exponent around it with the least Σ|w − q|^mse_norm (MR-GPTQ)
     scale_search: str = "amax"
     mse_norm: float = 2.4
+    # GPTAQ's asymmetric calibration (module doc): the weight of the float model's output
+    # in the target, 0 (GPTQ: the quantized inputs' own output) to 1; it needs the inputs
+    # of both models (:class:`torq.calibration.capture.BlockStatistics`' cross term)
+    asymmetry: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.damp >= 0:
@@ -59,6 +71,8 @@ class GPTQConfig:
             raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}")
         if not self.mse_norm > 0:
             raise ValueError(f"mse_norm must be > 0, got {self.mse_norm}")
+        if not 0.0 <= self.asymmetry <= 1.0:
+            raise ValueError(f"asymmetry is a weight in [0, 1], got {self.asymmetry}")
         if self.lazy_batch < 1 or self.lazy_batch % 32:
             raise ValueError(f"lazy_batch must be a positive multiple of 32, got {self.lazy_batch}")
 
@@ -136,12 +150,16 @@ def gptq_quantize(
     hessian: torch.Tensor,
     fmt: FormatSpec,
     config: GPTQConfig | None = None,
+    cross: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Quantize ``weight [N, K]`` with GPTQ on ``fmt``'s grid (Frantar et al., Alg. 1).
 
     ``hessian [K, K]`` is ``Σ x xᵀ`` (any positive scale) over the layer's calibration
     inputs. Returns the de-quantized weight (on the grid, in ``weight``'s dtype) and a record
     with GPTQ's proxy loss ``½ Σ (w − q)² / [L]_jj²`` (``L`` the Cholesky factor of ``H⁻¹``).
+    With ``config.asymmetry > 0``, ``cross`` is ``C = Σ (x − x̃) x̃ᵀ`` (the same scale as
+    ``hessian``, whose inputs are the quantized model's ``x̃``) and GPTQ starts from GPTAQ's
+    target ``W + α W C H⁻¹`` (module doc); without ``cross`` it is GPTQ.
     """
     cfg = config or GPTQConfig()
     n, k = weight.shape
@@ -158,6 +176,16 @@ def gptq_quantize(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += cfg.damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    record: dict[str, float] = {}
+    if cross is not None and cfg.asymmetry > 0:
+        if cross.shape != (k, k):
+            raise ValueError(f"the cross term must be [{k}, {k}], got {tuple(cross.shape)}")
+        c = cross.detach().to(device=w.device, dtype=torch.float64)
+        # Tᵀ = Wᵀ + α H⁻¹ (W C)ᵀ, H the damped Hessian (symmetric), by its Cholesky factor
+        shift = torch.cholesky_solve((w @ c).T, torch.linalg.cholesky(h)).T
+        shift[:, dead] = 0.0
+        record["asymmetric_shift"] = float(cfg.asymmetry * shift.norm() / w.norm().clamp_min(1e-30))
+        w += cfg.asymmetry * shift
 
     # Static scales (act_order): fitted from the original weight, block by block.
     n_blocks = (k + block - 1) // block
@@ -204,4 +232,4 @@ def gptq_quantize(
     if perm is not None:
         inverse = torch.argsort(perm)
         q_all = q_all[:, inverse]
-    return q_all.to(weight.dtype), {"proxy_loss": float(loss) / 2}
+    return q_all.to(weight.dtype), {"proxy_loss": float(loss) / 2, **record}
