@@ -58,6 +58,7 @@ from torq.models.fingerprint import (
 )
 from torq.models.loading import MANIFEST
 from torq.paths import usual_permissions
+from torq.rotations.block_transform import BlockMatrices
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantExperts, QuantLinear
 from torq.version import __version__
@@ -128,10 +129,18 @@ def _store(
 
 
 def _transform_entry(t: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> dict:
+    if isinstance(t, BlockMatrices):  # one matrix per block (WUSH)
+        tensors[f"torq.transforms.{index}.matrices"] = t.matrices.detach().cpu().contiguous()
+        return {
+            "kind": "block_matrices",
+            "block_size": t.block_size,
+            "n_blocks": t.n_blocks,
+            "tensors": ["matrices"],
+        }
     if not isinstance(t, BlockRotation):
         raise TorqError(
             f"cannot save an online transform of type {type(t).__name__}; "
-            "only torq's BlockRotation is serialisable"
+            "only torq's BlockRotation and BlockMatrices are serialisable"
         )
     names = []
     for n in TRANSFORM_TENSORS:

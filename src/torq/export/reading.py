@@ -34,6 +34,7 @@ from torq.models.fingerprint import (
 )
 from torq.models.loading import MANIFEST
 from torq.models.streaming import return_free_heap
+from torq.rotations.block_transform import BlockMatrices
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts, QuantLinear
 
@@ -174,11 +175,14 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return [root / WEIGHTS]
 
 
-def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list[BlockRotation]:
+def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list[nn.Module]:
     """The online transforms ``T`` (Algorithm 3, steps 2–3), once each."""
-    built = []
+    built: list[nn.Module] = []
     for i, t in enumerate(manifest["transforms"]):
         parts = {n: _take(tensors, f"torq.transforms.{i}.{n}") for n in t["tensors"]}
+        if t.get("kind") == "block_matrices":  # one matrix per block (WUSH)
+            built.append(BlockMatrices(parts["matrices"], dtype=parts["matrices"].dtype))
+            continue
         factors = [parts[n] for n in ("intra_factor0", "intra_factor1") if n in parts]
         dtype = next(v.dtype for v in parts.values() if v.is_floating_point())
         built.append(
@@ -259,7 +263,7 @@ class _DiskOffload:
     made non-persistent here, which is what accelerate leaves on the execution device;
     otherwise every linear reading a transform would load it from disk again."""
 
-    def __init__(self, folder: Path, transforms: list[BlockRotation]) -> None:
+    def __init__(self, folder: Path, transforms: list[nn.Module]) -> None:
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             raise TorqError(f"the offload folder {folder} is not empty")
         folder.mkdir(parents=True, exist_ok=True)

@@ -366,7 +366,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         block_size=builder.capture_block(ctx),
         reservoir=capture.reservoir_tokens,
         sequential=capture.sequential or asymmetric,
-        hessian=gptq is not None,
+        hessian=gptq is not None or builder.reads_hessian,
         record=record,
         parts=parts,
         observe_activations=static,

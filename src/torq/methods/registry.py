@@ -111,6 +111,8 @@ class TransformBuilder:
     # the frozen type of this transform's own settings (a :class:`MethodSpec` holds a value
     # of it, made from its defaults when the run gives none); None: it has none
     settings_type: type | None = None
+    # whether :meth:`for_group` reads each group's ``Σ x xᵀ`` (captured as GPTQ's is)
+    reads_hessian: bool = False
 
     def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> nn.Module | None:
         """The transform for an input of ``width`` channels (``None``: none)."""
