@@ -265,6 +265,7 @@ def _main(argv: list[str] | None) -> int:
                 notes = []
                 if method.supports_gptq:
                     notes.append(f"with GPTQ weights: {get_method(name + '+gptq').name}")
+                    notes.append(f"GPTAQ: {get_method(name + '+gptaq').name}")
                 print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))
             return 0
     except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:
