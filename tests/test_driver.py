@@ -591,3 +591,17 @@ def test_gptaq_carries_the_float_states_beside_the_quantized_ones(
     ]
     assert shifts and all(s > 0 for s in shifts)
     assert asym["details"]["calibration"]["sequential"] is True
+
+
+def test_auto_hidden_states_count_the_float_states_an_asymmetric_plan_carries() -> None:
+    """``--hidden-states auto`` keeps the states in memory while they fit; GPTAQ's plan
+    carries two sets of calibration states, so it goes to disk sooner."""
+    from torq.pipeline import AUTO_HIDDEN_MEMORY_BYTES, hidden_states_mode
+
+    calibration = CalibrationConfig(n_samples=4, seqlen=1024)
+    hidden = AUTO_HIDDEN_MEMORY_BYTES // (4 * 1024 * 4) - 1  # one set fits, two do not
+    config = RunConfig(model="m", seqlen=1024)
+    plain = LayerPlan(None, calibration=calibration)
+    asymmetric = LayerPlan(None, calibration=calibration, asymmetric=True)
+    assert hidden_states_mode(config, [plain], hidden, 0) == "memory"
+    assert hidden_states_mode(config, [plain, asymmetric], hidden, 0) == "disk"

@@ -176,7 +176,12 @@ def hidden_states_mode(
     if config.hidden_states != "auto":
         return config.hidden_states
     tokens = max(
-        (p.calibration.n_samples * p.calibration.seqlen if p.calibration is not None else 0)
+        # an asymmetric plan (GPTAQ) carries the float model's calibration states too
+        (
+            p.calibration.n_samples * p.calibration.seqlen * (2 if p.asymmetric else 1)
+            if p.calibration is not None
+            else 0
+        )
         for p in plans
     )
     tokens += n_windows * config.seqlen
