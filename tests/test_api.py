@@ -27,13 +27,13 @@ CALIB_ARGS = ["--calib-samples", "2", "--calib-seqlen", "32", "--no-progress"]
 def test_the_default_recipe_quantizes_saves_and_loads_through_transformers(
     tiny_checkpoint, tiny_calibration_data_dir, tmp_path
 ) -> None:
-    """``torq.quantize`` (default recipe: the balanced 32-block Hadamard folded, GPTQ, the
+    """``torq.quantize`` (default recipe: the balanced 32-block Hadamard folded, GPTAQ, the
     ``nearest`` rule) → ``torq.save`` (compressed-tensors) → ``torq.load`` through
     transformers: every linear quantized, and the loaded model's perplexity within 1 % of
-    torq's own."""
+    torq's own computed in the same precision."""
     data = str(tiny_calibration_data_dir)
     model = torq.quantize(str(tiny_checkpoint), data_dir=data, progress=False, **CALIB)
-    assert model.torq.recipe.name == "default" and model.torq.recipe.method == "torq-had32+gptq"
+    assert model.torq.recipe.name == "default" and model.torq.recipe.method == "torq-had32+gptaq"
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m.config.activation.scale_mode == "nearest" for m in linears)
     ours = torq.evaluate(model, seqlen=32, max_windows=4, data_dir=data, progress=False)
@@ -43,11 +43,16 @@ def test_the_default_recipe_quantizes_saves_and_loads_through_transformers(
     loaded = torq.load(out)
     theirs = torq.evaluate(loaded, seqlen=32, max_windows=4, data_dir=data, progress=False)
     assert ours["windows"] == theirs["windows"] == 4
-    # transformers computes in bfloat16, torq in float32: on this random tiny model that
-    # moves the perplexity by about 1.5 % (SmolLM2's measured gap: docs/serving.md)
-    assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=0.03)
     with pytest.raises(TorqError, match="not empty"):
         torq.save(model, out)
+    # transformers computes in bfloat16, torq in float32: on this random tiny model that
+    # alone moves the perplexity by 1.5-3 % (SmolLM2's measured gap: docs/serving.md), so
+    # the served model is held against torq's own computed in bfloat16 too
+    assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=0.05)
+    bf16 = torq.evaluate(
+        model.to(torch.bfloat16), seqlen=32, max_windows=4, data_dir=data, progress=False
+    )
+    assert theirs["ppl"] == pytest.approx(bf16["ppl"], rel=0.01)
 
 
 def test_a_recipe_that_cannot_be_served_says_why_and_saves_in_torqs_format(
@@ -79,7 +84,7 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     assert f"wrote {out} (compressed-tensors" in said and "torq.load" in said
     assert not list(tmp_path.glob(".q*")), "the staging folder is removed"
     record = json.loads((out / "torq_quantize.json").read_text())
-    assert record["recipe"] == "default" and record["method"] == "torq-had32+gptq"
+    assert record["recipe"] == "default" and record["method"] == "torq-had32+gptaq"
     model = torq.quantize(str(tiny_checkpoint), data_dir=data, progress=False, **CALIB)
     ref = torq.save(model, tmp_path / "api")
     ours, theirs = _folder_tensors(out), _folder_tensors(ref)
@@ -90,7 +95,7 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     assert main([*evaluated, "--data-dir", data, "--no-progress", "--out", str(res)]) == 0
     row = json.loads(res.read_text())["rows"][0]
     direct = torq.evaluate(torq.load(out), seqlen=32, max_windows=2, data_dir=data, progress=False)
-    assert row["method"] == "torq-had32+gptq" and row["ppl"] == pytest.approx(direct["ppl"])
+    assert row["method"] == "torq-had32+gptaq" and row["ppl"] == pytest.approx(direct["ppl"])
 
 
 @pytest.mark.parametrize(
