@@ -128,7 +128,7 @@ def test_asymmetric_gptq_is_closer_to_the_float_models_output(act_order: bool) -
     h = x_q.T @ x_q
     cross = (x - x_q).T @ x_q
     plain, _ = gptq_quantize(w, h, fmt, GPTQConfig(act_order=act_order))
-    cfg = GPTQConfig(act_order=act_order, asymmetry=1.0)
+    cfg = GPTQConfig(act_order=act_order, asymmetry=1.0, max_shift=10.0)
     asym, rec = gptq_quantize(w, h, fmt, cfg, cross)
     target = x @ w.double().T
 
@@ -140,6 +140,11 @@ def test_asymmetric_gptq_is_closer_to_the_float_models_output(act_order: bool) -
     assert torch.equal(asym, fake_quantize(asym, fmt))  # on the grid
     same, _ = gptq_quantize(w, h, fmt, GPTQConfig(act_order=act_order), cross)
     assert torch.equal(same, plain)
+    # a shift beyond max_shift (the inputs too far apart to trust the float output) is
+    # refused: GPTQ's weights, and the record says so
+    capped = GPTQConfig(act_order=act_order, asymmetry=1.0, max_shift=rec["asymmetric_shift"] / 2)
+    refused, rec2 = gptq_quantize(w, h, fmt, capped, cross)
+    assert torch.equal(refused, plain) and rec2["asymmetric_shift_refused"] == 1.0
     with pytest.raises(ValueError, match="cross term"):
         gptq_quantize(w, h, fmt, cfg, cross[:8])
     with pytest.raises(ValueError, match="asymmetry"):

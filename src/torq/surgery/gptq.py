@@ -45,7 +45,12 @@ from torq.surgery.qlinear import nvfp4_weight_tensor_scale
 SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
 # settings added after results were kept under keys without them: at their defaults they
 # stay out of a method's settings key (:meth:`GPTQConfig.key`), so those keys still match
-_KEYLESS_AT_DEFAULT = {"scale_search": "amax", "mse_norm": 2.4, "asymmetry": 0.0}
+_KEYLESS_AT_DEFAULT = {
+    "scale_search": "amax",
+    "mse_norm": 2.4,
+    "asymmetry": 0.0,
+    "max_shift": 0.25,
+}
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class GPTQConfig:
     # in the target, 0 (GPTQ: the quantized inputs' own output) to 1; it needs the inputs
     # of both models (:class:`torq.calibration.capture.BlockStatistics`' cross term)
     asymmetry: float = 0.0
+    # the largest shift ‖α W C H⁻¹‖ / ‖W‖ taken: beyond it the quantized model's inputs are
+    # too far from the float model's for the float output to be a target, and the group
+    # keeps GPTQ's (WUSH's transform with GPTAQ diverged from layer 1 on, shifts 0.75 and
+    # growing; the balanced Hadamard's stay under 0.09 on SmolLM2: docs/recipes.md)
+    max_shift: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.damp >= 0:
@@ -73,6 +83,8 @@ class GPTQConfig:
             raise ValueError(f"mse_norm must be > 0, got {self.mse_norm}")
         if not 0.0 <= self.asymmetry <= 1.0:
             raise ValueError(f"asymmetry is a weight in [0, 1], got {self.asymmetry}")
+        if not self.max_shift > 0:
+            raise ValueError(f"max_shift must be > 0, got {self.max_shift}")
         if self.lazy_batch < 1 or self.lazy_batch % 32:
             raise ValueError(f"lazy_batch must be a positive multiple of 32, got {self.lazy_batch}")
 
@@ -184,8 +196,12 @@ def gptq_quantize(
         # Tᵀ = Wᵀ + α H⁻¹ (W C)ᵀ, H the damped Hessian (symmetric), by its Cholesky factor
         shift = torch.cholesky_solve((w @ c).T, torch.linalg.cholesky(h)).T
         shift[:, dead] = 0.0
-        record["asymmetric_shift"] = float(cfg.asymmetry * shift.norm() / w.norm().clamp_min(1e-30))
-        w += cfg.asymmetry * shift
+        relative = float(cfg.asymmetry * shift.norm() / w.norm().clamp_min(1e-30))
+        record["asymmetric_shift"] = relative
+        if relative <= cfg.max_shift:
+            w += cfg.asymmetry * shift
+        else:
+            record["asymmetric_shift_refused"] = 1.0
 
     # Static scales (act_order): fitted from the original weight, block by block.
     n_blocks = (k + block - 1) // block
