@@ -313,8 +313,9 @@ def compare(
         raise TorqError(
             f"{model} was saved quantized with weights {sw or 'float'}, activations "
             f"{sa or 'float'}, scale rule {smode}; its formats cannot be changed (asked: "
-            f"{asked[0] or 'float'}, {asked[1] or 'float'}, {asked[2]}). Drop the format "
-            "options, or quantize the float model again with them."
+            f"{asked[0] or 'float'}, {asked[1] or 'float'}, {asked[2]}). Drop --format, "
+            "--w-format, --a-format and --scale-mode (weight_format=, act_format=, "
+            "scale_mode=), or quantize the float model again with them."
         )
     if options.get("act_scale", "dynamic") == "static":
         if saved is not None:
