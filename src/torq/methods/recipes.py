@@ -81,7 +81,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "best-ppl",
             "torq+gptq",
-            use_when="the lowest perplexity, run in torq (its rotations cannot be exported)",
+            use_when="TORQ's own calibrated rotations, run in torq (they cannot be exported); "
+            "the default now measures lower",
         ),
         Recipe(
             "fast",

@@ -71,7 +71,7 @@ class GPTQConfig:
     # the largest shift ‖α W C H⁻¹‖ / ‖W‖ taken: beyond it the quantized model's inputs are
     # too far from the float model's for the float output to be a target, and the group
     # keeps GPTQ's (WUSH's transform with GPTAQ diverged from layer 1 on, shifts 0.75 and
-    # growing; the balanced Hadamard's stay under 0.09 on SmolLM2: docs/recipes.md)
+    # growing; the balanced Hadamard's stay under 0.2 on SmolLM2: docs/recipes.md)
     max_shift: float = 0.25
 
     def __post_init__(self) -> None:
