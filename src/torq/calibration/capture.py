@@ -87,13 +87,12 @@ class BlockStatistics:
             raise ValueError("calibration activations contain NaN or Inf")
         xb = x.to(torch.float64).reshape(-1, self.n_blocks, self.block_size)
         self.cov += torch.einsum("tbk,tck->kbc", xb, xb).cpu()
+        x64 = xb.reshape(-1, self.width)
         if self.xtx is not None:
-            x64 = xb.reshape(-1, self.width)
             self.xtx += (x64.T @ x64).cpu()
         if self.xtx_cross is not None:
             if reference is None:
                 raise ValueError("the cross term needs the float model's inputs")
-            x64 = xb.reshape(-1, self.width)
             diff = reference.detach().reshape(-1, self.width).to(torch.float64) - x64
             self.xtx_cross += (diff.T @ x64).cpu()
         self.count += x.shape[0]
