@@ -431,8 +431,10 @@ def _cpu_and_gpu_perplexities(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
     """The same comparison on the GPU and on the CPU: every method's transforms move with
-    the model (calibration forward on the GPU, solvers on the CPU), same perplexities."""
-    methods = ["fp", "rtn", "had32", "quarot+gptq", "torq", "torq+gptq"]
+    the model (calibration forward, statistics and GPTQ on the GPU, solvers on the CPU),
+    same perplexities."""
+    methods = ["fp", "rtn", "had32", "quarot+gptq", "torq", "torq+gptq", "torq-had32+gptaq"]
+    methods += ["wush+gptq"]
     rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods)
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])

@@ -154,6 +154,14 @@ def _digest(t: torch.Tensor | None) -> str | None:
     return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+def _clock(device: torch.device) -> float:
+    """The wall clock once ``device``'s queued work is done, so that each step's seconds
+    are its own on a GPU (whose kernels run after the call that queued them returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -196,6 +204,7 @@ def run_layerwise(
     if progress_file is not None and sink is not None and not sink.resumable:
         raise TorqError("a streamed run that keeps its progress writes a resumable checkpoint")
     stores: list[HiddenStates] = []
+    clock = functools.partial(_clock, source.device)
     # each step's own peak resident set, so a run's record says which step makes its peak
     rss = ResidentPeak()
     try:
@@ -203,9 +212,9 @@ def run_layerwise(
             raise ValueError("the method calibrates: calibration windows are needed")
         t_quant = t_eval = t_fwd = t_solve = 0.0
         if plan.parts is not None:
-            t0 = time.perf_counter()
+            t0 = clock()
             source.transform_parts(plan.parts)
-            t_quant += time.perf_counter() - t0
+            t_quant += clock() - t0
 
         def new_store() -> HiddenStates | None:
             if hidden_states == "memory":
@@ -218,9 +227,9 @@ def run_layerwise(
         calib_kwargs: list[dict[str, Any]] = []
         if plan.calibration is not None:
             assert calibration_windows is not None
-            t0 = time.perf_counter()
+            t0 = clock()
             calib, calib_kwargs = embed_windows(source, calibration_windows, into=new_store())
-            t_fwd += time.perf_counter() - t0
+            t_fwd += clock() - t0
         # the float model's calibration states beside the quantized model's, for a weight
         # quantizer that sees both (GPTAQ); the same states until the first layer is quantized
         calib_fp: Any = None
@@ -229,14 +238,14 @@ def run_layerwise(
         hidden: Any = None
         eval_kwargs: list[dict[str, Any]] = []
         if eval_windows is not None:
-            t0 = time.perf_counter()
+            t0 = clock()
             hidden, eval_kwargs = embed_windows(source, eval_windows, batch_size, into=new_store())
-            t_eval += time.perf_counter() - t0
+            t_eval += clock() - t0
         fp_hidden: list[torch.Tensor] | None = None
         fp_kwargs: list[dict[str, Any]] = []
         t_save = 0.0
         if sink is not None:
-            t0 = time.perf_counter()
+            t0 = clock()
             source.load_embedding()
             try:
                 sink.add_outer("embedding", [source.model.get_input_embeddings()])
@@ -245,7 +254,7 @@ def run_layerwise(
                 give_back_memory()
             # the fingerprint's input goes through the quantized layers beside the windows
             fp_hidden, fp_kwargs = embed_windows(source, sink.fingerprint_ids)
-            t_save += time.perf_counter() - t0
+            t_save += clock() - t0
         records: list[dict[str, Any]] = []
         per_layer: list[dict[str, Any]] = []
         embed_peak = rss.peak()
@@ -310,16 +319,16 @@ def run_layerwise(
         )
         for li in range(start, source.num_layers):
             rss.restart()
-            t0 = time.perf_counter()
+            t0 = clock()
             layer = source.load_layer(li)
-            load = time.perf_counter() - t0
+            load = clock() - t0
             peaks: dict[str, int | None] = {"load": rss.peak()}
             fwd = solve = 0.0
             groups, stats = [], {}
             outputs: list[torch.Tensor] = []
             if calib is not None and plan.capture_stats:
                 assert plan.calibration is not None
-                t0 = time.perf_counter()
+                t0 = clock()
                 groups, stats, outputs = capture_layer(
                     li,
                     layer,
@@ -337,12 +346,12 @@ def run_layerwise(
                     # model's come from the layer once quantized (below: sequential)
                     _release(calib_fp, outputs)
                     calib_fp, outputs = outputs, []
-                fwd += time.perf_counter() - t0
+                fwd += clock() - t0
                 peaks["capture"] = rss.peak()
                 rss.restart()
-            t0 = time.perf_counter()
+            t0 = clock()
             record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
-            solve = time.perf_counter() - t0
+            solve = clock() - t0
             peaks["quantize"] = rss.peak()
             rss.restart()
             del stats
@@ -351,32 +360,32 @@ def run_layerwise(
                     # static activation scales from the quantized layer's own inputs; its
                     # outputs are the next layer's states when the run is sequential (or
                     # nothing was captured: a fixed transform reads no statistics)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     observed, record["activation_scales"] = calibrate_activation_scales(
                         layer, functools.partial(layer_outputs, layer, calib, calib_kwargs[li])
                     )
-                    fwd += time.perf_counter() - t0
+                    fwd += clock() - t0
                     if plan.sequential or not plan.capture_stats:
                         outputs = observed
                     del observed
                 elif plan.sequential:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     outputs = layer_outputs(layer, calib, calib_kwargs[li])
-                    fwd += time.perf_counter() - t0
+                    fwd += clock() - t0
                 _release(calib, outputs)
                 calib = outputs
             ev = 0.0
             if hidden is not None:
-                t0 = time.perf_counter()
+                t0 = clock()
                 outputs = layer_outputs(layer, hidden, eval_kwargs[li])
                 _release(hidden, outputs)
                 hidden = outputs
-                ev = time.perf_counter() - t0
+                ev = clock() - t0
             if sink is not None and fp_hidden is not None:
-                t0 = time.perf_counter()
+                t0 = clock()
                 sink.add_layer(f"{source.layer_prefix}.{li}.", li, layer)
                 fp_hidden = layer_outputs(layer, fp_hidden, fp_kwargs[li])
-                t_save += time.perf_counter() - t0
+                t_save += clock() - t0
             source.release_layer(li)
             del layer
             give_back_memory()
@@ -431,20 +440,20 @@ def run_layerwise(
             source.load_head()
             try:
                 if fp_hidden is not None and sink is not None:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
                     sink.add_outer("head", source.head_modules(), tied_head=tied)
                     fingerprint = fingerprint_of_logits(head_logits(source, fp_hidden[0])[0, -1])
-                    t_save += time.perf_counter() - t0
+                    t_save += clock() - t0
                 if hidden is not None:
                     assert eval_windows is not None
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     total = 0.0
                     for bi, h in enumerate(hidden):
                         first = bi * batch_size
                         batch = eval_windows[first : first + h.shape[0]].to(source.device)
                         total += sum(_head_nll(source, h, batch, first))
-                    t_eval += time.perf_counter() - t0
+                    t_eval += clock() - t0
                     result = perplexity_from_nll(
                         total, int(eval_windows.shape[0]), int(eval_windows.shape[1]), t_eval
                     )

@@ -66,6 +66,9 @@ class BlockStatistics:
         self.width = width
         self.block_size = block_size
         self.n_blocks = width // block_size
+        # the sums live where the activations are (the first update moves them there): on
+        # a GPU they are summed there, never copied to the host per batch (an 8B down_proj's
+        # Σ x xᵀ is 1.6 GB)
         self.cov = torch.zeros(block_size, self.n_blocks, self.n_blocks, dtype=torch.float64)
         self.count = 0
         self.capacity = reservoir
@@ -78,6 +81,18 @@ class BlockStatistics:
         # :func:`torq.surgery.gptq.gptq_quantize`); only when asked for
         self.xtx_cross = torch.zeros(width, width, dtype=torch.float64) if cross else None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the sums are kept (and :meth:`hessian` and :meth:`cross_term` are returned)."""
+        return self.cov.device
+
+    def _to(self, device: torch.device) -> None:
+        self.cov = self.cov.to(device)
+        if self.xtx is not None:
+            self.xtx = self.xtx.to(device)
+        if self.xtx_cross is not None:
+            self.xtx_cross = self.xtx_cross.to(device)
+
     @torch.no_grad()
     def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         """Add the tokens ``x``; with the cross term, ``reference`` holds the float model's
@@ -85,23 +100,27 @@ class BlockStatistics:
         x = x.detach().reshape(-1, self.width)
         if not torch.isfinite(x).all():
             raise ValueError("calibration activations contain NaN or Inf")
+        if x.device != self.cov.device:
+            self._to(x.device)
         xb = x.to(torch.float64).reshape(-1, self.n_blocks, self.block_size)
-        self.cov += torch.einsum("tbk,tck->kbc", xb, xb).cpu()
+        self.cov += torch.einsum("tbk,tck->kbc", xb, xb)
         x64 = xb.reshape(-1, self.width)
         if self.xtx is not None:
-            self.xtx += (x64.T @ x64).cpu()
+            self.xtx += x64.T @ x64
         if self.xtx_cross is not None:
             if reference is None:
                 raise ValueError("the cross term needs the float model's inputs")
             diff = reference.detach().reshape(-1, self.width).to(torch.float64) - x64
-            self.xtx_cross += (diff.T @ x64).cpu()
+            self.xtx_cross += diff.T @ x64
         self.count += x.shape[0]
-        self._reservoir(x.float().cpu())
+        self._reservoir(x)
 
     def _reservoir(self, x: torch.Tensor) -> None:
+        """Algorithm R over the tokens ``x`` (on any device): only the rows the sample
+        takes are copied to the host."""
         free = self.capacity - self.sample.shape[0]
         if free > 0:
-            self.sample = torch.cat([self.sample, x[:free]])
+            self.sample = torch.cat([self.sample, x[:free].float().cpu()])
             self._seen += min(free, x.shape[0])
             x = x[free:]
         if x.shape[0] == 0:
@@ -120,22 +139,25 @@ class BlockStatistics:
             winner = torch.full((self.capacity,), -1, dtype=torch.long)
             winner.scatter_reduce_(0, slots[items], items, reduce="amax")
             taken = torch.nonzero(winner >= 0).squeeze(1)
-            self.sample[taken] = x[winner[taken]]
+            rows = winner[taken]
+            self.sample[taken] = x[rows.to(x.device)].float().cpu()
         self._seen += x.shape[0]
 
     def covariance(self) -> torch.Tensor:
-        """``Σ_k`` as an expectation (``[K, B, B]``)."""
-        return self.cov / max(self.count, 1)
+        """``Σ_k`` as an expectation (``[K, B, B]``), on the CPU, where the rotation solvers
+        run."""
+        return self.cov.cpu() / max(self.count, 1)
 
     def hessian(self) -> torch.Tensor:
-        """``E[x xᵀ]`` (``[d, d]``, float64): GPTQ's Hessian up to a constant factor."""
+        """``E[x xᵀ]`` (``[d, d]``, float64, on :attr:`device`): GPTQ's Hessian up to a
+        constant factor."""
         if self.xtx is None:
             raise ValueError("these statistics were captured without the Hessian")
         return self.xtx / max(self.count, 1)
 
     def cross_term(self) -> torch.Tensor | None:
-        """``E[(x_float − x) xᵀ]`` (``[d, d]``, float64; the Hessian's scale), or ``None``
-        when captured without the float model's inputs."""
+        """``E[(x_float − x) xᵀ]`` (``[d, d]``, float64, on :attr:`device`; the Hessian's
+        scale), or ``None`` when captured without the float model's inputs."""
         return None if self.xtx_cross is None else self.xtx_cross / max(self.count, 1)
 
 

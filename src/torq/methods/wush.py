@@ -38,8 +38,10 @@ class WushTransform(TransformBuilder):
         if stats.xtx is None or group.width % WUSH_BLOCK:  # (experts' pooled inputs)
             return block_hadamard(group.width, WUSH_BLOCK), {"wush": "hadamard fallback"}
         w = weight.detach().to(torch.float64)
-        weight_gram = block_grams(w.T @ w / w.shape[0], WUSH_BLOCK)
-        act_gram = block_grams(stats.hessian(), WUSH_BLOCK)
+        # the Grams where the weight and the sums are (a GPU's); the small per-block
+        # matrices on the CPU, where the transforms are built
+        weight_gram = block_grams(w.T @ w / w.shape[0], WUSH_BLOCK).cpu()
+        act_gram = block_grams(stats.hessian(), WUSH_BLOCK).cpu()
         matrices = wush_matrices(weight_gram, act_gram)
         cond = torch.linalg.cond(matrices)
         return BlockMatrices(matrices), {"wush": {"max_condition": float(cond.max())}}

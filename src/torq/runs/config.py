@@ -52,7 +52,8 @@ class RunConfig:
     # same run again after a stop does only what is missing
     resume_dir: str | None = None
     # where the model runs: "cpu", "cuda", "cuda:1", or "auto" (cuda when available); the
-    # rotation solvers always run on the CPU, where the calibration statistics are kept
+    # calibration statistics are summed there and GPTQ runs there; TORQ's rotation solvers
+    # run on the CPU
     device: str = "cpu"
     # write each quantized model as a checkpoint folder <save_dir>/<model>-<method>
     # (packed 4-bit weights and the online transforms, :mod:`torq.export`)

@@ -156,6 +156,106 @@ class _BlockGrid:
         return q * scale
 
 
+def _quantize_columns(
+    grid: _BlockGrid,
+    w1: torch.Tensor,
+    h1: torch.Tensor,
+    q1: torch.Tensor,
+    err1: torch.Tensor,
+    loss: torch.Tensor,
+    first: int,
+    order: Any,
+    k: int,
+    block: int,
+    static: torch.Tensor | None,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """GPTQ's inner loop (Frantar et al., Alg. 1) over the columns ``first…`` of one lazy
+    batch, in place: ``w1`` the batch's weights (updated as columns are quantized), ``h1``
+    its block of the inverse Hessian's Cholesky factor; writes the quantized columns into
+    ``q1``, the scaled errors into ``err1`` and adds the proxy loss to ``loss``. Returns the
+    scale in use after the batch."""
+    for i in range(w1.shape[1]):
+        orig = order[first + i]
+        if static is not None:
+            scale = static[:, orig // block : orig // block + 1]
+        elif orig % block == 0:
+            # the block's columns as the earlier columns' updates left them; a lazy
+            # batch is a whole number of blocks, so the block lies inside it
+            scale = grid.scales(w1[:, i : i + min(block, k - orig)])
+        wc = w1[:, i]
+        qc = grid.quantize(wc, scale[:, 0])
+        q1[:, i] = qc
+        d = h1[i, i]
+        e = (wc - qc) / d
+        loss += ((wc - qc) ** 2).sum() / d**2
+        w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
+        err1[:, i] = e
+    return scale
+
+
+# CUDA graphs for GPTQ's column loop (off: every batch runs eagerly, as on a CPU)
+USE_CUDA_GRAPHS = True
+
+
+def _graphs_usable(w: torch.Tensor, k: int, static: torch.Tensor | None, cfg: GPTQConfig) -> bool:
+    """Whether the column loop may run as a CUDA graph: on a GPU, columns in block order
+    (no ``act_order``), blocks that tile the width."""
+    return USE_CUDA_GRAPHS and w.is_cuda and static is None and k >= cfg.lazy_batch
+
+
+class _BatchGraph:
+    """The column loop of one full lazy batch captured once as a CUDA graph on fixed
+    buffers, replayed for every full batch of a weight (the loop's kernels depend only on
+    the column's place in the batch, since a batch is a whole number of blocks)."""
+
+    def __init__(
+        self, grid: _BlockGrid, n: int, width: int, block: int, loss: torch.Tensor
+    ) -> None:
+        like = {"dtype": torch.float64, "device": loss.device}
+        self.w1 = torch.zeros(n, width, **like)
+        self.h1 = torch.eye(width, **like)
+        self.q1 = torch.zeros(n, width, **like)
+        self.err1 = torch.zeros(n, width, **like)
+        self.loss = loss
+        scale = torch.ones(n, 1, **like)
+        order = range(width)
+
+        def body(total: torch.Tensor) -> None:
+            _quantize_columns(
+                grid, self.w1, self.h1, self.q1, self.err1, total, 0, order, width, block,
+                None, scale,
+            )  # fmt: skip
+
+        # one eager pass on a side stream first (lazy initialisation is not captured)
+        stream = torch.cuda.Stream(loss.device)
+        stream.wait_stream(torch.cuda.current_stream(loss.device))
+        with torch.cuda.stream(stream):
+            body(torch.zeros_like(loss))
+        torch.cuda.current_stream(loss.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            body(loss)
+
+    @classmethod
+    def build(
+        cls, grid: _BlockGrid, n: int, width: int, block: int, loss: torch.Tensor
+    ) -> _BatchGraph | None:
+        """The graph, or ``None`` where it cannot be captured (the loop then runs eagerly)."""
+        try:
+            return cls(grid, n, width, block, loss)
+        except RuntimeError:
+            return None
+
+    def run(self, w1: torch.Tensor, h1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch: its weights and inverse-Hessian block in, ``(q1, err1)`` out (the
+        graph's buffers, valid until the next run); the proxy loss added to ``loss``."""
+        self.w1.copy_(w1)
+        self.h1.copy_(h1)
+        self.graph.replay()
+        return self.q1, self.err1
+
+
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor,
@@ -215,6 +315,9 @@ def gptq_quantize(
         w = w[:, perm]
         h = h[perm][:, perm]
 
+    # the order on the host: reading it from a GPU tensor column by column would wait for
+    # the device at every column
+    order = perm.tolist() if perm is not None else range(k)
     hinv = torch.linalg.cholesky(h)
     hinv = torch.cholesky_inverse(hinv)
     hinv = torch.linalg.cholesky(hinv, upper=True)
@@ -222,28 +325,25 @@ def gptq_quantize(
     q_all = torch.zeros_like(w)
     loss = torch.zeros((), dtype=torch.float64, device=w.device)
     scale = torch.ones(n, 1, dtype=torch.float64, device=w.device)
+    # on a GPU the column loop of a whole lazy batch is one CUDA graph (the same kernels in
+    # the same order: the same numbers), since launching its ~30 small kernels per column
+    # from Python costs more than they compute
+    graphed = (
+        _BatchGraph.build(grid, n, cfg.lazy_batch, block, loss)
+        if _graphs_usable(w, k, static, cfg)
+        else None
+    )
     for i1 in range(0, k, cfg.lazy_batch):
         i2 = min(i1 + cfg.lazy_batch, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        h1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            orig = int(perm[col]) if perm is not None else col
-            if static is not None:
-                scale = static[:, orig // block : orig // block + 1]
-            elif orig % block == 0:
-                # the block's columns as the earlier columns' updates left them; a lazy
-                # batch is a whole number of blocks, so the block lies inside it
-                scale = grid.scales(w1[:, i : i + min(block, k - orig)])
-            wc = w1[:, i]
-            qc = grid.quantize(wc, scale[:, 0])
-            q_all[:, col] = qc
-            d = h1[i, i]
-            e = (wc - qc) / d
-            loss += ((wc - qc) ** 2).sum() / d**2
-            w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
-            err1[:, i] = e
+        if graphed is not None and i2 - i1 == cfg.lazy_batch:
+            q1, err1 = graphed.run(w[:, i1:i2], hinv[i1:i2, i1:i2])
+        else:
+            w1 = w[:, i1:i2].clone()
+            q1, err1 = torch.zeros_like(w1), torch.zeros_like(w1)
+            scale = _quantize_columns(
+                grid, w1, hinv[i1:i2, i1:i2], q1, err1, loss, i1, order, k, block, static, scale
+            )
+        q_all[:, i1:i2] = q1
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     if perm is not None:
         inverse = torch.argsort(perm)
