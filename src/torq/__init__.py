@@ -1,15 +1,15 @@
 """torq: Two-level Orthogonal Rotation for MXFP4 Quantization (TORQ) of LLMs.
 
 The Python API (:mod:`torq.api`): ``torq.quantize``, ``torq.save``, ``torq.load``,
-``torq.evaluate``, ``torq.quantize_checkpoint`` and ``torq.compare``; imported on first
-use, so that ``import torq`` stays light.
+``torq.accelerate``, ``torq.evaluate``, ``torq.quantize_checkpoint`` and ``torq.compare``;
+imported on first use, so that ``import torq`` stays light.
 """
 
 from typing import Any
 
 from torq.version import __version__
 
-_API = ("quantize", "save", "load", "evaluate", "quantize_checkpoint", "compare")
+_API = ("quantize", "save", "load", "accelerate", "evaluate", "quantize_checkpoint", "compare")
 
 __all__ = ["__version__", *_API]
 

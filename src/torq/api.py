@@ -35,6 +35,8 @@ from torq.export.compressed_tensors import (
 )
 from torq.export.loading import load_model
 from torq.formats import FORMAT_NAMES
+from torq.kernels.accelerate import AccelerateReport
+from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from torq.paths import check_destination, write_json_atomic
 from torq.pipeline import run
@@ -136,6 +138,16 @@ def load(path: str | Path, packed: bool = False) -> nn.Module:
     loaded = load_model(str(path), packed=packed)
     loaded.model.tokenizer = loaded.tokenizer
     return loaded.model
+
+
+def accelerate(model: nn.Module, backend: str = "auto") -> AccelerateReport:
+    """Run ``model``'s MXFP4 W4A4 layers (OCP scale rule) on torq's packed kernels, in place:
+    the Triton kernels on a CUDA GPU, the same arithmetic in float32 elsewhere
+    (:func:`torq.kernels.accelerate.accelerate`). Returns what was swapped and, for each layer
+    kept as it was, why (``report.summary()``: one line)."""
+    if backend not in ("auto", "triton", "reference"):
+        raise TorqError(f"unknown backend '{backend}' (use auto, triton or reference)")
+    return accelerate_layers(model, backend)  # type: ignore[arg-type]
 
 
 def evaluate(

@@ -217,6 +217,13 @@ def test_an_exported_folder_is_not_taken_for_a_float_model(
     assert main([*as_is, "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["method"] == "compressed-tensors" and row["ppl"] > 0
+    # with --packed on torq's kernels (the CPU's reference arithmetic here): transformers'
+    # bf16 model up to the kernels' float32 transform (measured on this tiny random model
+    # and one window of 32 tokens: 431.0 against 421.6, 2.2 %)
+    fast = tmp_path / "fast.json"
+    assert main([*as_is, "--packed", "--out", str(fast)]) == 0
+    again = json.loads(fast.read_text())["rows"][0]
+    assert again["ppl"] != row["ppl"] and again["ppl"] == pytest.approx(row["ppl"], rel=0.05)
 
 
 @pytest.mark.parametrize("activation", ["mxfp4", None])

@@ -367,9 +367,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--packed",
         action="store_true",
-        help="load a saved quantized checkpoint with its MXFP4 W4A4 weights kept packed "
-        "(4.25 bits a weight in memory instead of 32; the same arithmetic on a CPU within "
-        "1e-5, the Triton kernels on a GPU)",
+        help="load a saved quantized checkpoint (torq's or compressed-tensors) with its MXFP4 "
+        "W4A4 layers on torq's packed kernels (4.25 bits a weight in memory; the Triton "
+        "kernels on a GPU, the same arithmetic on a CPU within 1e-5)",
     )
     run.add_argument(
         "--offload-dir",

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -15,7 +16,10 @@ from torq.export.compressed_tensors import (
     load_compressed_tensors,
 )
 from torq.export.reading import load_quantized
+from torq.kernels.accelerate import accelerate
 from torq.models.loading import LoadedModel, is_quantized_checkpoint, load
+
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -41,21 +45,28 @@ def load_model(
 
 def _from_compressed_tensors(path: Path, packed: bool, offload_dir: Path | None) -> LoadedModel:
     """A compressed-tensors folder through transformers in bfloat16, its online Hadamard
-    transforms attached: the model as the serving stack computes it."""
+    transforms attached: the model as the serving stack computes it; with ``packed`` its
+    MXFP4 W4A4 linears on torq's kernels (:func:`torq.kernels.accelerate.accelerate`)."""
     from transformers import AutoTokenizer
 
-    if packed or offload_dir is not None:
+    if offload_dir is not None:
         raise TorqError(
             f"{path} is a compressed-tensors checkpoint: it loads through transformers, "
-            "without --packed or --offload-dir"
+            "without --offload-dir"
         )
     model = load_compressed_tensors(path)
+    manifest = compressed_tensors_manifest(path)
+    if packed:
+        report = accelerate(model)
+        manifest["load"] = {"packed_layers": len(report.swapped), "kept": report.kept}
+        if report.kept:
+            log.warning("%s: %s", path, report.summary())
     return LoadedModel(
         model=model,
         tokenizer=AutoTokenizer.from_pretrained(str(path)),
         source=f"compressed-tensors:{path.resolve()}",
         path=str(path),
-        quantized=compressed_tensors_manifest(path),
+        quantized=manifest,
     )
 
 

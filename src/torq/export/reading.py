@@ -122,9 +122,20 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
     return old
 
 
-def _packable(entry: dict[str, Any]) -> bool:
-    mx = {"name": "mxfp4", "block_size": 32, "scale_mode": "ocp"}
-    return entry["storage"] == "packed" and entry["weight"] == mx and entry["activation"] == mx
+def _packable(entry: dict[str, Any], rules: tuple[str, ...] = ("ocp", "nearest")) -> bool:
+    """Whether the kernels run an entry: its weight packed in MXFP4 blocks of 32 (codes and
+    scales, whatever rule chose them), its activation MXFP4 with a scale rule in ``rules``."""
+
+    def mx32(spec: dict[str, Any] | None) -> bool:
+        return spec is not None and spec["name"] == "mxfp4" and spec["block_size"] == 32
+
+    act = entry["activation"]
+    return (
+        entry["storage"] == "packed"
+        and mx32(entry["weight"])
+        and mx32(act)
+        and act["scale_mode"] in rules
+    )
 
 
 class _StoredTensors:
@@ -222,7 +233,10 @@ def _quantized_module(
                 _take(tensors, f"{name}.weight_scales"),
                 int(entry["shape"][1]),
             )
-            return PackedMXFP4Linear(weight, bias, input_transform=quantizer.transform)
+            nearest = entry["activation"]["scale_mode"] == "nearest"
+            return PackedMXFP4Linear(
+                weight, bias, input_transform=quantizer.transform, nearest=nearest
+            )
         cfg = QuantConfig(weight=_spec(entry["weight"]), activation=act)
         w = _unpack(tensors, f"{name}.weight", entry)
         ts = tensors.get(f"{name}.weight_tensor_scale") if entry["storage"] == "packed" else None
@@ -242,8 +256,8 @@ def _quantized_module(
         q_in = quantizers[entry["quantizer"]] if "quantizer" in entry else None
         q_down = [quantizers[i] for i in entry.get("down_quantizers", [])] or None
         experts = QuantExperts.from_quantized(old.act_fn, gu, dn, cfg, q_in, q_down)
-        if packed and all(
-            _packable({**entry[p], "activation": entry["activation"]})
+        if packed and all(  # the expert kernels: the OCP rule
+            _packable({**entry[p], "activation": entry["activation"]}, rules=("ocp",))
             for p in ("gate_up_proj", "down_proj")
         ):
             from torq.kernels.experts import PackedMXFP4Experts

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torq.formats import fake_quantize, get_format
+from torq.formats import FormatSpec, fake_quantize, get_format
 from torq.kernels.config import BF16_PREFILL_CONFIG, BLOCK, Backend, KernelConfig, default_config
 from torq.kernels.launch import (
     check_block_transform,
@@ -25,6 +25,10 @@ from torq.kernels.launch import (
     triton_available,
 )
 from torq.kernels.weight import MXFP4Weight
+
+# MXFP4 with the nearest block-scale rule (the activations of torq's default recipe, and of
+# compressed-tensors' loaders)
+MXFP4_NEAREST = FormatSpec("mxfp4", 32, "nearest")
 
 
 def use_triton(x: torch.Tensor, backend: Backend) -> bool:
@@ -56,11 +60,12 @@ def reference_linear(
     weight: MXFP4Weight,
     bias: torch.Tensor | None = None,
     block_transform: torch.Tensor | None = None,
+    nearest: bool = False,
 ) -> torch.Tensor:
     """The fake-quant definition of :func:`mxfp4_linear`, computed in float32."""
     if block_transform is not None:
         x = apply_block_transform(x, block_transform)
-    xq = fake_quantize(x.float(), get_format("mxfp4"))
+    xq = fake_quantize(x.float(), MXFP4_NEAREST if nearest else get_format("mxfp4"))
     w = weight.dequantize(torch.float32).to(x.device)
     out = F.linear(xq, w, None if bias is None else bias.float())
     return out.to(x.dtype)
@@ -95,6 +100,7 @@ def mxfp4_linear(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
     rotation: nn.Module | None = None,
+    nearest: bool = False,
 ) -> torch.Tensor:
     """``y = Q(T x) · Q(W)ᵀ + bias`` for packed MXFP4 ``W`` (paper Algorithm 3, option B).
 
@@ -105,7 +111,8 @@ def mxfp4_linear(
     the result when given. ``rotation`` is an online transform applied to ``x`` first (a
     TORQ :class:`~torq.rotations.transform.BlockRotation`, or any module); with the
     integer GEMV and its pre-pass (``gemv_i8``, ``a_mode`` 1) a ``BlockRotation`` runs
-    inside the pre-pass kernel, elsewhere as its torch module.
+    inside the pre-pass kernel, elsewhere as its torch module. ``nearest``: the activation's
+    block scales by the nearest rule (:class:`torq.formats.FormatSpec`), not OCP's.
     """
     check_block_transform(block_transform)
     fusable = block_transform is None and fusable_in_prepass(rotation)
@@ -116,7 +123,7 @@ def mxfp4_linear(
     if not use_triton(x, backend):
         if rotation is not None:
             x = rotation(x)
-        y = reference_linear(x, weight, bias, block_transform)
+        y = reference_linear(x, weight, bias, block_transform, nearest)
         if out is not None:
             out.copy_(y.reshape(out.shape))
             return out
@@ -150,12 +157,11 @@ def mxfp4_linear(
     if cfg.kind == "gemv_i8":
         if out is None:
             out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        launch_gemv_i8(
-            x2, weight, bias, block_transform, cfg, out, rotation if fuse_rotation else None
-        )
+        fused = rotation if fuse_rotation else None
+        launch_gemv_i8(x2, weight, bias, block_transform, cfg, out, fused, nearest)
         return out if result is not None else out.reshape(*lead, n)
     if cfg.kind in ("fp8_gemm", "dequant_gemm"):  # vendor GEMMs: no copy without `out`
-        y = launch_vendor_gemm(x2, weight, bias, block_transform, cfg)
+        y = launch_vendor_gemm(x2, weight, bias, block_transform, cfg, nearest)
         if out is None:
             return y.reshape(*lead, n)
         out.copy_(y)
@@ -164,7 +170,7 @@ def mxfp4_linear(
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     elif out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch_tensor_core(x2, weight, bias, block_transform, cfg, out)
+    launch_tensor_core(x2, weight, bias, block_transform, cfg, out, nearest)
     if result is not None:
         if result is not out:
             result.copy_(out)

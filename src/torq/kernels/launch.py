@@ -60,9 +60,11 @@ def quantize_activation(
     config: KernelConfig = QUANT_CONFIG,
     values_dtype: torch.dtype | None = None,
     permuted: bool = False,
+    nearest: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation pre-pass on a 2-D ``x [M, K]``: (optional block transform, then)
-    MXFP4 codes ``uint8 [M, Kp/2]`` and E8M0 scales ``uint8 [M, Kp/32]`` (paper eq. 1).
+    MXFP4 codes ``uint8 [M, Kp/2]`` and E8M0 scales ``uint8 [M, Kp/32]`` (paper eq. 1; the
+    OCP scale rule, or with ``nearest`` the nearest rule, as in every pre-pass below).
 
     With ``values_dtype``, it returns instead the dequantized values ``[M, Kp]`` in that
     dtype (exact in bf16 and float32) and an empty scale tensor; ``permuted`` writes each
@@ -93,6 +95,7 @@ def quantize_activation(
         PERMUTED=permuted,
         BM=config.block_m,
         BK=config.block_k,
+        NEAREST=nearest,
         num_warps=config.num_warps,
     )
     return codes, scales
@@ -136,6 +139,7 @@ def quantize_activation_fp8(
     block_transform: torch.Tensor | None = None,
     block: tuple[int, int] = (4, 1024),
     num_warps: int = 4,
+    nearest: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 prefill path's activation pre-pass on ``x [M, K]``: (optional block transform,
     then) the MXFP4 values ``Q(x)`` (paper eq. 1) as ``float8_e4m3fn [M, Kp]`` times
@@ -165,6 +169,7 @@ def quantize_activation_fp8(
         HW_FP8=not interpreter_enabled(),
         BM=block[0],
         BK=block[1],
+        NEAREST=nearest,
         num_warps=num_warps,
     )
     return out, scale
@@ -232,6 +237,7 @@ def quantize_activation_i8(
     block_transform: torch.Tensor | None = None,
     block_k: int = 512,
     pdl: bool = False,
+    nearest: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The integer GEMV's pre-pass on ``x [M, K]``: ``2·Q(x)`` as int8 ``[M, Kp]`` and the
     block scales over four, float32 ``[M, Kp/32]`` (paper eq. 1; NaN/Inf blocks: codes 0,
@@ -243,7 +249,9 @@ def quantize_activation_i8(
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D activation, got shape {tuple(x.shape)}")
     if block_transform is not None:
-        return _structured_prepass(x, None, None, block_transform, pdl, transpose_intra=True)
+        return _structured_prepass(
+            x, None, None, block_transform, pdl, transpose_intra=True, nearest=nearest
+        )
     x = x.contiguous()
     m, k = x.shape
     kp = (k + BLOCK - 1) // BLOCK * BLOCK
@@ -261,6 +269,7 @@ def quantize_activation_i8(
         PDL=pdl,
         BM=1,
         BK=block_k,
+        NEAREST=nearest,
     )
     return q, s
 
@@ -279,6 +288,7 @@ def quantize_activation_torq_i8(
     rotation: BlockRotation,
     pdl: bool = False,
     tile: tuple[int, int] | None = None,
+    nearest: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TORQ's online transform ``T x`` (channel scale, inter-block, intra-block; Section 5,
     Algorithm 3) fused into the integer GEMV's pre-pass: one kernel gives ``2·Q(T x)`` as
@@ -297,7 +307,7 @@ def quantize_activation_torq_i8(
             f"input width {d} does not match the rotation's {rotation.n_blocks} blocks"
         )
     return _structured_prepass(
-        x, rotation.channel_scale, rotation.r_inter, rotation.r_intra, pdl, tile
+        x, rotation.channel_scale, rotation.r_inter, rotation.r_intra, pdl, tile, nearest=nearest
     )
 
 
@@ -309,6 +319,7 @@ def _structured_prepass(
     pdl: bool,
     tile: tuple[int, int] | None = None,
     transpose_intra: bool = False,
+    nearest: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import torq.kernels.triton_mxfp4 as tk
 
@@ -339,6 +350,7 @@ def _structured_prepass(
         PDL=pdl,
         BA=blocks_per_program,
         BB=chunk,
+        NEAREST=nearest,
     )
     return q, s
 
@@ -361,6 +373,7 @@ def launch_gemv_i8(
     cfg: KernelConfig,
     out: torch.Tensor,
     rotation: BlockRotation | None = None,
+    nearest: bool = False,
 ) -> None:
     """Decode (few tokens): the activation quantized per MX block (eq. 1, with the online
     transform) inside the GEMV (``a_mode`` 0) or by an int8 pre-pass, then the integer GEMV
@@ -375,10 +388,10 @@ def launch_gemv_i8(
     if fused:
         xq, xs = x2, x2
     elif rotation is not None:
-        q8, xs = quantize_activation_torq_i8(x2, rotation, pdl=pdl)
+        q8, xs = quantize_activation_torq_i8(x2, rotation, pdl=pdl, nearest=nearest)
         xq = q8.view(torch.int32)
     else:
-        q8, xs = quantize_activation_i8(x2, block_transform, pdl=pdl)
+        q8, xs = quantize_activation_i8(x2, block_transform, pdl=pdl, nearest=nearest)
         xq = q8.view(torch.int32)
     # launch options shared by both GEMVs
     options = {
@@ -435,6 +448,7 @@ def launch_gemv_i8(
         FUSED_QUANT=fused,
         HAS_T=t is not None,
         SPLIT_K=cfg.split_k,
+        NEAREST=nearest,
         **options,
     )
 
@@ -445,6 +459,7 @@ def launch_vendor_gemm(
     bias: torch.Tensor | None,
     block_transform: torch.Tensor | None,
     cfg: KernelConfig,
+    nearest: bool = False,
 ) -> torch.Tensor:
     """The prefill paths: both operands' MXFP4 values in a format the vendor GEMM takes,
     then the vendor GEMM. ``fp8_gemm``: E4M3 with power-of-two row scales and the
@@ -452,7 +467,7 @@ def launch_vendor_gemm(
     inputs) and ``F.linear``. Returns ``[M, N]`` in ``x2``'s dtype."""
     if cfg.kind == "fp8_gemm":
         a, a_scale = quantize_activation_fp8(
-            x2, block_transform, (cfg.block_m, cfg.block_k), cfg.num_warps
+            x2, block_transform, (cfg.block_m, cfg.block_k), cfg.num_warps, nearest=nearest
         )
         w, w_scale = dequantize_weight_fp8(weight, cfg.w_tile, cfg.num_warps)
         out_dtype = torch.bfloat16 if x2.is_cuda else x2.dtype
@@ -464,7 +479,9 @@ def launch_vendor_gemm(
         return y.to(x2.dtype)
     values_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
     permuted = cfg.a_mode == 1  # for dequant_gemm, a_mode 1 selects the permuted order
-    a, _ = quantize_activation(x2, block_transform, values_dtype=values_dtype, permuted=permuted)
+    a, _ = quantize_activation(
+        x2, block_transform, values_dtype=values_dtype, permuted=permuted, nearest=nearest
+    )
     block = (cfg.block_m or 32, cfg.block_n or 256)
     w_values = dequantize_weight(weight, values_dtype, block=block, permuted=permuted)
     b = None if bias is None else bias.to(values_dtype)
@@ -478,6 +495,7 @@ def launch_tensor_core(
     block_transform: torch.Tensor | None,
     cfg: KernelConfig,
     out: torch.Tensor,
+    nearest: bool = False,
 ) -> None:
     """Prefill (many tokens): the activation quantized to MXFP4 (eq. 1) inside the kernel
     (``a_mode`` 0) or by a pre-pass, then the tiled tensor-core matmul that decodes the packed
@@ -492,11 +510,13 @@ def launch_tensor_core(
     if cfg.a_mode == 0:
         a, a_scales, stride_as = x2, x2, 0
     elif cfg.a_mode == 1:
-        a, a_scales = quantize_activation(x2, block_transform)
+        a, a_scales = quantize_activation(x2, block_transform, nearest=nearest)
         stride_as = a_scales.stride(0)
     else:
         values_dtype = torch.bfloat16 if dot_bf16 else torch.float32
-        a, a_scales = quantize_activation(x2, block_transform, values_dtype=values_dtype)
+        a, a_scales = quantize_activation(
+            x2, block_transform, values_dtype=values_dtype, nearest=nearest
+        )
         stride_as = 0
     grid = (tk.cdiv(m, cfg.block_m), tk.cdiv(n, cfg.block_n), cfg.split_k)
     tk._mx_matmul_kernel[grid](
@@ -526,6 +546,7 @@ def launch_tensor_core(
         BM=cfg.block_m,
         BN=cfg.block_n,
         BK=cfg.block_k,
+        NEAREST=nearest,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

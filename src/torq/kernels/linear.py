@@ -34,7 +34,8 @@ class PackedMXFP4Linear(nn.Module):
     ``input_transform`` is the online transform ``T`` whose inverse was fused into the
     weight (``W' = W Tᵀ``): a ``32×32`` block matrix (``block_transform``) runs inside the
     kernel; a general module (for example TORQ's per-position inter-block rotation) runs
-    before it in torch.
+    before it in torch. ``nearest``: the activation's block scales by the nearest rule
+    (:class:`torq.formats.FormatSpec`; torq's default recipe), else the OCP rule.
     """
 
     def __init__(
@@ -44,12 +45,15 @@ class PackedMXFP4Linear(nn.Module):
         block_transform: torch.Tensor | None = None,
         input_transform: nn.Module | None = None,
         backend: Backend = "auto",
+        nearest: bool = False,
     ) -> None:
         super().__init__()
         check_block_transform(block_transform)
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.backend: Backend = backend
+        # the activation's block scales by the nearest rule (torq's default recipe), not OCP's
+        self.nearest = nearest
         self.register_buffer("codes", weight.codes)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("bias", bias)
@@ -112,10 +116,12 @@ class PackedMXFP4Linear(nn.Module):
             self.block_transform,
             backend=self.backend,
             rotation=self.input_transform,
+            nearest=self.nearest,
         )
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, block_transform={self.block_transform is not None}"
+            + (", activation scales: nearest rule" if self.nearest else "")
         )

@@ -50,8 +50,25 @@ _RNE_MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _mx_block_scales(amax, has_nan):
-    """E8M0 scale of blocks with maximum magnitude ``amax`` (OCP rule, method notes sec. 1).
+def _block_exponent(amax, NEAREST: tl.constexpr):
+    """The E8M0 exponent of blocks with the finite maximum magnitude ``amax``: the OCP rule
+    ``floor(log2 amax) − 2`` (method notes sec. 1), with ``NEAREST`` one more when amax's
+    significand is at least 1.75 (:func:`torq.formats.reference.mx_scale_exponent`'s
+    ``nearest``), clamped to [−127, 126] (``amax`` = 0 or subnormal → −127)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e_field = (bits >> 23) & 0xFF
+    if NEAREST:
+        bump = ((bits & 0x7FFFFF) >= 0x600000).to(tl.int32)  # significand ≥ 1.75
+        exponent = tl.minimum(tl.maximum(e_field - 129 + bump, -127), 126)
+    else:
+        exponent = tl.minimum(tl.maximum(e_field - 129, -127), 125)
+    return exponent
+
+
+@triton.jit
+def _mx_block_scales(amax, has_nan, NEAREST: tl.constexpr = False):
+    """E8M0 scale of blocks with maximum magnitude ``amax`` (OCP rule, method notes sec. 1;
+    with ``NEAREST`` the nearest rule, :func:`_block_exponent`).
 
     Returns ``(scale_bytes int32, inverse_scale f32, scale f32)``: ``floor(log2 amax) − 2``
     clamped to E8M0's [−127, 127] (``amax`` = 0 or subnormal → −127), and NaN (byte 0xFF)
@@ -59,7 +76,7 @@ def _mx_block_scales(amax, has_nan):
     """
     e_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     is_nan = (e_field == 255) | has_nan
-    exponent = tl.minimum(tl.maximum(e_field - 129, -127), 125)
+    exponent = _block_exponent(amax, NEAREST)
     scale_byte = tl.where(is_nan, 255, exponent + 127)
     inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**-exponent
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
@@ -86,7 +103,7 @@ def _e2m1_round(v):
 
 
 @triton.jit
-def _mx_quantize_tile(x, BM: tl.constexpr, BK: tl.constexpr):
+def _mx_quantize_tile(x, BM: tl.constexpr, BK: tl.constexpr, NEAREST: tl.constexpr = False):
     """MXFP4-quantize a ``[BM, BK]`` float32 tile along K in blocks of 32.
 
     Returns ``(codes int32 [BM, BK//32, 32], scale_bytes int32 [BM, BK//32],
@@ -97,7 +114,7 @@ def _mx_quantize_tile(x, BM: tl.constexpr, BK: tl.constexpr):
     xb = tl.reshape(x, (BM, BK // 32, 32))
     amax = tl.max(tl.abs(xb), axis=2)
     has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
-    scale_byte, inv_scale, scale = _mx_block_scales(amax, has_nan)
+    scale_byte, inv_scale, scale = _mx_block_scales(amax, has_nan, NEAREST)
     codes, q = _e2m1_round(xb * inv_scale[:, :, None])
     codes = tl.where(scale_byte[:, :, None] == 255, 0, codes)
     return codes, scale_byte, q * scale[:, :, None]
@@ -212,6 +229,7 @@ def _mx_quantize_i8_kernel(
     PDL: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """Activation pre-pass of the integer GEMV: ``x [M, K]`` → ``2·Q(x)`` as int8
     ``[M, Kp]`` (integers in [−12, 12]) and ``s_b / 4`` as float32 ``[M, Kp/32]`` (paper
@@ -232,7 +250,7 @@ def _mx_quantize_i8_kernel(
         mask=m_ok & (offs_k[None, :] < K),
         other=0.0,
     )
-    q2, x_scale = _quantize_twice(tl.reshape(x.to(tl.float32), (BM * (BK // 32), 32)))
+    q2, x_scale = _quantize_twice(tl.reshape(x.to(tl.float32), (BM * (BK // 32), 32)), NEAREST)
     kp = (K + 31) // 32 * 32
     tl.store(
         q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :],
@@ -266,6 +284,7 @@ def _mx_quantize_torq_i8_kernel(
     PDL: tl.constexpr,
     BA: tl.constexpr,
     BB: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """TORQ's online transform fused into the integer GEMV's pre-pass (paper Algorithm 3,
     the forward transform ``z = T x`` of Section 5, then eq. 1), for one token per row:
@@ -323,7 +342,7 @@ def _mx_quantize_torq_i8_kernel(
         else:
             r_intra = tl.load(r_intra_ptr + pos[:, None] * 32 + pos[None, :]).to(tl.float32)
         y = tl.sum(y[:, :, None] * r_intra[None, :, :], axis=1)  # y_a · R_intra
-    q2, x_scale = _quantize_twice(y)
+    q2, x_scale = _quantize_twice(y, NEAREST)
     tl.store(
         q_ptr + pid_m * stride_qm + offs_a[:, None] * 32 + pos[None, :],
         q2.to(tl.int8),
@@ -333,11 +352,11 @@ def _mx_quantize_torq_i8_kernel(
 
 
 @triton.jit
-def _quantize_twice(xb):
+def _quantize_twice(xb, NEAREST: tl.constexpr = False):
     """Blocks ``[R, 32]`` (float32) → ``(2·Q(x) int32 [R, 32], s_b / 4 float32 [R])``."""
     amax = tl.max(tl.abs(xb), axis=1)
     has_nan = tl.max((xb != xb).to(tl.int32), axis=1) > 0
-    scale_byte, inv_scale, scale = _mx_block_scales(amax, has_nan)
+    scale_byte, inv_scale, scale = _mx_block_scales(amax, has_nan, NEAREST)
     _, q = _e2m1_round(xb * inv_scale[:, None])
     q2 = tl.where(scale_byte[:, None] == 255, 0, (q * 2.0).to(tl.int32))
     return q2, scale * 0.25
@@ -399,6 +418,7 @@ def _mx_gemv_i8_kernel(
     STREAM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """One token, exact integer block products: ``out [N] = Q(x) · Q(W)ᵀ + bias``.
 
@@ -460,7 +480,7 @@ def _mx_gemv_i8_kernel(
                 r = tl.arange(0, 32)
                 t_t = tl.load(t_ptr + r[None, :] * 32 + r[:, None]).to(tl.float32)
                 xb = tl.dot(xb, t_t, input_precision="ieee", out_dtype=tl.float32)
-            q2, x_scale = _quantize_twice(xb)
+            q2, x_scale = _quantize_twice(xb, NEAREST)
             x_words = tl.sum(tl.reshape(q2 & 0xFF, (BK // 8, 2, 4)) << byte_shift, axis=2)
         else:
             offs_xw = k0 // 4 + tl.arange(0, BK // 4)
@@ -819,6 +839,7 @@ def _mx_quantize_kernel(
     PERMUTED: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """Activation pre-pass: ``x [M, K]`` → (optional ``x_blocks · Tᵀ``) → codes and scales,
     or, with ``WRITE_VALUES``, the dequantized MXFP4 values ``[M, Kp]`` into ``codes_ptr``
@@ -831,7 +852,7 @@ def _mx_quantize_kernel(
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
     if HAS_T:
         x = _block_transform(x, t_ptr, BM, BK)
-    codes, scale_bytes, values = _mx_quantize_tile(x.to(tl.float32), BM, BK)
+    codes, scale_bytes, values = _mx_quantize_tile(x.to(tl.float32), BM, BK, NEAREST)
     kp = (K + 31) // 32 * 32
     if WRITE_VALUES and PERMUTED:  # per block of 32: even elements, then odd ones
         even, odd = tl.split(tl.reshape(values, (BM, BK // 32, 16, 2)))
@@ -903,6 +924,7 @@ def _mx_matmul_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """``out [M, N] = Q(A) · Q(W)ᵀ + bias`` with both operands decoded to bf16 in-kernel.
 
@@ -944,7 +966,7 @@ def _mx_matmul_kernel(
             )
             if HAS_T:
                 x = _block_transform(x, t_ptr, BM, BK)
-            _, _, a_values = _mx_quantize_tile(x.to(tl.float32), BM, BK)
+            _, _, a_values = _mx_quantize_tile(x.to(tl.float32), BM, BK, NEAREST)
             a = _dot_operand(tl.reshape(a_values, (BM, BK)), DOT_BF16)
         elif A_MODE == 2:
             offs_k = k0 + tl.arange(0, BK)
@@ -1052,7 +1074,9 @@ def _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_row_tile(x, t_ptr, HAS_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _fp8_row_tile(
+    x, t_ptr, HAS_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NEAREST: tl.constexpr
+):
     """One ``[BM, BK]`` tile of the FP8 activation pre-pass: the (block-transformed) values
     in float32 and each row's largest finite block exponent."""
     if HAS_T:
@@ -1060,7 +1084,8 @@ def _fp8_row_tile(x, t_ptr, HAS_T: tl.constexpr, BM: tl.constexpr, BK: tl.conste
     xf = x.to(tl.float32)
     a = tl.abs(xf)
     amax = tl.max(tl.where(a <= 3.4e38, a, 0.0), axis=1)  # finite blocks only
-    e = tl.minimum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, 125)
+    # the rule's exponent rises with amax, so the row's largest is its largest block's
+    e = _block_exponent(amax, NEAREST)
     return xf, e
 
 
@@ -1077,8 +1102,9 @@ def _fp8_store_row_values(
     HW_FP8: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr,
 ):
-    _, _, values = _mx_quantize_tile(xf, BM, BK)
+    _, _, values = _mx_quantize_tile(xf, BM, BK, NEAREST)
     bits = _to_fp8_bits(tl.reshape(values, (BM, BK)) * mult[:, None], HW_FP8)
     offs_k = k0 + tl.arange(0, BK)
     tl.store(
@@ -1103,6 +1129,7 @@ def _mx_quantize_fp8_kernel(
     HW_FP8: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    NEAREST: tl.constexpr = False,
 ):
     """Activation pre-pass of the FP8 prefill path: ``x [M, K]`` → (optional block transform)
     → the MXFP4 values ``Q(x)`` (paper eq. 1) as E4M3 ``[M, Kp]`` (``out_ptr``: their
@@ -1119,21 +1146,23 @@ def _mx_quantize_fp8_kernel(
     rmax = tl.full((BM,), FP8_MIN_ROW_EXPONENT, tl.int32)
     if ONE_TILE:
         x = _load_rows(x_ptr, offs_m, m_ok, 0, K, stride_xm, BK)
-        xf, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+        xf, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK, NEAREST)
         rmax = tl.maximum(rmax, e)
         mult = _pow2(-rmax + (127 + FP8_ROW_HEADROOM))  # 2**(6 − r_m)
-        _fp8_store_row_values(xf, mult, out_ptr, offs_m, m_ok, 0, kp, stride_om, HW_FP8, BM, BK)
+        _fp8_store_row_values(
+            xf, mult, out_ptr, offs_m, m_ok, 0, kp, stride_om, HW_FP8, BM, BK, NEAREST
+        )
     else:
         for k0 in range(0, K, BK):
             x = _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK)
-            _, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+            _, e = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK, NEAREST)
             rmax = tl.maximum(rmax, e)
         mult = _pow2(-rmax + (127 + FP8_ROW_HEADROOM))  # 2**(6 − r_m)
         for k0 in range(0, kp, BK):
             x = _load_rows(x_ptr, offs_m, m_ok, k0, K, stride_xm, BK)
-            xf, _ = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK)
+            xf, _ = _fp8_row_tile(x, t_ptr, HAS_T, BM, BK, NEAREST)
             _fp8_store_row_values(
-                xf, mult, out_ptr, offs_m, m_ok, k0, kp, stride_om, HW_FP8, BM, BK
+                xf, mult, out_ptr, offs_m, m_ok, k0, kp, stride_om, HW_FP8, BM, BK, NEAREST
             )
     scale = ((rmax - FP8_ROW_HEADROOM + 127) << 23).to(tl.float32, bitcast=True)
     tl.store(row_scale_ptr + offs_m, scale, mask=offs_m < M)

@@ -1,0 +1,515 @@
+"""Calibration and W4A4 decoding on a CUDA GPU, each against its reference in the same run.
+
+    python benchmarks/gpu.py --out results/gpu            # on a machine with a CUDA GPU
+    python benchmarks/gpu.py --shape tiny --device cpu --out /tmp/gpu-check   # a CPU check
+
+Parts (``--parts``, run in the order given; by default decode, calibration, anatomy,
+steps, torq+gptq), each written to ``<out>/gpu.json`` and ``<out>/gpu.md`` as soon as it is
+done (no part starts after ``--budget-s``; a run stopped keeps what finished):
+
+1. ``calibration``: the default recipe (``torq-had32+gptaq``, balancing folded, the
+   ``nearest`` activation rule) through ``--layers`` decoder layers of the Llama-3-8B shape
+   with random weights, on ``--windows`` calibration windows of 2048 random tokens, streamed
+   by torq's driver on the GPU: seconds per layer (capture forwards; transform and GPTAQ),
+   peak GPU memory, and the whole model's time estimated as the embedding step plus 32
+   times the mean of the layers after the first (the first compiles and warms the kernels).
+2. ``steps``: one layer of the same shape on ``--step-windows`` windows, the same recipe on
+   the machine's CPU and on the GPU: each step's seconds both ways.
+3. ``decode``: the 8B shape with random bf16 weights through transformers' ``generate``:
+   tokens per second of batch 1 and 16 in bf16, then the same model quantized (``had32``,
+   MXFP4 W4A4, OCP rule) and swapped onto torq's kernels by :func:`torq.accelerate`; the
+   mean token NLL of the fake-quant model and of the accelerated one on the same windows.
+4. ``anatomy``: one layer's capture step taken apart: a float forward pass over the
+   windows, and the statistics of one input group of each width, each timed alone.
+5. ``torq+gptq``: the paper's TORQ rotations with GPTQ on one layer of the 8B shape
+   (``--windows`` windows): its solvers run on the CPU.
+
+Random weights and random tokens: perplexities mean nothing here; seconds, memory and the
+agreement of two computations of the same model are what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.scale import SHAPES
+
+TINY = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+FULL_LAYERS = {"llama3-8b": 32, "tiny": 4}
+
+
+def dims_of(shape: str) -> dict[str, Any]:
+    return dict(TINY) if shape == "tiny" else dict(SHAPES[shape])
+
+
+def sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def write_random(folder: Path, dims: dict[str, Any], layers: int, seed: int = 0) -> Path:
+    """A Llama checkpoint of ``layers`` decoder layers with random bf16 weights (normal,
+    σ = 0.02; norms 1), one shard per layer; no tokenizer (the windows are token ids)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = AutoConfig.for_model("llama", **{**dims, "num_hidden_layers": layers})
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = h // config.num_attention_heads
+    kv = config.num_key_value_heads * hd
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    weight_map: dict[str, str] = {}
+
+    def shard(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    shard("outer.safetensors", {
+        "model.embed_tokens.weight": rnd(v, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": rnd(v, h),
+    })  # fmt: skip
+    for li in range(layers):
+        p = f"model.layers.{li}."
+        shard(f"layer-{li:03d}.safetensors", {
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rnd(h, h),
+            p + "self_attn.k_proj.weight": rnd(kv, h),
+            p + "self_attn.v_proj.weight": rnd(kv, h),
+            p + "self_attn.o_proj.weight": rnd(h, h),
+            p + "mlp.gate_proj.weight": rnd(i, h),
+            p + "mlp.up_proj.weight": rnd(i, h),
+            p + "mlp.down_proj.weight": rnd(h, i),
+        })  # fmt: skip
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    config.save_pretrained(str(tmp))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def streamed_calibration(
+    folder: Path, method: str, windows: torch.Tensor, device: torch.device
+) -> dict[str, Any]:
+    """``method`` (a recipe name or a method name) through every layer of ``folder`` on
+    ``device`` with torq's streaming driver: the driver's own per-layer seconds."""
+    from torq.calibration.data import CalibrationConfig, CaptureSettings
+    from torq.driver import run_layerwise
+    from torq.methods.layers import layer_plan
+    from torq.methods.recipes import RECIPES
+    from torq.methods.registry import method_spec
+    from torq.models.streaming import LayerStream
+    from torq.surgery.qlinear import QuantConfig
+
+    if method in RECIPES:
+        recipe = RECIPES[method]
+        spec, qconfig = recipe.spec(), recipe.quant_config("mxfp4")
+    else:
+        spec, qconfig = method_spec(method), QuantConfig.from_names("mxfp4", "mxfp4")
+    n, seqlen = windows.shape
+    capture = CaptureSettings(CalibrationConfig(n_samples=n, seqlen=seqlen))
+    source = LayerStream(folder, device)
+    ctx = spec.context(capture, None, source.model.config, progress=False, seed=0)
+    plan = layer_plan(spec.method, qconfig, ctx)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = sync(device)
+    run = run_layerwise(source, plan, windows, None, progress=False, hidden_states="memory")
+    wall = sync(device) - t0
+    layers = run.per_layer
+    steps = ("load_seconds", "forward_seconds", "solve_seconds")
+    in_layers = sum(p[k] for p in layers for k in steps)
+    out: dict[str, Any] = {
+        "method": spec.method.name,
+        "device": device.type,
+        "windows": int(n),
+        "seqlen": int(seqlen),
+        "layers": len(layers),
+        "wall_seconds": wall,
+        "outside_layers_seconds": wall - in_layers,
+        "per_layer": [{k: p[k] for k in steps} for p in layers],
+        "peak_gpu_bytes": None,
+    }
+    if device.type == "cuda":
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+@torch.no_grad()
+def anatomy(folder: Path, windows: int, device: torch.device) -> dict[str, Any]:
+    """What one layer's capture step is made of, each timed alone over ``windows`` windows
+    (one window's states repeated): a forward pass of the float layer, and the statistics
+    of one input group of each width (the block covariances, ``Σ x xᵀ`` and GPTAQ's cross
+    term, in float64, and the reservoir)."""
+    from torq.calibration.capture import BlockStatistics
+    from torq.models.streaming import LayerStream, embed_windows
+
+    source = LayerStream(folder, device)
+    ids = random_windows(1, 2048, source.model.config.vocab_size)
+    hidden, kwargs = embed_windows(source, ids)
+    layer = source.load_layer(0)
+    h = hidden[0]
+    layer(h, **kwargs[0])  # warm
+    t0 = sync(device)
+    for _ in range(windows):
+        layer(h, **kwargs[0])
+    out: dict[str, Any] = {"windows": windows, "float_forward_s": sync(device) - t0}
+    widths = {"hidden": source.model.config.hidden_size}
+    widths["intermediate"] = source.model.config.intermediate_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, width in widths.items():
+        x = torch.randn(2048, width, device=device, generator=gen)
+        ref = x + 0.01 * torch.randn(2048, width, device=device, generator=gen)
+        stats = BlockStatistics(width, 32, 2048, seed=0, hessian=True, cross=True)
+        stats.update(x, ref)  # warm
+        t0 = sync(device)
+        for _ in range(windows):
+            stats.update(x, ref)
+        out[f"statistics_{name}_{width}_s"] = sync(device) - t0
+    return out
+
+
+def estimate(rec: dict[str, Any], full_layers: int) -> dict[str, float]:
+    """The whole model's calibration time from a run of fewer layers: the steps outside the
+    layers plus ``full_layers`` times the mean layer after the first (warm)."""
+    warm = rec["per_layer"][1:] or rec["per_layer"]
+    mean = {k: sum(p[k] for p in warm) / len(warm) for k in warm[0]}
+    per_layer = sum(mean.values())
+    return {
+        "mean_layer_seconds": per_layer,
+        "mean_step_seconds": mean,
+        "step_share": {k: v / per_layer for k, v in mean.items()},
+        "full_model_seconds": rec["outside_layers_seconds"] + full_layers * per_layer,
+    }
+
+
+def random_windows(n: int, seqlen: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def decode_speed(model: Any, batch: int, new_tokens: int, device: torch.device) -> float:
+    """Tokens per second of ``generate``'s decode steps: the time of ``new_tokens`` tokens
+    less that of one (the prefill and the first token), each after a warm-up call."""
+    prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
+
+    def gen(n: int) -> float:
+        t0 = sync(device)
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return sync(device) - t0
+
+    gen(4)  # compiles the kernels for these shapes
+    one, many = gen(1), gen(new_tokens)
+    return batch * (new_tokens - 1) / (many - one)
+
+
+@torch.no_grad()
+def graphed_decode_speed(model: Any, batch: int, new_tokens: int, device: torch.device) -> float:
+    """Tokens per second of greedy decoding with one decode step captured as a CUDA graph
+    (transformers' static cache; what a serving engine does): the GPU's time per token
+    without Python's launch overhead. Raises where the step cannot be captured."""
+    from transformers import StaticCache
+
+    prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
+    n = prompt.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + new_tokens + 8)
+    logits = model(
+        input_ids=prompt,
+        past_key_values=cache,
+        cache_position=torch.arange(n, device=device),
+        use_cache=True,
+    ).logits
+    token = logits[:, -1:].argmax(-1)
+    position = torch.tensor([n], device=device)
+
+    def step() -> torch.Tensor:
+        return model(
+            input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
+        ).logits
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up before the capture (kernels compiled)
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    t0 = sync(device)
+    for _ in range(new_tokens):
+        graph.replay()
+        token.copy_(out[:, -1:].argmax(-1))
+        position.add_(1)
+    return batch * new_tokens / (sync(device) - t0)
+
+
+def all_speeds(model: Any, new_tokens: int, device: torch.device, label: str, out: dict) -> None:
+    """Eager ``generate`` and the graphed step, batch 1 and 16, into ``out``."""
+    for b in (1, 16):
+        out["tokens_per_s"][f"{label} batch {b}"] = decode_speed(model, b, new_tokens, device)
+        if device.type != "cuda":
+            continue
+        try:
+            tps = graphed_decode_speed(model, b, new_tokens, device)
+        except Exception as exc:  # recorded: the eager rows still stand
+            out.setdefault("graph_errors", {})[f"{label} batch {b}"] = repr(exc)[:300]
+            continue
+        out["tokens_per_s"][f"{label} graphed batch {b}"] = tps
+
+
+@torch.no_grad()
+def mean_nll(model: Any, windows: torch.Tensor, device: torch.device) -> float:
+    total = 0.0
+    for w in windows:
+        ids = w[None].to(device)
+        total += float(model(input_ids=ids, labels=ids).loss)
+    return total / windows.shape[0]
+
+
+def decode(dims: dict[str, Any], layers: int, device: torch.device, new_tokens: int) -> dict:
+    """bf16 against torq's kernels on one random model (module doc, part 3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import torq
+    from torq.driver import apply_method
+    from torq.methods import MethodContext, get_method
+    from torq.surgery import QuantConfig
+
+    config = AutoConfig.for_model("llama", **{**dims, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    out: dict[str, Any] = {"layers": layers, "new_tokens": new_tokens, "tokens_per_s": {}}
+    all_speeds(model, new_tokens, device, "bf16", out)
+    t0 = sync(device)
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    apply_method(get_method("had32"), model, qconfig, MethodContext(options={"progress": False}))
+    out["quantize_seconds"] = sync(device) - t0
+    windows = random_windows(2, 512, config.vocab_size, seed=7)
+    out["nll_fake_quant"] = mean_nll(model, windows, device)
+    t0 = sync(device)
+    report = torq.accelerate(model)
+    out["accelerate_seconds"] = sync(device) - t0
+    out["accelerate"] = report.summary()
+    out["nll_accelerated"] = mean_nll(model, windows, device)
+    out["nll_relative_difference"] = abs(out["nll_accelerated"] - out["nll_fake_quant"]) / abs(
+        out["nll_fake_quant"]
+    )
+    all_speeds(model, new_tokens, device, "torq W4A4", out)
+    tps = out["tokens_per_s"]
+    for b in (1, 16):
+        for how in ("", "graphed "):
+            if f"torq W4A4 {how}batch {b}" in tps and f"bf16 {how}batch {b}" in tps:
+                ratio = tps[f"torq W4A4 {how}batch {b}"] / tps[f"bf16 {how}batch {b}"]
+                tps[f"ratio {how}batch {b}"] = ratio
+    return out
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": device.type,
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def markdown(rec: dict[str, Any]) -> str:
+    info = rec["machine"]
+    lines = [
+        f"{info.get('gpu', info['device'])}, torch {info['torch']}, {info['cpu_threads']} CPU "
+        f"threads, {info['date']}; random weights and tokens (shape {rec['shape']})",
+        "",
+        f"Command: `{rec['command']}`",
+        "",
+    ]
+    cal = rec.get("calibration")
+    if cal:
+        lines += [
+            "| method | windows × tokens | layers run | s / layer (warm) | capture fwd | "
+            "transform + GPTQ | est. whole model s | peak GPU GiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in cal:
+            e = r["estimate"]
+            share = e["step_share"]
+            peak = r["peak_gpu_bytes"]
+            lines.append(
+                f"| {r['method']} | {r['windows']} × {r['seqlen']} | {r['layers']} | "
+                f"{e['mean_layer_seconds']:.1f} | {share['forward_seconds']:.0%} | "
+                f"{share['solve_seconds']:.0%} | {e['full_model_seconds']:.0f} | "
+                f"{'' if peak is None else f'{peak / 2**30:.1f}'} |"
+            )
+        lines.append("")
+    steps = rec.get("steps")
+    if steps:
+        lines += [
+            f"One layer, {steps['windows']} windows, the same recipe on the CPU and the GPU:",
+            "",
+            "| step | CPU s | GPU s | GPU speed-up |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for k in ("load_seconds", "forward_seconds", "solve_seconds"):
+            c, g = steps["cpu"]["per_layer"][0][k], steps["gpu"]["per_layer"][0][k]
+            lines.append(f"| {k.removesuffix('_seconds')} | {c:.2f} | {g:.2f} | {c / g:.1f}× |")
+        lines.append("")
+    dec = rec.get("decode")
+    if dec:
+        tps = dec["tokens_per_s"]
+        lines += [
+            f"Decode through transformers' generate ({dec['layers']} layers, "
+            f"{dec['new_tokens']} new tokens): {dec['accelerate']}",
+            "",
+            "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
+            "| ---: | ---: | ---: | ---: |",
+        ]
+        for how in ("", "graphed "):
+            for b in (1, 16):
+                if f"ratio {how}batch {b}" not in tps:
+                    continue
+                bf16, torq = tps[f"bf16 {how}batch {b}"], tps[f"torq W4A4 {how}batch {b}"]
+                lines.append(
+                    f"| {how or 'generate, '}batch {b} | {bf16:.1f} | {torq:.1f} | "
+                    f"{torq / bf16:.2f}× |"
+                )
+        for k, v in (dec.get("graph_errors") or {}).items():
+            lines.append(f"\nNo CUDA graph for {k}: {v}")
+        lines += [
+            "",
+            f"Mean token NLL on 2 windows of 512: fake-quant {dec['nll_fake_quant']:.6f}, "
+            f"accelerated {dec['nll_accelerated']:.6f} "
+            f"(relative difference {dec['nll_relative_difference']:.2e})",
+            "",
+        ]
+    ana = rec.get("anatomy")
+    if ana:
+        lines.append(
+            f"One layer's capture, its parts alone over {ana['windows']} windows: "
+            + ", ".join(
+                f"{k.removesuffix('_s')} {v:.1f} s" for k, v in ana.items() if k != "windows"
+            )
+        )
+        lines.append("")
+    if rec.get("skipped"):
+        lines.append("Not run (the time budget): " + ", ".join(rec["skipped"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=3, help="layers of the calibration run")
+    ap.add_argument("--windows", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--step-windows", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--decode-layers", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--parts", default="decode,calibration,anatomy,steps,torq+gptq")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
+    ap.add_argument("--dir", default="/tmp/torq-gpu", help="where the checkpoints are written")
+    ap.add_argument("--out", required=True, help="a folder: gpu.json and gpu.md")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    dims = dims_of(args.shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {
+        "shape": args.shape,
+        "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": device_info(device),
+        "skipped": [],
+    }
+
+    def save() -> None:
+        (out / "gpu.json").write_text(json.dumps(rec, indent=1))
+        (out / "gpu.md").write_text(markdown(rec))
+
+    parts = args.parts.split(",")
+    full = FULL_LAYERS[args.shape]
+    root = Path(args.dir)
+    for part in parts:
+        if time.perf_counter() - start > args.budget_s:
+            rec["skipped"].append(part)
+            save()
+            continue
+        print(f"[{time.perf_counter() - start:6.0f} s] {part}", flush=True)
+        if part in ("calibration", "torq+gptq"):
+            layers = args.layers if part == "calibration" else 1
+            folder = write_random(root / f"{args.shape}-{layers}l", dims, layers)
+            windows = random_windows(args.windows, args.seqlen, dims["vocab_size"])
+            r = streamed_calibration(
+                folder, "default" if part == "calibration" else "torq+gptq", windows, device
+            )
+            r["estimate"] = estimate(r, full)
+            rec.setdefault("calibration", []).append(r)
+        elif part == "steps":
+            folder = write_random(root / f"{args.shape}-1l", dims, 1)
+            windows = random_windows(args.step_windows, args.seqlen, dims["vocab_size"])
+            rec["steps"] = {
+                "windows": args.step_windows,
+                "gpu": streamed_calibration(folder, "default", windows, device),
+                "cpu": streamed_calibration(folder, "default", windows, torch.device("cpu")),
+            }
+        elif part == "anatomy":
+            folder = write_random(root / f"{args.shape}-1l", dims, 1)
+            rec["anatomy"] = anatomy(folder, args.windows, device)
+        elif part == "decode":
+            rec["decode"] = decode(dims, args.decode_layers or full, device, args.new_tokens)
+        else:
+            raise SystemExit(f"unknown part '{part}'")
+        rec["elapsed_seconds"] = time.perf_counter() - start
+        save()
+        print(f"[{rec['elapsed_seconds']:6.0f} s] {part} done", flush=True)
+    print(markdown(rec))
+
+
+if __name__ == "__main__":
+    main()

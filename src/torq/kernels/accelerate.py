@@ -1,0 +1,195 @@
+"""``accelerate(model)``: a quantized model's MXFP4 W4A4 layers swapped for the packed kernels.
+
+A model loaded from a torq checkpoint (:func:`torq.export.load_model`, weights unpacked to
+float) computes every quantized linear as the fake-quant definition: ``Q_a(T x)`` times the
+de-quantized ``Q_w(W Tᵀ)`` (Algorithm 3, option B). :func:`accelerate` replaces each such
+layer whose weights and activations are MXFP4 (activation scales by the OCP or the nearest
+rule, both of which the kernels compute) by a
+:class:`~torq.kernels.linear.PackedMXFP4Linear` holding the same weight packed (4.25 bits
+per weight) and the same online transform ``T``, fused into the activation pre-pass when it
+is a block rotation of 32 (:func:`~torq.kernels.launch.fusable_in_prepass`), and fused MoE
+experts (OCP rule) by :class:`~torq.kernels.experts.PackedMXFP4Experts`. On a CUDA GPU
+these run the Triton kernels; on a CPU the same arithmetic in float32 (the reference), so
+an accelerated model's logits are the fake-quant model's within the kernels' accumulation
+order. A layer that cannot be swapped keeps computing as before, and the report says why
+in one line.
+
+A compressed-tensors checkpoint loaded through transformers (:func:`torq.load`) holds plain
+linears with a ``quantization_scheme`` (MXFP4 weights de-quantized to bf16, activations
+quantized on the fly with the nearest rule, compressed-tensors' own) and their online
+Hadamard as a transform module run by a forward pre-hook; each such linear whose transform
+is one shared 32×32 block matrix is swapped the same way, its transform read off the
+module by applying it to the identity.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torq.kernels.config import Backend
+from torq.kernels.experts import PackedMXFP4Experts
+from torq.kernels.linear import PackedMXFP4Linear
+from torq.kernels.weight import MXFP4Weight
+from torq.rotations.transform import BlockRotation
+from torq.surgery.qlinear import QuantExperts, QuantLinear
+
+# the MX formats the kernels compute: MXFP4 blocks of 32, the activation's scale by the OCP
+# or the nearest rule (a weight's codes and scales are packed whatever rule chose them)
+_KERNEL_RULES = ("ocp", "nearest")
+
+
+@dataclass
+class AccelerateReport:
+    """What :func:`accelerate` did: the layers swapped, and each layer left as it was with
+    its one-line reason."""
+
+    swapped: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: how many layers run on the kernels, and the reasons for the others."""
+        line = f"{len(self.swapped)} layers on torq's MXFP4 W4A4 kernels"
+        if self.kept:
+            reasons = Counter(self.kept.values())
+            line += "; kept as they were: " + "; ".join(
+                f"{n} ({reason})" for reason, n in reasons.most_common()
+            )
+        return line
+
+
+def _format_reason(config: object) -> str | None:
+    """Why a layer quantized with ``config`` (a :class:`~torq.surgery.QuantConfig`) cannot
+    run on the kernels (None: it can)."""
+    for side in ("weight", "activation"):
+        spec = getattr(config, side)
+        if spec is None:
+            return f"float {side}s: the kernels run W4A4"
+        if spec.name != "mxfp4" or spec.block_size != 32:
+            return f"{side}s in {spec.name}: the kernels compute MXFP4 in blocks of 32"
+        if spec.scale_mode not in _KERNEL_RULES:
+            return (
+                f"{side}s in MXFP4 with the {spec.scale_mode} rule: the kernels compute the OCP "
+                "and nearest rules"
+            )
+    return None
+
+
+def packed_linear(module: QuantLinear, backend: Backend = "auto") -> PackedMXFP4Linear:
+    """``module`` as a :class:`PackedMXFP4Linear`: its weight (on the MXFP4 grid already)
+    packed, checked to de-quantize to the same values, and its online transform kept."""
+    reason = _format_reason(module.config)
+    if reason is not None:
+        raise ValueError(reason)
+    weight = MXFP4Weight.from_float(module.weight.detach())
+    again = weight.dequantize(torch.float32).to(module.weight.device)
+    if not torch.equal(again, module.weight.detach().float()):
+        raise ValueError("its weight is not on the MXFP4 grid (not packed exactly)")
+    bias = None if module.bias is None else module.bias.detach().clone()
+    nearest = module.config.activation.scale_mode == "nearest"
+    return PackedMXFP4Linear(
+        weight, bias, input_transform=module.input_transform, backend=backend, nearest=nearest
+    )
+
+
+def _ct_args_reason(args: object, side: str) -> str | None:
+    """Why a compressed-tensors ``QuantizationArgs`` is not what the kernels compute."""
+    if args is None:
+        return f"float {side}s: the kernels run W4A4"
+    bits, kind = getattr(args, "num_bits", None), str(getattr(args, "type", ""))
+    group = getattr(args, "group_size", None)
+    if bits != 4 or not kind.endswith("float") or group != 32:
+        return f"{side}s in {kind}{bits}, groups of {group}: the kernels compute MXFP4"
+    return None
+
+
+def _ct_block_transform(module: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """The online input transform compressed-tensors attached to ``module``, as a
+    :class:`BlockRotation` of one 32×32 matrix (``None`` when it has none), or the reason
+    it is not one."""
+    transforms = [
+        m
+        for m in module.children()
+        if type(m).__module__.startswith("compressed_tensors.transform")
+        and getattr(getattr(m, "args", None), "location", None) == "input"
+    ]
+    if len(transforms) != len(list(module.children())) or len(transforms) > 1:
+        return None, "other modules than one online input transform are attached to it"
+    if not transforms:
+        return None, None
+    k = module.in_features
+    with torch.no_grad():
+        m = transforms[0](torch.eye(k, device=module.weight.device)).float().cpu()
+    block = m[:32, :32].clone()
+    if k % 32 or not torch.equal(m, torch.block_diag(*[block] * (k // 32))):
+        return None, "its online transform is not one 32×32 matrix on every block"
+    rotation = BlockRotation(32, None, block)
+    with torch.no_grad():  # the rotation's convention checked against the module's
+        if not torch.allclose(rotation(torch.eye(k)), m, atol=1e-6):
+            return None, "its online transform is not the block matrix it was read as"
+    return rotation, None
+
+
+def _ct_packed(module: nn.Linear, backend: Backend) -> PackedMXFP4Linear:
+    """A compressed-tensors linear (module doc) as a :class:`PackedMXFP4Linear`."""
+    scheme = module.quantization_scheme  # type: ignore[attr-defined]
+    for side, args in (("weight", scheme.weights), ("activation", scheme.input_activations)):
+        reason = _ct_args_reason(args, side)
+        if reason is not None:
+            raise ValueError(reason)
+    if not hasattr(module, "weight"):  # still compressed (before the model's first call)
+        from compressed_tensors.compressors import decompress_module
+
+        decompress_module(module)
+    rotation, reason = _ct_block_transform(module)
+    if reason is not None:
+        raise ValueError(reason)
+    weight = MXFP4Weight.from_float(module.weight.detach().float())
+    again = weight.dequantize(torch.float32).to(module.weight.device)
+    if not torch.equal(again, module.weight.detach().float()):
+        raise ValueError("its weight is not on the MXFP4 grid (not packed exactly)")
+    bias = None if module.bias is None else module.bias.detach().clone()
+    return PackedMXFP4Linear(weight, bias, input_transform=rotation, backend=backend, nearest=True)
+
+
+def accelerate(model: nn.Module, backend: Backend = "auto") -> AccelerateReport:
+    """Swap, in place, every quantized layer of ``model`` that the MXFP4 W4A4 kernels run
+    (module doc) for its packed form, on the device the layer is on; returns the
+    :class:`AccelerateReport`. ``backend``: ``"auto"`` (Triton on CUDA, the reference
+    elsewhere), ``"triton"`` or ``"reference"``."""
+    report = AccelerateReport()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            try:
+                new: nn.Module = packed_linear(module, backend)
+            except ValueError as exc:
+                report.kept[name] = str(exc)
+                continue
+        elif isinstance(module, nn.Linear) and getattr(module, "quantization_scheme", None):
+            try:
+                new = _ct_packed(module, backend)
+            except ValueError as exc:
+                report.kept[name] = str(exc)
+                continue
+        elif isinstance(module, QuantExperts):
+            reason = _format_reason(module.config)
+            act = module.config.activation
+            if reason is None and act is not None and act.scale_mode != "ocp":
+                reason = (
+                    "fused experts with nearest-rule activations: the expert kernels compute OCP's"
+                )
+            if reason is not None:
+                report.kept[name] = reason
+                continue
+            new = PackedMXFP4Experts.from_quant_experts(module, backend)
+        else:
+            continue
+        device = next(module.parameters()).device
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new.to(device))
+        report.swapped.append(name)
+    return report

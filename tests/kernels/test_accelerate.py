@@ -1,0 +1,204 @@
+"""``torq.accelerate``: a quantized model's MXFP4 W4A4 layers swapped for the packed kernels."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torq
+from tests.conftest import TINY_TEXT, tiny_model
+from torq.driver import apply_method
+from torq.kernels import PackedMXFP4Linear
+from torq.kernels.accelerate import accelerate
+from torq.methods import MethodContext, get_method
+from torq.surgery import QuantConfig, QuantLinear
+
+
+def _quantized(method: str, scale_mode: str = "ocp", act: str | None = "mxfp4", arch="llama"):
+    model = tiny_model(arch)
+    qconfig = QuantConfig.from_names("mxfp4", act, scale_mode=scale_mode)
+    apply_method(get_method(method), model, qconfig, MethodContext(options={"progress": False}))
+    return model.eval()
+
+
+def _calibrated(method: str, tmp_path, tokenizer, scale_mode: str = "ocp"):
+    from tests.methods.test_torq_method import _apply, _settings
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
+    model = tiny_model("llama")
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode=scale_mode)
+    _apply(model, method, qconfig, _settings(str(corpus)), tokenizer)
+    return model.eval()
+
+
+@pytest.mark.parametrize("scale_mode", ["ocp", "nearest"])
+@pytest.mark.parametrize("method", ["rtn", "had32", "torq-had32+gptaq", "torq"])
+def test_accelerated_model_computes_the_fake_quant_model(
+    method, scale_mode, tmp_path, tiny_tokenizer
+) -> None:
+    """Every quantized linear is swapped (its transform kept, fused or as a module; the
+    activation's scale rule kept) and the logits are the fake-quant model's: on a CPU the
+    packed layers run the reference, the same arithmetic in float32."""
+    if method in ("rtn", "had32"):
+        model = _quantized(method, scale_mode)
+    else:
+        model = _calibrated(method, tmp_path, tiny_tokenizer, scale_mode)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=gen)
+    n_quantized = sum(isinstance(m, QuantLinear) for m in model.modules())
+    fast = copy.deepcopy(model)
+    report = accelerate(fast)
+    assert not report.kept, report.kept
+    assert len(report.swapped) == n_quantized > 0
+    assert not any(isinstance(m, QuantLinear) for m in fast.modules())
+    packed = [m for m in fast.modules() if isinstance(m, PackedMXFP4Linear)]
+    assert len(packed) == n_quantized
+    if method != "rtn":
+        assert all(m.input_transform is not None for m in packed)
+    assert all(m.nearest == (scale_mode == "nearest") for m in packed)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        got = fast(input_ids=ids).logits
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 1e-5, rel  # float32 sums in another order, the same quantized values
+    assert int(got.argmax(-1).ne(ref.argmax(-1)).sum()) == 0
+
+
+def test_layers_the_kernels_do_not_compute_are_kept_with_a_reason() -> None:
+    """The kernels compute MXFP4 with the OCP and nearest scale rules: a model quantized
+    with another rule, or with float activations, keeps its layers and the report says why,
+    in one line."""
+    for kwargs, words in (
+        ({"scale_mode": "paper"}, "paper rule"),
+        ({"act": None}, "float activations"),
+    ):
+        model = _quantized("rtn", **kwargs)
+        n = sum(isinstance(m, QuantLinear) for m in model.modules())
+        report = torq.accelerate(model)
+        assert report.swapped == [] and len(report.kept) == n
+        assert words in report.summary() and "\n" not in report.summary()
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) == n
+
+
+def test_a_weight_off_the_grid_is_not_packed() -> None:
+    model = _quantized("rtn")
+    name = "model.layers.0.mlp.down_proj"
+    with torch.no_grad():
+        model.get_submodule(name).weight.mul_(1.01)
+    report = accelerate(model)
+    assert "not on the MXFP4 grid" in report.kept[name]
+    assert isinstance(model.get_submodule(name), QuantLinear)
+
+
+def test_fused_experts_are_swapped() -> None:
+    from torq.kernels import PackedMXFP4Experts
+
+    model = _quantized("had32", arch="qwen3_moe")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=gen)
+    fast = copy.deepcopy(model)
+    report = accelerate(fast)
+    assert not report.kept, report.kept
+    assert any(isinstance(m, PackedMXFP4Experts) for m in fast.modules())
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        got = fast(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_unknown_backend_is_refused() -> None:
+    from torq.errors import TorqError
+
+    with pytest.raises(TorqError, match="unknown backend"):
+        torq.accelerate(_quantized("rtn"), backend="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["had32", "torq"])
+def test_accelerated_model_on_a_gpu_runs_the_kernels_as_the_fake_quant_model(
+    method, tmp_path, tiny_tokenizer
+) -> None:
+    """On a GPU the swapped layers run the Triton kernels (the transform fused into the
+    pre-pass for had32, a torch module before it for TORQ's inter-block rotation). Against
+    the float32 fake-quant model (the definition) the accelerated bf16 model is no farther
+    than the bf16 fake-quant model is: the kernels compute the transform in float32 and the
+    products exactly, where the bf16 model rounds the transform's output first."""
+    if method == "torq":
+        model = _calibrated(method, tmp_path, tiny_tokenizer)
+    else:
+        model = _quantized(method)
+    exact = model.to("cuda")
+    bf16 = copy.deepcopy(exact).to(torch.bfloat16)
+    fast = copy.deepcopy(bf16)
+    report = accelerate(fast)
+    assert not report.kept, report.kept
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=gen).cuda()
+    for tokens in (ids, ids[:1, :1], ids[:, :1]):  # the matmul, GEMV and rows paths
+        with torch.no_grad():
+            ref = exact(input_ids=tokens).logits
+            rel_bf16 = float((bf16(input_ids=tokens).logits.float() - ref).norm() / ref.norm())
+            rel_fast = float((fast(input_ids=tokens).logits.float() - ref).norm() / ref.norm())
+        shape = tuple(tokens.shape)
+        print(f"{method} {shape}: bf16 fake-quant {rel_bf16:.2e}, kernels {rel_fast:.2e}")
+        assert rel_fast <= 2 * rel_bf16 + 1e-3, (tokens.shape, rel_fast, rel_bf16)
+
+
+def test_a_saved_default_recipe_checkpoint_runs_on_the_kernels(tmp_path, tiny_tokenizer) -> None:
+    """A torq checkpoint of the default recipe's method (nearest-rule activations): loaded
+    with its weights kept packed, or loaded unpacked and accelerated, every linear runs on
+    the kernels and computes the saved model's logits."""
+    from torq.export import load_quantized, save_quantized
+
+    model = _calibrated("torq-had32+gptaq", tmp_path, tiny_tokenizer, "nearest")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=gen)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = save_quantized(model, tmp_path / "ck", tiny_tokenizer, method="torq-had32+gptaq")
+    packed, _, manifest = load_quantized(out, packed=True)
+    assert manifest["load"]["packed_layers"] == 14
+    unpacked, _, _ = load_quantized(out)
+    report = accelerate(unpacked)
+    assert len(report.swapped) == 14 and not report.kept
+    for loaded in (packed, unpacked):
+        layers = [m for m in loaded.modules() if isinstance(m, PackedMXFP4Linear)]
+        assert len(layers) == 14 and all(m.nearest for m in layers)
+        with torch.no_grad():
+            got = loaded(input_ids=ids).logits
+        assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["rtn", "had32"])
+def test_a_compressed_tensors_checkpoint_runs_on_the_kernels(method, tmp_path, tiny_tokenizer):
+    """A compressed-tensors folder loaded through transformers (bf16, activations by the
+    nearest rule, the Hadamard as a hooked transform module) with ``packed``: every
+    quantized linear is de-compressed and swapped, its Hadamard read off the module, and
+    the model is as close to torq's float32 model as the compressed-tensors model itself
+    is, within 5 % (measured: 27.7 % and 27.7 % for rtn, 24.8 % and 24.4 % for had32: both
+    compute in bf16 between the layers; the kernels take the transform in float32 where
+    compressed-tensors rounds it to bf16)."""
+    pytest.importorskip("compressed_tensors")
+    from torq.export.compressed_tensors import export_compressed_tensors
+    from torq.export.loading import load_model
+
+    model = _quantized(method, "nearest")
+    out = export_compressed_tensors(model, tmp_path / "ct", tiny_tokenizer)
+    served = torq.load(out)
+    loaded = load_model(str(out), packed=True)  # `torq eval --packed`: on the kernels
+    assert loaded.quantized["load"] == {"packed_layers": 14, "kept": {}}
+    fast = loaded.model
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen)
+    packed = [m for m in fast.modules() if isinstance(m, PackedMXFP4Linear)]
+    assert all(m.nearest for m in packed)
+    assert all((m.input_transform is not None) == (method == "had32") for m in packed)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        rel_ct = float((served(input_ids=ids).logits.float() - ref).norm() / ref.norm())
+        rel_fast = float((fast(input_ids=ids).logits.float() - ref).norm() / ref.norm())
+    print(f"{method}: compressed-tensors {rel_ct:.2e}, on the kernels {rel_fast:.2e}")
+    assert rel_fast <= rel_ct * 1.05 + 1e-3, (rel_fast, rel_ct)
