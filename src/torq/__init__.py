@@ -1,7 +1,8 @@
 """torq: Two-level Orthogonal Rotation for MXFP4 Quantization (TORQ) of LLMs.
 
 The Python API (:mod:`torq.api`): ``torq.quantize``, ``torq.save``, ``torq.load``,
-``torq.accelerate``, ``torq.evaluate``, ``torq.quantize_checkpoint`` and ``torq.compare``;
+``torq.accelerate``, ``torq.generate``, ``torq.evaluate``, ``torq.quantize_checkpoint`` and
+``torq.compare``;
 imported on first use, so that ``import torq`` stays light.
 """
 
@@ -9,7 +10,16 @@ from typing import Any
 
 from torq.version import __version__
 
-_API = ("quantize", "save", "load", "accelerate", "evaluate", "quantize_checkpoint", "compare")
+_API = (
+    "quantize",
+    "save",
+    "load",
+    "accelerate",
+    "generate",
+    "evaluate",
+    "quantize_checkpoint",
+    "compare",
+)
 
 __all__ = ["__version__", *_API]
 

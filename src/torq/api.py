@@ -150,6 +150,51 @@ def accelerate(model: nn.Module, backend: str = "auto") -> AccelerateReport:
     return accelerate_layers(model, backend)  # type: ignore[arg-type]
 
 
+def generate(
+    model: nn.Module,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """Greedy text from ``model`` (on its device) after ``prompt``, with transformers'
+    ``generate``: ``{"text", "new_tokens", "seconds", "tokens_per_s"}`` (the seconds of the
+    whole call, the prompt's prefill included)."""
+    import torch
+
+    if max_new_tokens < 1:
+        raise TorqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    tokenizer = tokenizer or _tokenizer_of(model)
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    if ids.shape[1] == 0:
+        raise TorqError("the prompt is empty")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    t0 = now()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    seconds = now() - t0
+    new = out[0, ids.shape[1] :]
+    return {
+        "text": tokenizer.decode(new, skip_special_tokens=True),
+        "new_tokens": int(new.numel()),
+        "seconds": seconds,
+        "tokens_per_s": int(new.numel()) / seconds if seconds > 0 else float("inf"),
+    }
+
+
 def evaluate(
     model: nn.Module,
     tokenizer: Any = None,

@@ -202,3 +202,25 @@ def test_a_compressed_tensors_checkpoint_runs_on_the_kernels(method, tmp_path, t
         rel_fast = float((fast(input_ids=ids).logits.float() - ref).norm() / ref.norm())
     print(f"{method}: compressed-tensors {rel_ct:.2e}, on the kernels {rel_fast:.2e}")
     assert rel_fast <= rel_ct * 1.05 + 1e-3, (rel_fast, rel_ct)
+
+
+def test_generate_command_runs_a_saved_checkpoint_on_the_kernels(
+    tmp_path, tiny_tokenizer, tiny_checkpoint, capsys
+) -> None:
+    """``torq generate --packed``: the saved model's greedy text, the same as without the
+    kernels (the reference arithmetic on a CPU), and one line on stderr with the speed and
+    what ran on the kernels; a float model with --packed is refused in one line."""
+    from torq.cli import main
+    from torq.export import save_quantized
+
+    folder = save_quantized(_quantized("had32", "nearest"), tmp_path / "q", tiny_tokenizer)
+    base = ["generate", "--model", str(folder), "--prompt", "the", "--max-new-tokens", "6"]
+    assert main([*base, "--device", "cpu"]) == 0
+    plain = capsys.readouterr()
+    assert main([*base, "--device", "cpu", "--packed"]) == 0
+    fast = capsys.readouterr()
+    assert fast.out == plain.out and fast.out.startswith("the")
+    assert "6 tokens in" in fast.err and "14 layers on torq's MXFP4 W4A4 kernels" in fast.err
+    assert main(["generate", "--model", str(tiny_checkpoint), "--packed"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a quantized checkpoint" in err and len(err.strip().splitlines()) == 1

@@ -3,6 +3,7 @@
 
 torq quantize smollm2-135m --out smollm2-mxfp4
 torq eval --model smollm2-mxfp4 --max-windows 16
+torq generate --model smollm2-mxfp4 --packed
 torq run --model smollm2-135m --methods fp,rtn,had32 --max-windows 16
 """
 
@@ -192,6 +193,35 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from torq.api import accelerate, generate, load
+    from torq.runs.config import resolve_device
+    from torq.runs.source import saved_manifest
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    if args.packed and saved_manifest(args.model) is None:  # before the model is loaded
+        raise TorqError(f"--packed: {args.model} is not a quantized checkpoint (a float model)")
+    model = load(args.model).to(device)
+    note = ""
+    if args.packed:
+        report = accelerate(model)
+        if not report.swapped:
+            raise TorqError(f"--packed: {args.model} has no layer torq's kernels run")
+        note = f"; {report.summary()}"
+    done = generate(model, args.prompt, max_new_tokens=args.max_new_tokens)
+    print(args.prompt + done["text"])
+    print(
+        f"torq: {done['new_tokens']} tokens in {done['seconds']:.2f} s "
+        f"({done['tokens_per_s']:.1f} tokens/s, the prompt included) on {device}{note}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 @contextlib.contextmanager
 def _library_bars(shown: bool) -> Iterator[None]:
     """``--no-progress`` also hides transformers' own bars (loading and writing weights),
@@ -236,6 +266,8 @@ def _main(argv: list[str] | None) -> int:
             return _cmd_quantize(args)
         if args.command in ("run", "eval"):
             return _cmd_run(args)
+        if args.command == "generate":
+            return _cmd_generate(args)
         if args.command == "models":
             from torq.models.loading import EMBEDDED_MODELS
 

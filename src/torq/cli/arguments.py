@@ -177,6 +177,23 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     ex.add_argument(
         "--help-all", action="store_true", help="show every option (research knobs included)"
     )
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with a model (float, or a folder torq wrote), on torq's kernels "
+        "with --packed",
+    )
+    gen.add_argument("--model", required=True, help="a folder torq wrote, or a float model")
+    gen.add_argument("--prompt", default="The capital of France is", help="the text to go on from")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    gen.add_argument(
+        "--packed",
+        action="store_true",
+        help="its MXFP4 W4A4 layers on torq's packed kernels (the Triton kernels on a GPU)",
+    )
+    gen.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there)"
+    )
+    gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
     sub.add_parser("models", help="list the embedded default models")
     sub.add_parser("methods", help="list the recipes and the registered quantization methods")
     for command in (qz, run, ev, ex):
