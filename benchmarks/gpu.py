@@ -308,7 +308,9 @@ def mean_nll(model: Any, windows: torch.Tensor, device: torch.device) -> float:
     return total / windows.shape[0]
 
 
-def decode(dims: dict[str, Any], layers: int, device: torch.device, new_tokens: int) -> dict:
+def decode(
+    dims: dict[str, Any], layers: int, device: torch.device, new_tokens: int, share: bool = True
+) -> dict:
     """bf16 against torq's kernels on one random model (module doc, part 3)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -330,7 +332,7 @@ def decode(dims: dict[str, Any], layers: int, device: torch.device, new_tokens: 
     windows = random_windows(2, 512, config.vocab_size, seed=7)
     out["nll_fake_quant"] = mean_nll(model, windows, device)
     t0 = sync(device)
-    report = torq.accelerate(model)
+    report = torq.accelerate(model, share=share)
     out["accelerate_seconds"] = sync(device) - t0
     out["accelerate"] = report.summary()
     out["nll_accelerated"] = mean_nll(model, windows, device)
@@ -451,6 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-windows", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--decode-layers", type=int, default=None, help="default: the shape's")
+    ap.add_argument(
+        "--no-share",
+        action="store_true",
+        help="decode with each layer alone (q/k/v and gate/up not one product each)",
+    )
     ap.add_argument("--parts", default="decode,calibration,anatomy,steps,torq+gptq")
     ap.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
     ap.add_argument("--dir", default="/tmp/torq-gpu", help="where the checkpoints are written")
@@ -502,7 +509,9 @@ def main(argv: list[str] | None = None) -> None:
             folder = write_random(root / f"{args.shape}-1l", dims, 1)
             rec["anatomy"] = anatomy(folder, args.windows, device)
         elif part == "decode":
-            rec["decode"] = decode(dims, args.decode_layers or full, device, args.new_tokens)
+            rec["decode"] = decode(
+                dims, args.decode_layers or full, device, args.new_tokens, not args.no_share
+            )
         else:
             raise SystemExit(f"unknown part '{part}'")
         rec["elapsed_seconds"] = time.perf_counter() - start

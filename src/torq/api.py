@@ -140,14 +140,15 @@ def load(path: str | Path, packed: bool = False) -> nn.Module:
     return loaded.model
 
 
-def accelerate(model: nn.Module, backend: str = "auto") -> AccelerateReport:
-    """Run ``model``'s MXFP4 W4A4 layers (OCP scale rule) on torq's packed kernels, in place:
-    the Triton kernels on a CUDA GPU, the same arithmetic in float32 elsewhere
-    (:func:`torq.kernels.accelerate.accelerate`). Returns what was swapped and, for each layer
-    kept as it was, why (``report.summary()``: one line)."""
+def accelerate(model: nn.Module, backend: str = "auto", share: bool = True) -> AccelerateReport:
+    """Run ``model``'s MXFP4 W4A4 layers on torq's packed kernels, in place: the Triton
+    kernels on a CUDA GPU, the same arithmetic in float32 elsewhere
+    (:func:`torq.kernels.accelerate.accelerate`; ``share``: layers that read one input as
+    one product). Returns what was swapped and, for each layer kept as it was, why
+    (``report.summary()``: one line)."""
     if backend not in ("auto", "triton", "reference"):
         raise TorqError(f"unknown backend '{backend}' (use auto, triton or reference)")
-    return accelerate_layers(model, backend)  # type: ignore[arg-type]
+    return accelerate_layers(model, backend, share)  # type: ignore[arg-type]
 
 
 def generate(

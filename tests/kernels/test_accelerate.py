@@ -11,7 +11,7 @@ import torq
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.driver import apply_method
 from torq.kernels import PackedMXFP4Linear
-from torq.kernels.accelerate import accelerate
+from torq.kernels.accelerate import SharedInputSlice, accelerate
 from torq.methods import MethodContext, get_method
 from torq.surgery import QuantConfig, QuantLinear
 
@@ -52,10 +52,13 @@ def test_accelerated_model_computes_the_fake_quant_model(
     fast = copy.deepcopy(model)
     report = accelerate(fast)
     assert not report.kept, report.kept
-    assert len(report.swapped) == n_quantized > 0
+    assert len(report.swapped) == n_quantized == 14
     assert not any(isinstance(m, QuantLinear) for m in fast.modules())
+    # q/k/v and gate/up of each layer read one input: one product each
+    assert [len(g) for g in report.shared] == [3, 2, 3, 2]
+    assert sum(isinstance(m, SharedInputSlice) for m in fast.modules()) == 10
     packed = [m for m in fast.modules() if isinstance(m, PackedMXFP4Linear)]
-    assert len(packed) == n_quantized
+    assert len(packed) == 8
     if method != "rtn":
         assert all(m.input_transform is not None for m in packed)
     assert all(m.nearest == (scale_mode == "nearest") for m in packed)
@@ -162,7 +165,7 @@ def test_a_saved_default_recipe_checkpoint_runs_on_the_kernels(tmp_path, tiny_to
     packed, _, manifest = load_quantized(out, packed=True)
     assert manifest["load"]["packed_layers"] == 14
     unpacked, _, _ = load_quantized(out)
-    report = accelerate(unpacked)
+    report = accelerate(unpacked, share=False)
     assert len(report.swapped) == 14 and not report.kept
     for loaded in (packed, unpacked):
         layers = [m for m in loaded.modules() if isinstance(m, PackedMXFP4Linear)]
@@ -224,3 +227,32 @@ def test_generate_command_runs_a_saved_checkpoint_on_the_kernels(
     assert main(["generate", "--model", str(tiny_checkpoint), "--packed"]) == 2
     err = capsys.readouterr().err
     assert "is not a quantized checkpoint" in err and len(err.strip().splitlines()) == 1
+
+
+def test_layers_that_read_one_input_run_as_one_product() -> None:
+    """q/k/v (and gate/up) as one stacked packed product: the model's logits are those of
+    the layers run one by one, and a group's product is only reused for the very input it
+    was computed from (another tensor, or the same one changed in place, is computed anew)."""
+    model = _quantized("had32", "nearest")
+    alone, shared = copy.deepcopy(model), copy.deepcopy(model)
+    accelerate(alone, share=False)
+    report = accelerate(shared)
+    assert report.shared[0] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert "14 layers on torq's MXFP4 W4A4 kernels (10 of them in 4 shared products)" in (
+        report.summary()
+    )
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=gen)
+    with torch.no_grad():
+        ref = alone(input_ids=ids).logits
+        got = shared(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) < 1e-6
+    q, k = (shared.get_submodule(f"model.layers.0.self_attn.{p}_proj") for p in "qk")
+    q_ref, k_ref = (alone.get_submodule(f"model.layers.0.self_attn.{p}_proj") for p in "qk")
+    x1, x2 = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        assert torch.allclose(q(x1), q_ref(x1), atol=1e-6)
+        assert torch.allclose(k(x2), k_ref(x2), atol=1e-6)  # another input: not q's product
+        q(x1)
+        x1.mul_(2)  # changed in place after q read it
+        assert torch.allclose(k(x1), k_ref(x1), atol=1e-6)

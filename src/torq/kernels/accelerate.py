@@ -24,8 +24,10 @@ module by applying it to the identity.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,10 +51,14 @@ class AccelerateReport:
 
     swapped: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    # layers that read one input and run as one packed product (q/k/v; gate/up)
+    shared: list[list[str]] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line: how many layers run on the kernels, and the reasons for the others."""
         line = f"{len(self.swapped)} layers on torq's MXFP4 W4A4 kernels"
+        if self.shared:
+            line += f" ({sum(map(len, self.shared))} of them in {len(self.shared)} shared products)"
         if self.kept:
             reasons = Counter(self.kept.values())
             line += "; kept as they were: " + "; ".join(
@@ -155,11 +161,143 @@ def _ct_packed(module: nn.Linear, backend: Backend) -> PackedMXFP4Linear:
     return PackedMXFP4Linear(weight, bias, input_transform=rotation, backend=backend, nearest=True)
 
 
-def accelerate(model: nn.Module, backend: Backend = "auto") -> AccelerateReport:
+class SharedInputLinears(nn.Module):
+    """Packed layers that read one input (q/k/v; gate/up) as one product: their packed rows
+    stacked into one :class:`PackedMXFP4Linear`, so the input is transformed and quantized
+    once and the weights are read in one GEMV; each layer's output is its columns of the
+    product. The product of an input is kept until every layer of the group has read it
+    (keyed on the input tensor itself and its version, so another input is computed anew)."""
+
+    def __init__(self, layers: list[PackedMXFP4Linear]) -> None:
+        super().__init__()
+        first = layers[0]
+        codes = torch.cat([m.codes for m in layers])
+        scales = torch.cat([m.scales for m in layers])
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat(
+                [
+                    m.bias if m.bias is not None else torch.zeros(m.out_features).to(codes.device)
+                    for m in layers
+                ]
+            )
+        self.linear = PackedMXFP4Linear(
+            MXFP4Weight(codes, scales, first.in_features),
+            bias,
+            first.block_transform,
+            first.input_transform,
+            first.backend,
+            nearest=first.nearest,
+        )
+        bounds = [0]
+        for m in layers:
+            bounds.append(bounds[-1] + m.out_features)
+        self.bounds = bounds
+        self._last: tuple[Any, int, torch.Tensor] | None = None
+        self._pending = 0
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Layer ``index``'s output for the input ``x``: its columns of the product."""
+        last = self._last
+        if last is not None and last[0]() is x and last[1] == x._version:
+            y = last[2]
+        else:
+            y = self.linear(x)
+            self._last = (weakref.ref(x), x._version, y)
+            self._pending = len(self.bounds) - 1
+        self._pending -= 1
+        if self._pending <= 0:
+            self._last = None  # every layer has read it: not held on
+        return y[..., self.bounds[index] : self.bounds[index + 1]]
+
+
+class SharedInputSlice(nn.Module):
+    """One layer of a :class:`SharedInputLinears` group, where the layer was."""
+
+    def __init__(self, group: SharedInputLinears, index: int) -> None:
+        super().__init__()
+        self.group = group
+        self.index = index
+        self.in_features = group.linear.in_features
+        self.out_features = group.bounds[index + 1] - group.bounds[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"columns {self.group.bounds[self.index]}:{self.group.bounds[self.index + 1]}"
+
+
+def _same_transform(a: nn.Module | None, b: nn.Module | None) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _input_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """The packed layers ``names`` that read one input tensor, found by one forward pass of
+    two tokens (a layer read more than once stays alone); none when the model cannot run
+    such a pass."""
+    seen: dict[int, list[str]] = {}
+    calls: Counter[str] = Counter()
+    held: list[torch.Tensor] = []  # kept alive, so that no id is reused during the pass
+    hooks = []
+    for name in names:
+
+        def hook(_m: nn.Module, args: tuple, _name: str = name) -> None:
+            held.append(args[0])
+            seen.setdefault(id(args[0]), []).append(_name)
+            calls[_name] += 1
+
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    except Exception:  # not a language model that takes input_ids: nothing shared
+        return []
+    finally:
+        for h in hooks:
+            h.remove()
+    return [g for g in seen.values() if len(g) > 1 and all(calls[n] == 1 for n in g)]
+
+
+def share_inputs(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """Put the packed layers among ``names`` that read one input into
+    :class:`SharedInputLinears` groups, in place (the same input transform, scale rule and
+    width: one product); returns the groups made."""
+    made = []
+    for group in _input_groups(model, names):
+        layers = [model.get_submodule(n) for n in group]
+        first = layers[0]
+        if not all(
+            isinstance(m, PackedMXFP4Linear)
+            and m.in_features == first.in_features
+            and m.nearest == first.nearest
+            and m.backend == first.backend
+            and m.block_transform is None
+            and _same_transform(m.input_transform, first.input_transform)
+            for m in layers
+        ):
+            continue
+        shared = SharedInputLinears(layers)
+        for i, name in enumerate(group):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, SharedInputSlice(shared, i))
+        made.append(group)
+    return made
+
+
+def accelerate(model: nn.Module, backend: Backend = "auto", share: bool = True) -> AccelerateReport:
     """Swap, in place, every quantized layer of ``model`` that the MXFP4 W4A4 kernels run
     (module doc) for its packed form, on the device the layer is on; returns the
     :class:`AccelerateReport`. ``backend``: ``"auto"`` (Triton on CUDA, the reference
-    elsewhere), ``"triton"`` or ``"reference"``."""
+    elsewhere), ``"triton"`` or ``"reference"``. With ``share`` the layers that read one
+    input run as one product (:class:`SharedInputLinears`)."""
     report = AccelerateReport()
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantLinear):
@@ -192,4 +330,9 @@ def accelerate(model: nn.Module, backend: Backend = "auto") -> AccelerateReport:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new.to(device))
         report.swapped.append(name)
+    if share:
+        linears = [
+            n for n in report.swapped if isinstance(model.get_submodule(n), PackedMXFP4Linear)
+        ]
+        report.shared = share_inputs(model, linears)
     return report
