@@ -96,16 +96,18 @@ def test_a_weight_off_the_grid_is_not_packed() -> None:
     assert isinstance(model.get_submodule(name), QuantLinear)
 
 
-def test_fused_experts_are_swapped() -> None:
+@pytest.mark.parametrize("scale_mode", ["ocp", "nearest"])
+def test_fused_experts_are_swapped(scale_mode) -> None:
     from torq.kernels import PackedMXFP4Experts
 
-    model = _quantized("had32", arch="qwen3_moe")
+    model = _quantized("had32", scale_mode, arch="qwen3_moe")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=gen)
     fast = copy.deepcopy(model)
     report = accelerate(fast)
     assert not report.kept, report.kept
-    assert any(isinstance(m, PackedMXFP4Experts) for m in fast.modules())
+    experts = [m for m in fast.modules() if isinstance(m, PackedMXFP4Experts)]
+    assert experts and all(m.nearest == (scale_mode == "nearest") for m in experts)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
         got = fast(input_ids=ids).logits

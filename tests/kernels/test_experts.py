@@ -127,9 +127,11 @@ def test_packed_size_and_refusals() -> None:
     packed = PackedMXFP4Experts.from_quant_experts(qe)
     weights = qe.gate_up_proj.numel() + qe.down_proj.numel()
     assert packed.nbytes * 8 == weights * 4.25  # two codes a byte, one scale per 32
-    qe.config = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
-    with pytest.raises(ValueError, match="OCP scale rule"):
+    qe.config = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="paper")
+    with pytest.raises(ValueError, match="the OCP or nearest rule"):
         PackedMXFP4Experts.from_quant_experts(qe)
+    qe.config = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
+    assert PackedMXFP4Experts.from_quant_experts(qe).nearest
     with pytest.raises(ValueError, match="one shared or one per expert"):
         PackedMXFP4Experts(qe.gate_up_proj, qe.down_proj, qe.act_fn, None, [_h32(64), _h32(64)])
     # one module for every expert is the shared case

@@ -152,3 +152,30 @@ def test_fp8_prefill_with_the_nearest_rule(m: int, n: int, k: int) -> None:
     ref = reference(x.to(dtype).float(), weight, nearest=True)
     assert _rel_err(y.float().cpu(), ref) < FP8_RTOL
     assert _rel_err(ref, reference(x.to(dtype).float(), weight)) > 10 * FP8_RTOL
+
+
+def test_grouped_experts_decode_with_the_nearest_rule() -> None:
+    """The experts' grouped integer GEMVs (one launch a projection for every chosen expert)
+    with nearest-rule activations: the per-expert reference path's numbers."""
+    from tests.conftest import tiny_model
+    from torq.kernels import PackedMXFP4Experts
+    from torq.surgery import QuantConfig
+    from torq.surgery.qlinear import QuantExperts
+
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    cfg = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
+    packed = PackedMXFP4Experts.from_quant_experts(QuantExperts(experts, cfg), backend="triton")
+    assert packed.nearest
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, packed.hidden_size, generator=gen).to(DEVICE)
+    top = torch.tensor([[0, 1], [2, 0], [3, 1]]).to(DEVICE)
+    w = torch.rand(3, 2, generator=gen).to(DEVICE)
+    packed = packed.to(DEVICE)
+    grouped = packed.grouped(x, top, w)
+    each = packed.run(x, packed.routes(top), w)
+    assert _rel_err(grouped.cpu(), each.cpu()) < 1e-5
+    ocp = PackedMXFP4Experts.from_quant_experts(
+        QuantExperts(experts, QuantConfig.from_names("mxfp4", "mxfp4")), backend="triton"
+    ).to(DEVICE)
+    assert _rel_err(ocp.run(x, ocp.routes(top), w).cpu(), each.cpu()) > 1e-4

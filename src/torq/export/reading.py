@@ -122,9 +122,9 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
     return old
 
 
-def _packable(entry: dict[str, Any], rules: tuple[str, ...] = ("ocp", "nearest")) -> bool:
+def _packable(entry: dict[str, Any]) -> bool:
     """Whether the kernels run an entry: its weight packed in MXFP4 blocks of 32 (codes and
-    scales, whatever rule chose them), its activation MXFP4 with a scale rule in ``rules``."""
+    scales, whatever rule chose them), its activation MXFP4 by the OCP or nearest rule."""
 
     def mx32(spec: dict[str, Any] | None) -> bool:
         return spec is not None and spec["name"] == "mxfp4" and spec["block_size"] == 32
@@ -134,7 +134,7 @@ def _packable(entry: dict[str, Any], rules: tuple[str, ...] = ("ocp", "nearest")
         entry["storage"] == "packed"
         and mx32(entry["weight"])
         and mx32(act)
-        and act["scale_mode"] in rules
+        and act["scale_mode"] in ("ocp", "nearest")
     )
 
 
@@ -256,8 +256,8 @@ def _quantized_module(
         q_in = quantizers[entry["quantizer"]] if "quantizer" in entry else None
         q_down = [quantizers[i] for i in entry.get("down_quantizers", [])] or None
         experts = QuantExperts.from_quantized(old.act_fn, gu, dn, cfg, q_in, q_down)
-        if packed and all(  # the expert kernels: the OCP rule
-            _packable({**entry[p], "activation": entry["activation"]}, rules=("ocp",))
+        if packed and all(
+            _packable({**entry[p], "activation": entry["activation"]})
             for p in ("gate_up_proj", "down_proj")
         ):
             from torq.kernels.experts import PackedMXFP4Experts

@@ -8,7 +8,7 @@ rule, both of which the kernels compute) by a
 :class:`~torq.kernels.linear.PackedMXFP4Linear` holding the same weight packed (4.25 bits
 per weight) and the same online transform ``T``, fused into the activation pre-pass when it
 is a block rotation of 32 (:func:`~torq.kernels.launch.fusable_in_prepass`), and fused MoE
-experts (OCP rule) by :class:`~torq.kernels.experts.PackedMXFP4Experts`. On a CUDA GPU
+experts by :class:`~torq.kernels.experts.PackedMXFP4Experts`. On a CUDA GPU
 these run the Triton kernels; on a CPU the same arithmetic in float32 (the reference), so
 an accelerated model's logits are the fake-quant model's within the kernels' accumulation
 order. A layer that cannot be swapped keeps computing as before, and the report says why
@@ -314,11 +314,6 @@ def accelerate(model: nn.Module, backend: Backend = "auto", share: bool = True) 
                 continue
         elif isinstance(module, QuantExperts):
             reason = _format_reason(module.config)
-            act = module.config.activation
-            if reason is None and act is not None and act.scale_mode != "ocp":
-                reason = (
-                    "fused experts with nearest-rule activations: the expert kernels compute OCP's"
-                )
             if reason is not None:
                 report.kept[name] = reason
                 continue

@@ -122,6 +122,7 @@ class PackedMXFP4Experts(nn.Module):
         input_transform: nn.Module | None = None,
         down_transforms: list[nn.Module | None] | None = None,
         backend: Backend = "auto",
+        nearest: bool = False,
     ) -> None:
         super().__init__()
         if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
@@ -142,6 +143,8 @@ class PackedMXFP4Experts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, two_i // 2
         self.act_fn = act_fn
         self.backend: Backend = backend
+        # the activations' block scales by the nearest rule (torq's default recipe)
+        self.nearest = nearest
         gu_codes, gu_scales = _pack(gate_up_proj)
         dn_codes, dn_scales = _pack(down_proj)
         self.register_buffer("gate_up_codes", gu_codes)
@@ -170,15 +173,17 @@ class PackedMXFP4Experts(nn.Module):
 
         if not isinstance(experts, QuantExperts):
             raise TypeError(f"expected QuantExperts, got {type(experts).__name__}")
-        mx = ("mxfp4", 32, "ocp")
         for side, spec in (
             ("weight", experts.config.weight),
             ("activation", experts.config.activation),
         ):
-            if spec is None or (spec.name, spec.block_size, spec.scale_mode) != mx:
+            ok = spec is not None and (spec.name, spec.block_size) == ("mxfp4", 32)
+            if ok and side == "activation":  # (a weight's codes hold whatever rule chose them)
+                ok = spec.scale_mode in ("ocp", "nearest")
+            if not ok:
                 raise ValueError(
-                    f"the kernels run MXFP4 (OCP scale rule) weights and activations; these "
-                    f"experts' {side} format is {spec.to_dict() if spec else 'float'}"
+                    f"the kernels run MXFP4 weights and activations (the OCP or nearest rule); "
+                    f"these experts' {side} format is {spec.to_dict() if spec else 'float'}"
                 )
         return cls(
             experts.gate_up_proj,
@@ -187,6 +192,7 @@ class PackedMXFP4Experts(nn.Module):
             experts.input_transform,
             [q.transform for q in experts.down_quantizers],
             backend,
+            nearest=experts.config.activation.scale_mode == "nearest",
         )
 
     def _expert_weights(self) -> list[tuple[MXFP4Weight, MXFP4Weight]]:
@@ -236,11 +242,22 @@ class PackedMXFP4Experts(nn.Module):
                 continue  # (a padding slot)
             gate_up, down = weights[e]
             gate, up = mxfp4_linear(
-                x[token_idx], gate_up, None, self.block_transform, backend=self.backend
+                x[token_idx],
+                gate_up,
+                None,
+                self.block_transform,
+                backend=self.backend,
+                nearest=self.nearest,
             ).chunk(2, dim=-1)
             block, rotation = self._down(e)
             y = mxfp4_linear(
-                self.act_fn(gate) * up, down, None, block, backend=self.backend, rotation=rotation
+                self.act_fn(gate) * up,
+                down,
+                None,
+                block,
+                backend=self.backend,
+                rotation=rotation,
+                nearest=self.nearest,
             )
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, k_pos, None]).to(out.dtype))
         return out
@@ -249,10 +266,11 @@ class PackedMXFP4Experts(nn.Module):
         self, x: torch.Tensor, block: torch.Tensor | None, rotation: nn.Module | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if block is None and fusable_in_prepass(rotation):
-            return quantize_activation_torq_i8(x, rotation)  # the transform in the pre-pass
+            # the transform in the pre-pass
+            return quantize_activation_torq_i8(x, rotation, nearest=self.nearest)
         if rotation is not None:
             x = rotation(x)
-        return quantize_activation_i8(x, block)
+        return quantize_activation_i8(x, block, nearest=self.nearest)
 
     def grouped(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
