@@ -156,7 +156,8 @@ def test_fp8_prefill_with_the_nearest_rule(m: int, n: int, k: int) -> None:
 
 def test_grouped_experts_decode_with_the_nearest_rule() -> None:
     """The experts' grouped integer GEMVs (one launch a projection for every chosen expert)
-    with nearest-rule activations: the per-expert reference path's numbers."""
+    with nearest-rule activations: the numbers of the fake-quant reference, expert by
+    expert."""
     from tests.conftest import tiny_model
     from torq.kernels import PackedMXFP4Experts
     from torq.surgery import QuantConfig
@@ -173,9 +174,6 @@ def test_grouped_experts_decode_with_the_nearest_rule() -> None:
     w = torch.rand(3, 2, generator=gen).to(DEVICE)
     packed = packed.to(DEVICE)
     grouped = packed.grouped(x, top, w)
+    packed.backend = "reference"  # the fake-quant definition, the nearest rule's
     each = packed.run(x, packed.routes(top), w)
     assert _rel_err(grouped.cpu(), each.cpu()) < 1e-5
-    ocp = PackedMXFP4Experts.from_quant_experts(
-        QuantExperts(experts, QuantConfig.from_names("mxfp4", "mxfp4")), backend="triton"
-    ).to(DEVICE)
-    assert _rel_err(ocp.run(x, ocp.routes(top), w).cpu(), each.cpu()) > 1e-4
