@@ -58,6 +58,7 @@ class BlockStatistics:
         seed: int,
         hessian: bool = False,
         cross: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         if width % block_size:
             raise ValueError(
@@ -66,20 +67,21 @@ class BlockStatistics:
         self.width = width
         self.block_size = block_size
         self.n_blocks = width // block_size
-        # the sums live where the activations are (the first update moves them there): on
-        # a GPU they are summed there, never copied to the host per batch (an 8B down_proj's
-        # Σ x xᵀ is 1.6 GB)
-        self.cov = torch.zeros(block_size, self.n_blocks, self.n_blocks, dtype=torch.float64)
+        # the sums live on ``device``, where the activations are (an update from elsewhere
+        # moves them there): on a GPU they are summed there, never copied to the host per
+        # batch (an 8B down_proj's Σ x xᵀ is 1.6 GB)
+        like = {"dtype": torch.float64, "device": device}
+        self.cov = torch.zeros(block_size, self.n_blocks, self.n_blocks, **like)
         self.count = 0
         self.capacity = reservoir
         self.sample = torch.empty(0, width, dtype=torch.float32)
         self._seen = 0
         self._gen = torch.Generator().manual_seed(seed)
         # Σ x xᵀ over the tokens (float64), for GPTQ; only when asked for
-        self.xtx = torch.zeros(width, width, dtype=torch.float64) if hessian else None
+        self.xtx = torch.zeros(width, width, **like) if hessian else None
         # Σ (x_float − x) xᵀ with the float model's inputs beside these (GPTAQ's cross term,
         # :func:`torq.surgery.gptq.gptq_quantize`); only when asked for
-        self.xtx_cross = torch.zeros(width, width, dtype=torch.float64) if cross else None
+        self.xtx_cross = torch.zeros(width, width, **like) if cross else None
 
     @property
     def device(self) -> torch.device:
@@ -333,6 +335,8 @@ def capture_layer(
     states; the quantized ones come from the layer once quantized)."""
     groups: list[LinearGroup] = list(discover_groups(layer, hidden[0], kwargs))
     experts = discover_experts(layer)
+    # the groups' sums where the layer computes (its inputs are there)
+    device = next((p.device for p in layer.parameters()), torch.device("cpu"))
     stats: dict[str, Any] = {
         g.name: BlockStatistics(
             g.width,
@@ -341,6 +345,7 @@ def capture_layer(
             seed=seed * 1000 + index * 10 + gi,
             hessian=hessian,
             cross=reference is not None,
+            device=device,
         )
         for gi, g in enumerate(groups)
     }
