@@ -258,3 +258,23 @@ def test_layers_that_read_one_input_run_as_one_product() -> None:
         q(x1)
         x1.mul_(2)  # changed in place after q read it
         assert torch.allclose(k(x1), k_ref(x1), atol=1e-6)
+
+
+def test_a_shared_product_with_biases_on_some_layers() -> None:
+    """Qwen2's q/k/v carry biases: the stacked product adds each layer's (zeros where a
+    layer has none) and computes the layers alone."""
+    model = _quantized("rtn", "nearest", arch="qwen2")
+    with torch.no_grad():  # one layer of the group without its bias
+        model.model.layers[0].self_attn.k_proj.bias = None
+    alone, shared = copy.deepcopy(model), copy.deepcopy(model)
+    accelerate(alone, share=False)
+    report = accelerate(shared)
+    assert (report.shared[0][:2]) == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+    ]
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator())
+    with torch.no_grad():
+        ref = alone(input_ids=ids).logits
+        got = shared(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) < 1e-6

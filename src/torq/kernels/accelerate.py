@@ -183,10 +183,11 @@ class SharedInputLinears(nn.Module):
         codes = torch.cat([m.codes for m in layers])
         scales = torch.cat([m.scales for m in layers])
         bias = None
-        if any(m.bias is not None for m in layers):
+        given = [m.bias for m in layers if m.bias is not None]
+        if given:  # a layer without a bias adds zeros
             bias = torch.cat(
                 [
-                    m.bias if m.bias is not None else torch.zeros(m.out_features).to(codes.device)
+                    m.bias if m.bias is not None else given[0].new_zeros(m.out_features)
                     for m in layers
                 ]
             )
