@@ -23,6 +23,13 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    windows, and the statistics of one input group of each width, each timed alone.
 5. ``torq+gptq``: the paper's TORQ rotations with GPTQ on one layer of the 8B shape
    (``--windows`` windows): its solvers run on the CPU.
+6. ``checkpoint`` (with ``--model``, a real model, and ``--data-dir``): the model quantized
+   with the default recipe on the device (``--calib-samples`` windows), saved as
+   compressed-tensors and loaded back through transformers, then on torq's kernels
+   (``packed=True``): the perplexity of the first ``--eval-windows`` windows of WikiText-2's
+   test for torq's own model, the served one and the packed one, and decoding tokens per
+   second of the float model in bf16 against the packed one (real weights: these
+   perplexities mean something).
 
 Random weights and random tokens: perplexities mean nothing here; seconds, memory and the
 agreement of two computations of the same model are what is measured.
@@ -349,6 +356,49 @@ def decode(
     return out
 
 
+def checkpoint(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
+    """A real model through the product's path, on ``device`` (module doc, part 6)."""
+    import torq
+    from torq.export.loading import load_model
+
+    if not args.model:
+        raise SystemExit("the checkpoint part needs --model (and --data-dir for WikiText-2)")
+    loaded = load_model(args.model)
+    model, tokenizer = loaded.model.to(device).eval(), loaded.tokenizer
+    out: dict[str, Any] = {"model": args.model, "calib_samples": args.calib_samples}
+    t0 = sync(device)
+    torq.quantize(
+        model,
+        "default",
+        calib_samples=args.calib_samples,
+        tokenizer=tokenizer,
+        data_dir=args.data_dir,
+        progress=False,
+    )
+    out["quantize_seconds"] = sync(device) - t0
+
+    def ppl(m: Any) -> float:
+        return torq.evaluate(
+            m, tokenizer, max_windows=args.eval_windows, data_dir=args.data_dir, progress=False
+        )["ppl"]
+
+    out["ppl_torq"] = ppl(model)
+    folder = root / "checkpoint-ct"
+    torq.save(model, folder, overwrite=True)
+    del model
+    served = torq.load(folder).to(device)
+    out["ppl_served"] = ppl(served)
+    del served
+    packed = torq.load(folder, packed=True).to(device)
+    out["ppl_packed"] = ppl(packed)
+    out["tokens_per_s"] = {}
+    all_speeds(packed, args.new_tokens, device, "torq W4A4", out)
+    del packed
+    float_model = load_model(args.model).model.to(device, torch.bfloat16).eval()
+    all_speeds(float_model, args.new_tokens, device, "bf16", out)
+    return out
+
+
 def device_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": device.type,
@@ -364,9 +414,11 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 def markdown(rec: dict[str, Any]) -> str:
     info = rec["machine"]
+    shaped = any(rec.get(k) for k in ("calibration", "steps", "decode", "anatomy"))
     lines = [
         f"{info.get('gpu', info['device'])}, torch {info['torch']}, {info['cpu_threads']} CPU "
-        f"threads, {info['date']}; random weights and tokens (shape {rec['shape']})",
+        f"threads, {info['date']}"
+        + (f"; the {rec['shape']} shape with random weights and tokens" if shaped else ""),
         "",
         f"Command: `{rec['command']}`",
         "",
@@ -438,6 +490,26 @@ def markdown(rec: dict[str, Any]) -> str:
             )
         )
         lines.append("")
+    ck = rec.get("checkpoint")
+    if ck:
+        tps = ck["tokens_per_s"]
+        lines += [
+            f"{ck['model']}, the default recipe on {ck['calib_samples']} calibration windows "
+            f"({ck['quantize_seconds']:.0f} s): perplexity torq {ck['ppl_torq']:.3f}, through "
+            f"transformers {ck['ppl_served']:.3f}, on torq's kernels {ck['ppl_packed']:.3f}",
+            "",
+            "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for how in ("", "graphed "):
+            for b in (1, 16):
+                bf16, fast = tps.get(f"bf16 {how}batch {b}"), tps.get(f"torq W4A4 {how}batch {b}")
+                if bf16 and fast:
+                    lines.append(
+                        f"| {how or 'generate, '}batch {b} | {bf16:.1f} | {fast:.1f} | "
+                        f"{fast / bf16:.2f}× |"
+                    )
+        lines.append("")
     if rec.get("skipped"):
         lines.append("Not run (the time budget): " + ", ".join(rec["skipped"]))
     return "\n".join(lines) + "\n"
@@ -461,6 +533,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parts", default="decode,calibration,anatomy,steps,torq+gptq")
     ap.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
     ap.add_argument("--dir", default="/tmp/torq-gpu", help="where the checkpoints are written")
+    ap.add_argument("--model", default=None, help="the checkpoint part's real model")
+    ap.add_argument("--data-dir", default=None, help="WikiText-2 for the checkpoint part")
+    ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--out", required=True, help="a folder: gpu.json and gpu.md")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -508,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
         elif part == "anatomy":
             folder = write_random(root / f"{args.shape}-1l", dims, 1)
             rec["anatomy"] = anatomy(folder, args.windows, device)
+        elif part == "checkpoint":
+            rec["checkpoint"] = checkpoint(args, device, root)
         elif part == "decode":
             rec["decode"] = decode(
                 dims, args.decode_layers or full, device, args.new_tokens, not args.no_share

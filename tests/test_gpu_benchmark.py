@@ -1,0 +1,24 @@
+"""``benchmarks/gpu.py`` on a CPU with the tiny shape: its parts run and record what they
+measure; on a CPU the accelerated model's NLL is the fake-quant model's exactly."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.gpu import main
+
+
+def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
+    out = tmp_path / "out"
+    args = ["--shape", "tiny", "--device", "cpu", "--windows", "2", "--seqlen", "64"]
+    args += ["--layers", "2", "--new-tokens", "3", "--parts", "calibration,decode"]
+    main([*args, "--dir", str(tmp_path / "ck"), "--out", str(out)])
+    rec = json.loads((out / "gpu.json").read_text())
+    (cal,) = rec["calibration"]
+    assert cal["method"] == "torq-had32+gptaq" and cal["layers"] == 2 and cal["windows"] == 2
+    assert cal["estimate"]["full_model_seconds"] > 0
+    dec = rec["decode"]
+    assert dec["nll_relative_difference"] == 0.0
+    assert "28 layers on torq's MXFP4 W4A4 kernels" in dec["accelerate"]
+    assert {"bf16 batch 1", "torq W4A4 batch 16", "ratio batch 1"} <= set(dec["tokens_per_s"])
+    assert "| generate, batch 1 |" in (out / "gpu.md").read_text()
