@@ -412,6 +412,23 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def speed_rows(tps: dict[str, float]) -> list[str]:
+    """The decode table: bf16 against torq's kernels, eager and graphed, batch 1 and 16."""
+    rows = [
+        "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for how in ("", "graphed "):
+        for b in (1, 16):
+            bf16, fast = tps.get(f"bf16 {how}batch {b}"), tps.get(f"torq W4A4 {how}batch {b}")
+            if bf16 and fast:
+                rows.append(
+                    f"| {how or 'generate, '}batch {b} | {bf16:.1f} | {fast:.1f} | "
+                    f"{fast / bf16:.2f}× |"
+                )
+    return rows
+
+
 def markdown(rec: dict[str, Any]) -> str:
     info = rec["machine"]
     shaped = any(rec.get(k) for k in ("calibration", "steps", "decode", "anatomy"))
@@ -460,18 +477,8 @@ def markdown(rec: dict[str, Any]) -> str:
             f"Decode through transformers' generate ({dec['layers']} layers, "
             f"{dec['new_tokens']} new tokens): {dec['accelerate']}",
             "",
-            "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
-            "| ---: | ---: | ---: | ---: |",
+            *speed_rows(tps),
         ]
-        for how in ("", "graphed "):
-            for b in (1, 16):
-                if f"ratio {how}batch {b}" not in tps:
-                    continue
-                bf16, torq = tps[f"bf16 {how}batch {b}"], tps[f"torq W4A4 {how}batch {b}"]
-                lines.append(
-                    f"| {how or 'generate, '}batch {b} | {bf16:.1f} | {torq:.1f} | "
-                    f"{torq / bf16:.2f}× |"
-                )
         for k, v in (dec.get("graph_errors") or {}).items():
             lines.append(f"\nNo CUDA graph for {k}: {v}")
         lines += [
@@ -498,18 +505,9 @@ def markdown(rec: dict[str, Any]) -> str:
             f"({ck['quantize_seconds']:.0f} s): perplexity torq {ck['ppl_torq']:.3f}, through "
             f"transformers {ck['ppl_served']:.3f}, on torq's kernels {ck['ppl_packed']:.3f}",
             "",
-            "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
-            "| --- | ---: | ---: | ---: |",
+            *speed_rows(tps),
+            "",
         ]
-        for how in ("", "graphed "):
-            for b in (1, 16):
-                bf16, fast = tps.get(f"bf16 {how}batch {b}"), tps.get(f"torq W4A4 {how}batch {b}")
-                if bf16 and fast:
-                    lines.append(
-                        f"| {how or 'generate, '}batch {b} | {bf16:.1f} | {fast:.1f} | "
-                        f"{fast / bf16:.2f}× |"
-                    )
-        lines.append("")
     if rec.get("skipped"):
         lines.append("Not run (the time budget): " + ", ".join(rec["skipped"]))
     return "\n".join(lines) + "\n"
