@@ -301,7 +301,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     folder = tmp_path / "m"
     model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
-    monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 0.0)  # keep every layer
+    monkeypatch.setattr(driver.progress, "PROGRESS_EVERY_S", 0.0)  # keep every layer
 
     def config(**kw):
         cfg = _config(folder, data_dir, [method], sequential, hidden_states=hidden)
@@ -350,7 +350,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
     seen.clear()
     stopping[0] = False
     monkeypatch.setattr(torq.pipeline, "layer_plan", stopping_plan)  # records the layers it runs
-    monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 1e9)  # the last layer is kept anyway
+    monkeypatch.setattr(driver.progress, "PROGRESS_EVERY_S", 1e9)  # the last layer is kept anyway
     row = run(config(resume_dir=str(resume), max_windows=3), progress=False)
     again = row["rows"][0]
     assert seen == list(range(stop_at + 1, 3))
