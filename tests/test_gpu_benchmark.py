@@ -10,8 +10,8 @@ from benchmarks.gpu import main
 
 def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     out = tmp_path / "out"
-    args = ["--shape", "tiny", "--device", "cpu", "--windows", "2", "--seqlen", "64"]
-    args += ["--layers", "2", "--new-tokens", "3", "--parts", "calibration,decode"]
+    args = ["--shape", "tiny", "--device", "cpu", "--windows", "2", "--seqlen", "32"]
+    args += ["--layers", "2", "--new-tokens", "2", "--parts", "calibration,decode"]
     main([*args, "--dir", str(tmp_path / "ck"), "--out", str(out)])
     rec = json.loads((out / "gpu.json").read_text())
     (cal,) = rec["calibration"]

@@ -100,7 +100,7 @@ def test_fp8_prepass_with_the_nearest_rule(m: int, k: int) -> None:
 VARIANTS = [
     (cfg, shape)
     for cfg in KERNEL_VARIANTS
-    for shape in [(1, 40, 96), (33, 20, 224)]
+    for shape in [(1, 24, 64), (33, 16, 96)]
     if not cfg.kind.startswith("gemv") or shape[0] <= cfg.block_m
 ]
 
@@ -169,9 +169,11 @@ def test_grouped_experts_decode_with_the_nearest_rule() -> None:
     packed = PackedMXFP4Experts.from_quant_experts(QuantExperts(experts, cfg), backend="triton")
     assert packed.nearest
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(3, packed.hidden_size, generator=gen).to(DEVICE)
-    top = torch.tensor([[0, 1], [2, 0], [3, 1]]).to(DEVICE)
-    w = torch.rand(3, 2, generator=gen).to(DEVICE)
+    x = torch.randn(2, packed.hidden_size, generator=gen)
+    x[:, ::32] = 7.5  # every block's amax with a significand past 1.75
+    x = x.to(DEVICE)
+    top = torch.tensor([[0, 1], [2, 0]]).to(DEVICE)
+    w = torch.rand(2, 2, generator=gen).to(DEVICE)
     packed = packed.to(DEVICE)
     grouped = packed.grouped(x, top, w)
     packed.backend = "reference"  # the fake-quant definition, the nearest rule's
