@@ -24,6 +24,7 @@ from torq.export.checkpoint import (
     _spec,
 )
 from torq.formats.packed import PackedTensor, dequantize
+from torq.kernels.config import SCALE_RULES
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.kernels.weight import MXFP4Weight
 from torq.models.architecture import decoder_layers
@@ -134,7 +135,7 @@ def _packable(entry: dict[str, Any]) -> bool:
         entry["storage"] == "packed"
         and mx32(entry["weight"])
         and mx32(act)
-        and act["scale_mode"] in ("ocp", "nearest")
+        and act["scale_mode"] in SCALE_RULES
     )
 
 

@@ -32,16 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from torq.kernels.config import Backend
+from torq.kernels.config import SCALE_RULES, Backend
 from torq.kernels.experts import PackedMXFP4Experts
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.kernels.weight import MXFP4Weight
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
-
-# the MX formats the kernels compute: MXFP4 blocks of 32, the activation's scale by the OCP
-# or the nearest rule (a weight's codes and scales are packed whatever rule chose them)
-_KERNEL_RULES = ("ocp", "nearest")
 
 
 @dataclass
@@ -76,7 +72,7 @@ def _format_reason(config: object) -> str | None:
             return f"float {side}s: the kernels run W4A4"
         if spec.name != "mxfp4" or spec.block_size != 32:
             return f"{side}s in {spec.name}: the kernels compute MXFP4 in blocks of 32"
-        if spec.scale_mode not in _KERNEL_RULES:
+        if spec.scale_mode not in SCALE_RULES:
             return (
                 f"{side}s in MXFP4 with the {spec.scale_mode} rule: the kernels compute the OCP "
                 "and nearest rules"

@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 BLOCK = 32
+# the activations' block-scale rules the pre-passes compute (:class:`torq.formats.FormatSpec`):
+# OCP's, and the nearest rule of torq's default recipe and of compressed-tensors' loaders
+SCALE_RULES: tuple[str, ...] = ("ocp", "nearest")
 # Up to this many tokens the default is a decode launch (1–4 tokens: gemv_i8).
 DECODE_MAX_TOKENS = 16
 # From this many tokens the default is the prefill path (the operands' MXFP4 values as

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import torq.kernels.triton_mxfp4 as tk
-from torq.kernels.config import Backend
+from torq.kernels.config import SCALE_RULES, Backend
 from torq.kernels.dispatch import mxfp4_linear, use_triton
 from torq.kernels.launch import (
     check_block_transform,
@@ -179,7 +179,7 @@ class PackedMXFP4Experts(nn.Module):
         ):
             ok = spec is not None and (spec.name, spec.block_size) == ("mxfp4", 32)
             if ok and side == "activation":  # (a weight's codes hold whatever rule chose them)
-                ok = spec.scale_mode in ("ocp", "nearest")
+                ok = spec.scale_mode in SCALE_RULES
             if not ok:
                 raise ValueError(
                     f"the kernels run MXFP4 weights and activations (the OCP or nearest rule); "
