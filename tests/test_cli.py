@@ -473,34 +473,37 @@ def test_gpu_folded_balance_matches_cpu(tiny_checkpoint, tiny_data_dir) -> None:
 def test_default_methods_are_fp_and_the_default_recipe(
     tiny_checkpoint, tiny_calibration_data_dir, tmp_path, capsys
 ) -> None:
-    """Without ``--methods`` a float model is evaluated in FP and quantized with torq's
-    default recipe (issue 27: the best measured one, ``torq+gptq``); ``torq methods`` names
-    it first."""
-    from torq.methods import DEFAULT_METHOD, get_method
+    """Without ``--methods`` a float model is evaluated in FP and quantized with the
+    ``default`` recipe, with its settings: its method, its balancing folded and its MXFP4
+    scale rule; the same numbers as the recipe's method named with those flags."""
+    from torq.methods.recipes import get_recipe
 
-    assert DEFAULT_METHOD == "torq+gptq" and get_method(DEFAULT_METHOD).gptq_enabled
-    out = tmp_path / "res.json"
-    argv = [
+    recipe = get_recipe("default")
+    base = [
         "run", "--model", str(tiny_checkpoint), "--seqlen", "64", "--max-windows", "2",
         "--calib-samples", "2", "--calib-seqlen", "32", "--data-dir",
-        str(tiny_calibration_data_dir), "--out", str(out), "--no-progress",
+        str(tiny_calibration_data_dir), "--no-progress",
     ]  # fmt: skip
-    code, _, _ = _run(argv, capsys)
+    out = tmp_path / "res.json"
+    code, _, _ = _run([*base, "--out", str(out)], capsys)
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["fp", DEFAULT_METHOD]
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert [r["method"] for r in rows] == ["fp", recipe.method]
     assert math.isfinite(rows[1]["ppl"]) and rows[1]["ppl"] != rows[0]["ppl"]
+    named = tmp_path / "named.json"
+    flags = ["--methods", recipe.method, "--fold-balance", "--scale-mode", recipe.scale_mode]
+    code, _, _ = _run([*base, *flags, "--out", str(named)], capsys)
+    assert code == 0
+    assert json.loads(named.read_text())["rows"][0]["ppl"] == rows[1]["ppl"]
     code, listing, _ = _run(["methods"], capsys)
-    lines = listing.splitlines()
-    first = lines[lines.index("methods (torq run --methods):") + 1].split("\t")
-    assert code == 0 and first[:2] == [DEFAULT_METHOD, "(default)"]
-    assert first[2].endswith("GPTQ weights") and "RTN" not in first[2]
+    assert code == 0 and "without it, fp and the default recipe" in listing
     # the help names the recipe literally (the parser does not import the methods): keep it so
     from torq.cli import build_parser
 
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     (methods,) = [a for a in run._actions if "--methods" in a.option_strings]
-    assert f"({DEFAULT_METHOD}:" in methods.help
+    assert f"recipe ({recipe.method}," in methods.help
 
 
 class _Stop(Exception):

@@ -349,16 +349,22 @@ def compare(
     (:func:`~torq.methods.registry.method_spec`). ``capture`` is the calibration every
     calibrating method reads; ``options`` are :class:`~torq.runs.config.RunConfig`'s other
     fields (formats, windows, tasks, folders). Without ``methods``: a folder torq saved is
-    evaluated as it is, a float model is compared with the default method. With ``out`` the
+    evaluated as it is, a float model is compared with the ``default`` recipe (its method,
+    its balancing folded and its MXFP4 scale rule unless ``scale_mode`` is given). With ``out`` the
     record is written there (and its table beside it, ``.md``) after each method."""
-    from torq.methods import DEFAULT_METHOD
+    from torq.methods.recipes import DEFAULT_RECIPE, get_recipe
     from torq.methods.registry import method_specs
     from torq.runs.report import markdown_table
     from torq.runs.source import saved_formats, saved_manifest
 
     saved = saved_manifest(model)
-    if methods is None:  # a folder torq wrote: the method it holds, as it is
-        methods = [saved.get("method") or "saved"] if saved else ["fp", DEFAULT_METHOD]
+    if methods is None and saved:  # a folder torq wrote: the method it holds, as it is
+        methods = [saved.get("method") or "saved"]
+    elif methods is None:  # a float model: FP and the default recipe, with its settings
+        recipe = get_recipe(DEFAULT_RECIPE)
+        methods = ["fp", recipe.spec(*settings)]
+        if "mxfp4" in (options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")):
+            options.setdefault("scale_mode", recipe.scale_mode)
     formats = None if saved is None else saved_formats(saved)
     given = [f for f in ("weight_format", "act_format", "scale_mode") if f in options]
     weight = options.get("weight_format", "mxfp4")

@@ -41,7 +41,7 @@ from torq.export.loading import load_model
 from torq.methods.layers import layer_plan
 from torq.methods.registry import LayerPlan, Method, MethodSpec
 from torq.models.loading import LoadedModel, model_folder
-from torq.models.streaming import LayerStream
+from torq.models.streaming import LayerStream, collecting_new_objects_only
 from torq.paths import write_json_atomic
 from torq.runs.checks import check_run
 from torq.runs.config import RunConfig, method_context, resolve_device
@@ -188,6 +188,7 @@ def hidden_states_mode(
     return "memory" if tokens * hidden_size * 4 <= AUTO_HIDDEN_MEMORY_BYTES else "disk"
 
 
+@collecting_new_objects_only
 def _run_streamed(
     config: RunConfig,
     progress: bool,
@@ -195,7 +196,10 @@ def _run_streamed(
     scratch: Path | None,
 ) -> dict[str, Any]:
     """Each method streams the checkpoint again from its folder, one decoder layer at a
-    time (:mod:`torq.driver`), so no copy of the model is made or held."""
+    time (:mod:`torq.driver`), so no copy of the model is made or held. The objects alive
+    before the run stay out of the garbage collector's sight until it returns, so the
+    collection after each method walks only what the run made (a full one per method cost
+    0.2 s in a test process, more than a tiny model's whole method)."""
     from transformers import AutoTokenizer
 
     qconfig = config.quant_config()

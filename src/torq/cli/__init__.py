@@ -282,7 +282,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"torq: wrote {out} ({args.to})")
             return 0
         if args.command == "methods":
-            from torq.methods import DEFAULT_METHOD, METHODS, get_method
+            from torq.methods import METHODS, get_method
             from torq.methods.recipes import DEFAULT_RECIPE, RECIPES
 
             print("recipes (torq quantize --recipe):")
@@ -290,9 +290,7 @@ def _main(argv: list[str] | None) -> int:
                 mark = " (default)" if r.name == DEFAULT_RECIPE else ""
                 serves = "torq only" if r.cannot_serve() else "servable"
                 print(f"  {r.name}{mark}\t{r.method}\t{serves}\t{r.use_when}")
-            print("methods (torq run --methods):")
-            default = get_method(DEFAULT_METHOD)
-            print(f"{default.name}\t(default)\t{default.description}")
+            print("methods (torq run --methods; without it, fp and the default recipe):")
             for name, method in sorted(METHODS.items()):
                 notes = []
                 if method.supports_gptq:

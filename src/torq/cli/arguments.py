@@ -271,7 +271,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated methods (see 'torq methods'); default: for a folder torq wrote, "
         "the method it holds; for a float model, torq eval: fp, torq run: fp and the default "
-        "method (torq+gptq: 'torq methods' marks it)",
+        "recipe (torq-had32+gptaq, balancing folded, nearest scales)",
     )
     run.add_argument(
         "--format",

@@ -50,7 +50,7 @@ from torch import nn
 
 from torq.errors import TorqError
 from torq.formats import FormatSpec
-from torq.formats.packed import dequantize, encode_nvfp4_exact, quantize
+from torq.formats.packed import PackedTensor
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.models.fingerprint import (
     fingerprint_ids,
@@ -88,41 +88,23 @@ def _spec(data: dict[str, Any] | None) -> FormatSpec | None:
     return None if data is None else FormatSpec.from_dict(data)
 
 
-def _pack_exact(
-    w: torch.Tensor, spec: FormatSpec | None, tensor_scale: torch.Tensor | None = None
-) -> tuple[dict[str, torch.Tensor], str]:
-    """The stored tensors of one weight: packed when unpacking gives ``w`` back bit for bit
-    (a weight the method quantized to ``spec``'s grid), else ``w`` in float. An NVFP4
-    weight packs with the tensor scale it was quantized with (``tensor_scale``,
-    :func:`torq.formats.packed.encode_nvfp4_exact`); quantizing it again would take the
-    quantized weight's own amax, another scale."""
-    w = w.detach().cpu().contiguous()
-    if spec is not None and bool(torch.isfinite(w).all()):
-        if spec.name == "nvfp4":
-            p = None if tensor_scale is None else encode_nvfp4_exact(w, tensor_scale.cpu())
-        else:
-            p = quantize(w, spec)
-        if p is not None and torch.equal(dequantize(p, w.dtype), w):
-            out = {"codes": p.codes.contiguous(), "scales": p.scales.contiguous()}
-            if p.tensor_scale is not None:
-                out["tensor_scale"] = p.tensor_scale.reshape(1).contiguous()
-            return out, "packed"
-    return {"": w}, "float"
-
-
 def _store(
     tensors: dict[str, torch.Tensor],
     key: str,
     w: torch.Tensor,
     spec: FormatSpec | None,
-    tensor_scale: torch.Tensor | None = None,
+    packed: PackedTensor | None,
 ) -> dict[str, Any]:
-    parts, storage = _pack_exact(w, spec, tensor_scale)
-    for suffix, t in parts.items():
-        tensors[key + (f"_{suffix}" if suffix else "")] = t
+    """Store one weight under ``key``: its packed form (``key_codes``, ``key_scales``,
+    NVFP4's ``key_tensor_scale``) when it has one, else its values in float."""
+    if packed is not None:
+        for suffix, t in packed.to_state().items():
+            tensors[f"{key}_{suffix}"] = t
+    else:
+        tensors[key] = w.detach().cpu().contiguous()
     return {
         "weight": _spec_dict(spec),
-        "storage": storage,
+        "storage": "float" if packed is None else "packed",
         "dtype": str(w.dtype).removeprefix("torch."),
         "shape": list(w.shape),
     }
@@ -263,11 +245,7 @@ class _Entries:
                 entry = {
                     "kind": "linear",
                     **_store(
-                        tensors,
-                        f"{name}.weight",
-                        m.weight,
-                        m.config.weight,
-                        getattr(m, "weight_tensor_scale", None),
+                        tensors, f"{name}.weight", m.weight, m.config.weight, m.packed_weight()
                     ),
                 }
                 entry["activation"] = _spec_dict(m.config.activation)
@@ -277,13 +255,16 @@ class _Entries:
                 entry["quantizer"] = self.quantizer_index(m.input_quantizer, tensors)
                 modules[name] = entry
             elif isinstance(m, QuantExperts):
+                gate_up, down = m.packed_weights()
                 modules[name] = {
                     "kind": "experts",
                     "activation": _spec_dict(m.config.activation),
                     "gate_up_proj": _store(
-                        tensors, f"{name}.gate_up_proj", m.gate_up_proj, m.config.weight
+                        tensors, f"{name}.gate_up_proj", m.gate_up_proj, m.config.weight, gate_up
                     ),
-                    "down_proj": _store(tensors, f"{name}.down_proj", m.down_proj, m.config.weight),
+                    "down_proj": _store(
+                        tensors, f"{name}.down_proj", m.down_proj, m.config.weight, down
+                    ),
                     # the expert input's quantizer and the down_proj inputs' (one or one per
                     # expert), with their online transforms
                     "quantizer": self.quantizer_index(m.input_quantizer, tensors),

@@ -56,8 +56,6 @@ from torq.export.reading import (
     _StoredTensors,
     read_manifest,
 )
-from torq.formats import dequantize, quantize
-from torq.formats.packed import encode_nvfp4_exact
 from torq.formats.packing import decode_e4m3
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
@@ -209,18 +207,20 @@ def export_compressed_tensors(
     _apply_schemes(plain, kind, activations, ignore, fmt)
     expected_codes: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
-        weight = module.weight.detach().float().cpu()
         target = plain.get_submodule(name)
+        packed = module.packed_weight()  # torq's one stored form of the weight
+        if packed is None:
+            raise TorqError(
+                f"{name}: its NVFP4 weight has no tensor scale to pack it with (quantize it "
+                "with this torq version); nothing written"
+                if fmt == NVFP4_FORMAT
+                else f"{name}: its weight is not on the MXFP4 grid; nothing written"
+            )
+        codes, scales = packed.codes.cpu(), packed.scales.cpu()
         if fmt == NVFP4_FORMAT:
-            g = getattr(module, "weight_tensor_scale", None)
-            packed = None if g is None else encode_nvfp4_exact(weight, g.cpu())
-            if packed is None:
-                raise TorqError(
-                    f"{name}: its NVFP4 weight has no tensor scale to pack it with (quantize "
-                    "it with this torq version); nothing written"
-                )
-            scale = decode_e4m3(packed.scales)
-            target.weight_global_scale.data = (1.0 / packed.tensor_scale).reshape(
+            assert packed.tensor_scale is not None  # NVFP4's packing keeps it
+            scale = decode_e4m3(scales)
+            target.weight_global_scale.data = (1.0 / packed.tensor_scale.cpu()).reshape(
                 target.weight_global_scale.shape
             )
             if activations:  # the static activation tensor scale, inverted as the weight's
@@ -231,12 +231,9 @@ def export_compressed_tensors(
                 )
             # compressed-tensors packs the model's weight (torq's, in bf16) with these
             # scales itself; the codes it writes are checked against torq's below
-            expected_codes[name] = _ct_codes(packed.codes)
+            expected_codes[name] = _ct_codes(codes)
         else:
-            packed = quantize(weight, module.config.weight)
-            if not torch.equal(dequantize(packed, torch.float32), weight):
-                raise TorqError(f"{name}: its weight is not on the MXFP4 grid; nothing written")
-            exponent = packed.scales.to(torch.int32) - 127  # E8M0: the same bytes once stored
+            exponent = scales.to(torch.int32) - 127  # E8M0: the same bytes once stored
             scale = torch.ldexp(torch.ones(exponent.shape), exponent)
         target.weight_scale.data = scale.reshape(target.weight_scale.shape).to(
             target.weight_scale.dtype

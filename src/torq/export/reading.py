@@ -23,7 +23,7 @@ from torq.export.checkpoint import (
     WEIGHTS,
     _spec,
 )
-from torq.formats.packed import PackedTensor, dequantize
+from torq.formats.packed import PackedTensor
 from torq.kernels.config import SCALE_RULES
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.kernels.weight import MXFP4Weight
@@ -42,12 +42,29 @@ from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts,
 log = logging.getLogger(__name__)
 
 
+def _packed(tensors: _StoredTensors, key: str, entry: dict[str, Any]) -> PackedTensor:
+    """The packed weight stored under ``key`` (:meth:`PackedTensor.to_state`'s tensors)."""
+    spec = _spec(entry["weight"])
+    if spec is None:
+        raise TorqError(f"{key} is stored packed but its manifest entry names no format")
+    try:
+        return PackedTensor.from_state(
+            spec,
+            tuple(entry["shape"]),
+            _take(tensors, f"{key}_codes"),
+            _take(tensors, f"{key}_scales"),
+            tensors.get(f"{key}_tensor_scale"),
+        )
+    except ValueError as e:
+        raise TorqError(f"{key}: {e}") from None
+
+
 def _unpack(
     tensors: _StoredTensors,
     key: str,
     entry: dict[str, Any],
 ) -> torch.Tensor:
-    """Inverse of :func:`_pack_exact` for the weight stored under ``key``."""
+    """The values of the weight stored under ``key``, packed or in float."""
     dtype = getattr(torch, entry["dtype"])
     shape = tuple(entry["shape"])
     if entry["storage"] == "float":
@@ -55,25 +72,7 @@ def _unpack(
         if tuple(w.shape) != shape:
             raise TorqError(f"{key} has shape {tuple(w.shape)}, the manifest says {shape}")
         return w.to(dtype)
-    spec = _spec(entry["weight"])
-    if spec is None:
-        raise TorqError(f"{key} is stored packed but its manifest entry names no format")
-    ts = tensors.get(f"{key}_tensor_scale")
-    p = PackedTensor(
-        fmt=spec,
-        codes=_take(tensors, f"{key}_codes"),
-        scales=_take(tensors, f"{key}_scales"),
-        tensor_scale=None if ts is None else ts.reshape(()),
-        shape=shape,
-    )
-    bs = spec.block_size
-    padded = -(-shape[-1] // bs) * bs
-    if tuple(p.codes.shape) != (*shape[:-1], padded // 2) or tuple(p.scales.shape) != (
-        *shape[:-1],
-        padded // bs,
-    ):
-        raise TorqError(f"{key}: packed codes/scales do not match the shape {shape}")
-    return dequantize(p, dtype)
+    return _packed(tensors, key, entry).dequantize(dtype)
 
 
 def _take(tensors: _StoredTensors | dict[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -229,11 +228,7 @@ def _quantized_module(
             raise TorqError(f"the checkpoint lacks the tensor {name}.bias")
         quantizer = quantizers[entry["quantizer"]]
         if packed and _packable(entry):
-            weight = MXFP4Weight(
-                _take(tensors, f"{name}.weight_codes"),
-                _take(tensors, f"{name}.weight_scales"),
-                int(entry["shape"][1]),
-            )
+            weight = MXFP4Weight.from_packed(_packed(tensors, f"{name}.weight", entry))
             nearest = entry["activation"]["scale_mode"] == "nearest"
             return PackedMXFP4Linear(
                 weight, bias, input_transform=quantizer.transform, nearest=nearest

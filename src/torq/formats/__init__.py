@@ -6,7 +6,7 @@ eq. 1); ``quantize`` / ``dequantize`` are its packed form.
 
 from torq.formats.config import FORMAT_NAMES, SCALE_MODES, FormatSpec, get_format
 from torq.formats.fake_quant import fake_quantize
-from torq.formats.packed import PackedTensor, dequantize, quantize
+from torq.formats.packed import PackedTensor, dequantize, pack_exact, quantize
 
 __all__ = [
     "FORMAT_NAMES",
@@ -16,5 +16,6 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "get_format",
+    "pack_exact",
     "quantize",
 ]

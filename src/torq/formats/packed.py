@@ -58,6 +58,43 @@ class PackedTensor:
     tensor_scale: torch.Tensor | None
     shape: tuple[int, ...]
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values, for fake-quantized compute (:func:`dequantize`)."""
+        return dequantize(self, dtype)
+
+    def to_state(self) -> dict[str, torch.Tensor]:
+        """The stored tensors: ``codes``, ``scales`` and, for NVFP4, ``tensor_scale`` (1-D,
+        one element), contiguous and on the CPU: what a checkpoint writes under a weight's
+        name with these suffixes."""
+        out = {"codes": self.codes.cpu().contiguous(), "scales": self.scales.cpu().contiguous()}
+        if self.tensor_scale is not None:
+            out["tensor_scale"] = self.tensor_scale.cpu().reshape(1).contiguous()
+        return out
+
+    @classmethod
+    def from_state(
+        cls,
+        fmt: FormatSpec,
+        shape: tuple[int, ...],
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        tensor_scale: torch.Tensor | None = None,
+    ) -> PackedTensor:
+        """The inverse of :meth:`to_state`, its tensors checked against ``shape`` (a
+        ``ValueError`` names what does not fit)."""
+        bs = fmt.block_size
+        padded = -(-shape[-1] // bs) * bs
+        want_codes, want_scales = (*shape[:-1], padded // 2), (*shape[:-1], padded // bs)
+        if tuple(codes.shape) != want_codes or tuple(scales.shape) != want_scales:
+            raise ValueError(
+                f"packed codes {tuple(codes.shape)} / scales {tuple(scales.shape)} do not fit "
+                f"the shape {shape} (want {want_codes} / {want_scales})"
+            )
+        if fmt.name == "nvfp4" and tensor_scale is None:
+            raise ValueError("an nvfp4 weight needs its tensor scale")
+        ts = None if tensor_scale is None else tensor_scale.reshape(())
+        return cls(fmt=fmt, codes=codes, scales=scales, tensor_scale=ts, shape=tuple(shape))
+
 
 def quantize(x: torch.Tensor, fmt: FormatSpec | str) -> PackedTensor:
     """Quantize ``x`` along its last dim into packed codes and block scales.
@@ -192,3 +229,31 @@ def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Ten
         scale = decode_e8m0(p.scales, work)
     y = q * scale.reshape(rows, n_blocks, 1)
     return from_blocks(y, p.shape).to(dtype)
+
+
+@torch.no_grad()
+def pack_exact(
+    w: torch.Tensor, fmt: FormatSpec | str, tensor_scale: torch.Tensor | None = None
+) -> PackedTensor | None:
+    """The packed form of a weight already on ``fmt``'s grid (quantized by rounding or by
+    GPTQ), or ``None`` when no packing gives ``w`` back bit for bit (a weight kept in float,
+    or off the grid). MX formats pack by quantizing again, which leaves values on the grid
+    where they are; an NVFP4 weight packs with the tensor scale it was quantized with
+    (:func:`encode_nvfp4_exact`), since quantizing again would take the quantized weight's
+    own amax, another scale. This is how every quantized weight torq holds in float reaches
+    its one stored form: checkpoints, the kernels and compressed-tensors take the result.
+    The codes and scales are on ``w``'s device (NVFP4's on the CPU)."""
+    spec = as_format(fmt)
+    x = w.detach()
+    if x.numel() == 0 or not bool(torch.isfinite(x).all()):
+        return None
+    if spec.name == "nvfp4":
+        if tensor_scale is None:
+            return None
+        x = x.cpu()  # the search for exact block scales runs on the CPU
+        p = encode_nvfp4_exact(x, tensor_scale.detach().cpu())
+    else:
+        p = _quantize(x, spec)
+    if p is None or not torch.equal(dequantize(p, x.dtype), x):
+        return None
+    return p

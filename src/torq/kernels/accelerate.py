@@ -86,10 +86,10 @@ def packed_linear(module: QuantLinear, backend: Backend = "auto") -> PackedMXFP4
     reason = _format_reason(module.config)
     if reason is not None:
         raise ValueError(reason)
-    weight = MXFP4Weight.from_float(module.weight.detach())
-    again = weight.dequantize(torch.float32).to(module.weight.device)
-    if not torch.equal(again, module.weight.detach().float()):
+    packed = module.packed_weight()
+    if packed is None:
         raise ValueError("its weight is not on the MXFP4 grid (not packed exactly)")
+    weight = MXFP4Weight.from_packed(packed)
     bias = None if module.bias is None else module.bias.detach().clone()
     nearest = module.config.activation.scale_mode == "nearest"
     return PackedMXFP4Linear(
@@ -158,10 +158,7 @@ def _ct_packed(module: nn.Linear, backend: Backend) -> PackedMXFP4Linear:
     rotation, reason = _ct_block_transform(module)
     if reason is not None:
         raise ValueError(reason)
-    weight = MXFP4Weight.from_float(module.weight.detach().float())
-    again = weight.dequantize(torch.float32).to(module.weight.device)
-    if not torch.equal(again, module.weight.detach().float()):
-        raise ValueError("its weight is not on the MXFP4 grid (not packed exactly)")
+    weight = MXFP4Weight.from_quantized(module.weight)
     bias = None if module.bias is None else module.bias.detach().clone()
     return PackedMXFP4Linear(weight, bias, input_transform=rotation, backend=backend, nearest=True)
 

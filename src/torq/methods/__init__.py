@@ -9,7 +9,6 @@ import importlib
 import pkgutil
 
 from torq.methods.registry import (
-    DEFAULT_METHOD,
     METHODS,
     LayerPlan,
     Method,
@@ -24,7 +23,6 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "DEFAULT_METHOD",
     "METHODS",
     "LayerPlan",
     "Method",

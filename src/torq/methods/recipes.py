@@ -12,6 +12,7 @@ research (``torq run --methods``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
@@ -36,11 +37,16 @@ class Recipe:
     # TORQ exactly as the paper states it (:meth:`TorqSettings.paper`)
     paper: bool = False
 
-    def spec(self) -> MethodSpec:
-        """This recipe's method with its settings."""
-        settings = TorqSettings()
-        settings = settings.paper() if self.paper else replace(settings, fold=self.fold_balance)
-        return method_spec(self.method, settings)
+    def spec(self, *given: Any) -> MethodSpec:
+        """This recipe's method with its settings: the recipe's own (the folded balancing,
+        or the paper's TORQ) over ``given`` settings values (GPTQ's, the solver's knobs),
+        which the method takes as :func:`~torq.methods.registry.method_spec` does."""
+        base = next((g for g in given if isinstance(g, TorqSettings)), None) or TorqSettings()
+        settings = (
+            base.paper() if self.paper else replace(base, fold=self.fold_balance or base.fold)
+        )
+        others = [g for g in given if not isinstance(g, TorqSettings)]
+        return method_spec(self.method, settings, *others)
 
     def capture(self, calibration: CalibrationConfig | None = None) -> CaptureSettings:
         """The calibration of this recipe: ``calibration`` (default:

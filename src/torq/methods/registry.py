@@ -289,14 +289,6 @@ def register(method: Method) -> Method:
     return method
 
 
-# What ``torq run`` and ``torq eval`` quantize with when no method is named, and what
-# ``make demo`` shows (issue 27's fallback): TORQ's rotations after torq's balancing, with GPTQ
-# weights, the best row measured on both models' perplexity (full WikiText-2 test, held-out
-# Wikipedia text, two calibration seeds) and on SmolLM2's zero-shot average
-# (docs/research-log.md §10.5). ``torq`` alone is the same transform with RTN weights.
-DEFAULT_METHOD = "torq+gptq"
-
-
 def get_method(name: str) -> Method:
     """A registered method by name; ``<method>+gptq`` composes its transform with GPTQ
     weights (``rtn+gptq`` is ``gptq``), ``<method>+gptaq`` with GPTAQ's (``rtn+gptaq`` is

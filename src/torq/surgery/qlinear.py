@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torq.formats import FormatSpec, fake_quantize, get_format
+from torq.formats import FormatSpec, PackedTensor, fake_quantize, get_format, pack_exact
 from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 
 T = TypeVar("T")
@@ -293,6 +293,16 @@ class QuantLinear(nn.Module):
     def input_transform(self) -> nn.Module | None:
         return self.input_quantizer.transform
 
+    def packed_weight(self) -> PackedTensor | None:
+        """The weight's one stored form, packed codes and scales in its format
+        (:func:`~torq.formats.packed.pack_exact`), that checkpoints, the kernels and
+        compressed-tensors take; ``None`` for a weight that is not quantized or that no
+        packing reproduces bit for bit. ``weight`` is its values, kept for fake-quantized
+        compute."""
+        if self.config.weight is None:
+            return None
+        return pack_exact(self.weight, self.config.weight, self.weight_tensor_scale)
+
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         return self.input_quantizer(x)
 
@@ -382,6 +392,16 @@ class QuantExperts(nn.Module):
     @property
     def input_transform(self) -> nn.Module | None:
         return self.input_quantizer.transform
+
+    def packed_weights(self) -> tuple[PackedTensor | None, PackedTensor | None]:
+        """``gate_up_proj`` and ``down_proj`` in their stored form (as
+        :meth:`QuantLinear.packed_weight`, each ``[E, out, in]``)."""
+        if self.config.weight is None:
+            return None, None
+        return (
+            pack_exact(self.gate_up_proj, self.config.weight),
+            pack_exact(self.down_proj, self.config.weight),
+        )
 
     def down_quantizer(self, expert: int) -> ActivationQuantizer:
         """The quantizer of expert ``expert``'s ``down_proj`` input."""
