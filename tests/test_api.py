@@ -255,3 +255,18 @@ def test_compare_runs_methods_side_by_side_and_refuses_new_formats_for_a_saved_m
     assert again["rows"][0]["ppl"] == pytest.approx(record["rows"][1]["ppl"], rel=1e-6)
     with pytest.raises(TorqError, match="formats cannot be changed"):
         torq.compare(saved, weight_format="nvfp4", act_format="nvfp4", **common)
+
+
+def test_generate_times_the_prompt_and_the_decoding_apart(tiny_checkpoint) -> None:
+    """``torq.generate``: the whole call's seconds, the prefill (until the first new token)
+    and the decoding speed of the tokens after it, which the prefill does not dilute."""
+    model = torq.load(str(tiny_checkpoint))
+    done = torq.generate(model, "the", max_new_tokens=8)
+    assert done["new_tokens"] >= 2
+    assert 0 < done["prefill_seconds"] <= done["seconds"]
+    decode = done["decode_tokens_per_s"]
+    assert decode is not None and decode > 0
+    # the decoding's seconds and the prefill's fit inside the call
+    assert (done["new_tokens"] - 1) / decode + done["prefill_seconds"] <= done["seconds"] * 1.001
+    with pytest.raises(TorqError, match="at least 1"):
+        torq.generate(model, "the", max_new_tokens=0)

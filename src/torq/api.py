@@ -159,8 +159,10 @@ def generate(
     tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Greedy text from ``model`` (on its device) after ``prompt``, with transformers'
-    ``generate``: ``{"text", "new_tokens", "seconds", "tokens_per_s"}`` (the seconds of the
-    whole call, the prompt's prefill included)."""
+    ``generate``: ``{"text", "new_tokens", "seconds", "tokens_per_s", "prefill_seconds",
+    "decode_tokens_per_s"}``. ``seconds`` is the whole call; ``prefill_seconds`` runs until
+    the first new token (the prompt's forward), and ``decode_tokens_per_s`` counts the tokens
+    after it over the time after it (``None`` with fewer than two new tokens)."""
     import torch
 
     if max_new_tokens < 1:
@@ -177,6 +179,17 @@ def generate(
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    class Clock:  # transformers' streamer interface: the prompt, then each new token
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(now())
+
+        def end(self) -> None:
+            pass
+
+    clock = Clock()
     t0 = now()
     with torch.no_grad():
         out = model.generate(
@@ -185,14 +198,21 @@ def generate(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad,
+            streamer=clock,
         )
     seconds = now() - t0
     new = out[0, ids.shape[1] :]
+    tokens = clock.times[1:]  # the first put is the prompt
+    decode = None
+    if len(tokens) >= 2 and tokens[-1] > tokens[0]:
+        decode = (len(tokens) - 1) / (tokens[-1] - tokens[0])
     return {
         "text": tokenizer.decode(new, skip_special_tokens=True),
         "new_tokens": int(new.numel()),
         "seconds": seconds,
         "tokens_per_s": int(new.numel()) / seconds if seconds > 0 else float("inf"),
+        "prefill_seconds": (tokens[0] - t0) if tokens else seconds,
+        "decode_tokens_per_s": decode,
     }
 
 

@@ -226,6 +226,7 @@ def test_generate_command_runs_a_saved_checkpoint_on_the_kernels(
     fast = capsys.readouterr()
     assert fast.out == plain.out and fast.out.startswith("the")
     assert "6 tokens in" in fast.err and "14 layers on torq's MXFP4 W4A4 kernels" in fast.err
+    assert "the prompt and first token" in fast.err and "tokens/s" in fast.err
     assert main(["generate", "--model", str(tiny_checkpoint), "--packed"]) == 2
     err = capsys.readouterr().err
     assert "is not a quantized checkpoint" in err and len(err.strip().splitlines()) == 1

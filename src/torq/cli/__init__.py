@@ -214,9 +214,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         note = f"; {report.summary()}"
     done = generate(model, args.prompt, max_new_tokens=args.max_new_tokens)
     print(args.prompt + done["text"])
+    decode = done["decode_tokens_per_s"]
+    speed = "" if decode is None else f", then {decode:.1f} tokens/s"
     print(
-        f"torq: {done['new_tokens']} tokens in {done['seconds']:.2f} s "
-        f"({done['tokens_per_s']:.1f} tokens/s, the prompt included) on {device}{note}",
+        f"torq: {done['new_tokens']} tokens in {done['seconds']:.2f} s (the prompt and first "
+        f"token {done['prefill_seconds']:.2f} s{speed}) on {device}{note}",
         file=sys.stderr,
     )
     return 0
