@@ -86,9 +86,12 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe(
             "best-ppl",
-            "torq+gptq",
-            use_when="TORQ's own calibrated rotations, run in torq (they cannot be exported); "
-            "the default now measures lower",
+            # TORQ's rotations with GPTAQ's weights and the nearest rule: 26.27 on SmolLM2's
+            # 16-window set, under the default's 26.45 (one calibration seed; docs/results.md)
+            "torq+gptaq",
+            use_when="the lowest perplexity measured: TORQ's own calibrated rotations, run in "
+            "torq (they cannot be exported)",
+            scale_mode="nearest",
         ),
         Recipe(
             "fast",
