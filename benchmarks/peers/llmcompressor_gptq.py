@@ -31,32 +31,15 @@ from typing import Any
 import torch
 from peer_common import (
     add_common_args,
+    calibration_tokens,
     evaluate,
     load_subject,
     package_versions,
-    resolve_data_dir,
     save_record,
     timed,
 )
 
 PEER = "llmcompressor-gptq"
-
-
-def calibration_tokens(args: argparse.Namespace, subject: Any) -> torch.Tensor:
-    """torq's calibration windows for a real model; seeded random ids for a tiny one."""
-    if subject.tiny:
-        gen = torch.Generator().manual_seed(args.calib_seed + 1)
-        vocab = subject.describe["vocab_size"]
-        return torch.randint(0, vocab, (args.calib_samples, args.calib_seqlen), generator=gen)
-    from torq.calibration.data import CalibrationConfig, calibration_windows
-
-    config = CalibrationConfig(
-        corpus=args.calib_corpus,
-        n_samples=args.calib_samples,
-        seqlen=args.calib_seqlen,
-        seed=args.calib_seed,
-    )
-    return calibration_windows(subject.tokenizer, config, resolve_data_dir(args.data_dir))
 
 
 def processor_for(subject: Any) -> Any:

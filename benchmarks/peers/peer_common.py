@@ -152,6 +152,25 @@ def load_subject(args: argparse.Namespace) -> Subject:
     )
 
 
+def calibration_tokens(args: argparse.Namespace, subject: Subject) -> torch.Tensor:
+    """torq's calibration windows (``torq.calibration.data.calibration_windows``:
+    ``--calib-samples`` × ``--calib-seqlen`` tokens of ``--calib-corpus``, seed
+    ``--calib-seed``) for a real model; seeded random ids for a tiny one."""
+    if subject.tiny:
+        gen = torch.Generator().manual_seed(args.calib_seed + 1)
+        vocab = subject.describe["vocab_size"]
+        return torch.randint(0, vocab, (args.calib_samples, args.calib_seqlen), generator=gen)
+    from torq.calibration.data import CalibrationConfig, calibration_windows
+
+    config = CalibrationConfig(
+        corpus=args.calib_corpus,
+        n_samples=args.calib_samples,
+        seqlen=args.calib_seqlen,
+        seed=args.calib_seed,
+    )
+    return calibration_windows(subject.tokenizer, config, resolve_data_dir(args.data_dir))
+
+
 def evaluate(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> dict:
     """torq's perplexity, plus whether the logits of the first window are all finite."""
     with torch.no_grad():
