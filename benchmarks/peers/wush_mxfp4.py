@@ -23,20 +23,23 @@ in Triton's interpreter before quantizing (``kernel_check`` in the JSON):
   ``H += Xᵀ X`` in float32; the check gives the largest relative difference (float sums in
   another order, not equal bit for bit). On a GPU the kernel's ``tl.dot`` of float32 inputs
   runs in TF32, so GPU Hessians carry TF32 rounding that these do not.
-* PyTorch's CPU ``cat`` has no kernel for ``float4_e2m1fn_x2``, so ``collate_xxfp4``
-  concatenates the packed codes (kept for export only) as their bytes.
-* WUSH's ``QuantLinear`` has no bias: a model whose Linears carry one (Qwen2's q/k/v)
-  gets it back, added after the product (``keep_biases``).
 * FP-Quant's ``mxfp4_forward_kernel_wrapper`` with ``quest=False``, the activation quantizer
   WUSH's ``pseudoquantize_fp`` calls (identity Hadamard, ``abs_max``): per group of 32 the
   scale ``2^(floor(log2 amax) - 2) * 4/3`` and the kernel's own thresholds for E2M1 (ties
   towards zero); the check requires equality bit for bit.
 
+Two more changes, each recorded under ``substitutes`` in the JSON:
+
+* PyTorch's CPU ``cat`` has no kernel for ``float4_e2m1fn_x2``, so (without CUDA)
+  ``collate_xxfp4`` concatenates the packed codes (kept for export only) as their bytes.
+* WUSH's ``QuantLinear`` has no bias: a model whose Linears carry one (Qwen2's q/k/v)
+  gets it back, added after the product (``keep_biases``).
+
 WUSH's MXFP4 rule is its own and fixed in its code (no option changes it): both operands map
 each block's largest magnitude into [3, 6) of the FP4 grid through a global scale of 3
 (weights: the E8M0 scale is amax * 3/4 rounded to the nearest power of two by PyTorch's
-cast; activations: the scale above). torq's ``ocp`` rule maps it into [4, 8) and clips at
-6; ``nearest`` into [3, 6) by a different breakpoint. WUSH's paper runs its models in
+cast; activations: the scale above). torq's ``ocp`` rule maps it into [4, 8) and ``nearest``
+into [3.5, 7), both clipping at 6. WUSH's paper runs its models in
 bfloat16 on 1024 FineWeb-Edu sequences; here the model is float32 (torq's float model) and
 the calibration set is torq's.
 
