@@ -86,8 +86,9 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe(
             "best-ppl",
-            # TORQ's rotations with GPTAQ's weights and the nearest rule: 26.27 on SmolLM2's
-            # 16-window set, under the default's 26.45 (one calibration seed; docs/results.md)
+            # TORQ's rotations with GPTAQ's weights and the nearest rule: 26.27 and 26.07 on
+            # SmolLM2's 16-window set (two calibration seeds) against the default's 26.45 and
+            # 26.56, 28.32 against 28.72 on the full test (docs/results.md)
             "torq+gptaq",
             use_when="the lowest perplexity measured: TORQ's own calibrated rotations, run in "
             "torq (they cannot be exported)",
