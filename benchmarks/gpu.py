@@ -21,6 +21,10 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    mean token NLL of the fake-quant model and of the accelerated one on the same windows.
 4. ``anatomy``: one layer's capture step taken apart: a float forward pass over the
    windows, and the statistics of one input group of each width, each timed alone.
+1b. ``calibration-tf32``: the same with the capture's products in TF32
+   (``CaptureSettings(arithmetic="tf32")``: the float32 forwards and the statistics, each
+   batch's products summed in float64), beside ``calibration``'s exact arithmetic; both
+   rows give GPTQ's summed proxy loss, the agreement of the two calibrations.
 5. ``torq+gptq``: the paper's TORQ rotations with GPTQ on one layer of the 8B shape
    (``--windows`` windows): its solvers run on the CPU.
 6. ``checkpoint`` (with ``--model``, a real model, and ``--data-dir``): the model quantized
@@ -129,8 +133,24 @@ def write_random(folder: Path, dims: dict[str, Any], layers: int, seed: int = 0)
     return folder
 
 
+def _summed(record: Any, key: str) -> float:
+    """The sum of every ``key`` entry anywhere in a run's nested record."""
+    if isinstance(record, dict):
+        return sum(
+            float(v) if k == key and isinstance(v, (int, float)) else _summed(v, key)
+            for k, v in record.items()
+        )
+    if isinstance(record, list):
+        return sum(_summed(v, key) for v in record)
+    return 0.0
+
+
 def streamed_calibration(
-    folder: Path, method: str, windows: torch.Tensor, device: torch.device
+    folder: Path,
+    method: str,
+    windows: torch.Tensor,
+    device: torch.device,
+    arithmetic: str = "exact",
 ) -> dict[str, Any]:
     """``method`` (a recipe name or a method name) through every layer of ``folder`` on
     ``device`` with torq's streaming driver: the driver's own per-layer seconds."""
@@ -148,7 +168,7 @@ def streamed_calibration(
     else:
         spec, qconfig = method_spec(method), QuantConfig.from_names("mxfp4", "mxfp4")
     n, seqlen = windows.shape
-    capture = CaptureSettings(CalibrationConfig(n_samples=n, seqlen=seqlen))
+    capture = CaptureSettings(CalibrationConfig(n_samples=n, seqlen=seqlen), arithmetic=arithmetic)
     source = LayerStream(folder, device)
     ctx = spec.context(capture, None, source.model.config, progress=False, seed=0)
     plan = layer_plan(spec.method, qconfig, ctx)
@@ -162,6 +182,8 @@ def streamed_calibration(
     in_layers = sum(p[k] for p in layers for k in steps)
     out: dict[str, Any] = {
         "method": spec.method.name,
+        "arithmetic": arithmetic,
+        "proxy_loss": _summed(run.details.get("layers"), "proxy_loss"),
         "device": device.type,
         "windows": int(n),
         "seqlen": int(seqlen),
@@ -443,19 +465,22 @@ def markdown(rec: dict[str, Any]) -> str:
     cal = rec.get("calibration")
     if cal:
         lines += [
-            "| method | windows × tokens | layers run | s / layer (warm) | capture fwd | "
-            "transform + GPTQ | est. whole model s | peak GPU GiB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | arithmetic | windows × tokens | layers run | s / layer (warm) | "
+            "capture fwd | transform + GPTQ | est. whole model s | peak GPU GiB | "
+            "GPTQ proxy loss |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in cal:
             e = r["estimate"]
             share = e["step_share"]
             peak = r["peak_gpu_bytes"]
             lines.append(
-                f"| {r['method']} | {r['windows']} × {r['seqlen']} | {r['layers']} | "
+                f"| {r['method']} | {r.get('arithmetic', 'exact')} | {r['windows']} × "
+                f"{r['seqlen']} | {r['layers']} | "
                 f"{e['mean_layer_seconds']:.1f} | {share['forward_seconds']:.0%} | "
                 f"{share['solve_seconds']:.0%} | {e['full_model_seconds']:.0f} | "
-                f"{'' if peak is None else f'{peak / 2**30:.1f}'} |"
+                f"{'' if peak is None else f'{peak / 2**30:.1f}'} | "
+                f"{r.get('proxy_loss', 0.0):.6g} |"
             )
         lines.append("")
     steps = rec.get("steps")
@@ -562,12 +587,16 @@ def main(argv: list[str] | None = None) -> None:
             save()
             continue
         print(f"[{time.perf_counter() - start:6.0f} s] {part}", flush=True)
-        if part in ("calibration", "torq+gptq"):
-            layers = args.layers if part == "calibration" else 1
+        if part in ("calibration", "calibration-tf32", "torq+gptq"):
+            layers = 1 if part == "torq+gptq" else args.layers
             folder = write_random(root / f"{args.shape}-{layers}l", dims, layers)
             windows = random_windows(args.windows, args.seqlen, dims["vocab_size"])
             r = streamed_calibration(
-                folder, "default" if part == "calibration" else "torq+gptq", windows, device
+                folder,
+                "torq+gptq" if part == "torq+gptq" else "default",
+                windows,
+                device,
+                "tf32" if part == "calibration-tf32" else "exact",
             )
             r["estimate"] = estimate(r, full)
             rec.setdefault("calibration", []).append(r)

@@ -31,6 +31,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--scale-mode", "banana"], "invalid choice"),
         (["run", "--balance", "2"], "in [0, 1] or 'none'"),
         (["run", "--rotation-block", "12"], "invalid choice: 12"),
+        (["run", "--calib-arithmetic", "bf16"], "invalid choice: 'bf16'"),
         (["run", "--torq-calibrate", "o_proj,1x"], "linear layer names such as o_proj"),
         (["run", "--methods", "torq-perm", "--balance", "none"], "needs the balancing"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
@@ -400,10 +401,16 @@ def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
 
 
 def _cpu_and_gpu_perplexities(
-    checkpoint: Path, data_dir: Path, methods: list[str], fold: bool = False, **formats: str
+    checkpoint: Path,
+    data_dir: Path,
+    methods: list[str],
+    fold: bool = False,
+    gpu_arithmetic: str = "exact",
+    **formats: str,
 ) -> dict[str, dict[str, float]]:
     """Each method's perplexity from the same run on the CPU and on the GPU (small
-    calibration, two windows; ``fold``: torq's balancing folded into the producers)."""
+    calibration, two windows; ``fold``: torq's balancing folded into the producers;
+    ``gpu_arithmetic``: the GPU run's calibration arithmetic, the CPU's being exact)."""
     from torq.calibration.data import CalibrationConfig, CaptureSettings
     from torq.methods.registry import method_specs
     from torq.methods.settings import TorqSettings
@@ -420,7 +427,11 @@ def _cpu_and_gpu_perplexities(
             seqlen=64,
             max_windows=2,
             data_dir=str(data_dir),
-            capture=CaptureSettings(calibration, reservoir_tokens=16),
+            capture=CaptureSettings(
+                calibration,
+                reservoir_tokens=16,
+                arithmetic=gpu_arithmetic if device == "cuda" else "exact",
+            ),
             device=device,
             **formats,
         )
@@ -438,6 +449,16 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
     rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods)
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tf32_calibration_matches_cpu_exact(tiny_checkpoint, tiny_data_dir) -> None:
+    """The calibration's forwards and statistics in TF32 on the GPU: the quantized models
+    score as the CPU's exact calibration does, within the same 2 %."""
+    methods = ["had32+gptq", "torq-had32+gptaq", "torq+gptq"]
+    rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods, gpu_arithmetic="tf32")
+    for method, ppl in rows["cpu"].items():
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
 
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.conftest import tiny_model
-from torq.calibration.capture import BlockStatistics, ExpertsStatistics, capture_layer_inputs
+from torq.calibration.capture import (
+    BlockStatistics,
+    ExpertsStatistics,
+    calibration_arithmetic,
+    capture_layer_inputs,
+)
+from torq.calibration.data import CaptureSettings
 from torq.driver import calibrate_layerwise
 
 
@@ -25,6 +32,44 @@ def test_block_covariance_matches_direct_computation() -> None:
     # Every reservoir row is one of the rows seen.
     rows = torch.cat([x.reshape(-1, 12) for x in xs])
     assert all(((rows - s).abs().sum(-1) == 0).any() for s in st.sample)
+
+
+def test_float32_products_sum_in_float64_to_float32s_precision() -> None:
+    """``products=float32`` (the "tf32" arithmetic; TF32 itself only on a GPU) keeps float64
+    sums: the statistics agree with the exact ones to float32's precision, not bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    exact = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True)
+    fast = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True, products=torch.float32)
+    for _ in range(3):
+        x = torch.randn(2, 50, 64, generator=gen)
+        ref = x + 0.1 * torch.randn(x.shape, generator=gen)
+        exact.update(x, ref)
+        fast.update(x, ref)
+    for a, b in (
+        (exact.covariance(), fast.covariance()),
+        (exact.hessian(), fast.hessian()),
+        (exact.cross_term(), fast.cross_term()),
+    ):
+        assert b.dtype == torch.float64 and not torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
+    assert torch.equal(exact.sample, fast.sample)  # the same tokens kept
+
+
+def test_calibration_arithmetic_sets_tf32_and_puts_it_back() -> None:
+    before = torch.backends.cuda.matmul.allow_tf32
+    with calibration_arithmetic("tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        with calibration_arithmetic("exact"):
+            assert not torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with (
+        pytest.raises(ValueError, match="arithmetic must be one of exact, tf32"),
+        calibration_arithmetic("bf16"),
+    ):
+        pass
+    with pytest.raises(ValueError, match="arithmetic must be one of exact, tf32"):
+        CaptureSettings(arithmetic="fp16")
 
 
 def test_reservoir_is_roughly_uniform() -> None:

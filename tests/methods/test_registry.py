@@ -42,6 +42,19 @@ def test_gptq_is_composition_not_a_new_method() -> None:
         Method("x", "bad", weights="awq")
 
 
+@pytest.mark.parametrize(("suffix", "asymmetry"), [("gptaq", 0.25), ("qronos", 1.0)])
+def test_weight_quantizers_that_see_the_quantized_input(suffix: str, asymmetry: float) -> None:
+    """``+gptaq`` and ``+qronos`` are GPTQ on the mismatched loss, weighted 0.25 and 1."""
+    composed = get_method(f"torq-had32+{suffix}")
+    assert composed.transform is get_method("torq-had32").transform
+    assert composed.gptq_config(MethodContext()).asymmetry == asymmetry
+    assert get_method(f"rtn+{suffix}") is get_method(suffix)
+    assert get_method(suffix).gptq_config(MethodContext()).asymmetry == asymmetry
+    assert get_method("had32+gptq").gptq_config(MethodContext()).asymmetry == 0.0
+    with pytest.raises(ValueError, match="suffix"):
+        get_method("had32").with_gptq(suffix="+awq")
+
+
 def test_only_quarot_fuses_an_offline_rotation_part_by_part() -> None:
     config = tiny_model("llama").config
     ctx = MethodContext(model_config=config)
@@ -109,6 +122,17 @@ def test_keys_hold_only_what_a_method_reads() -> None:
     plain = json.loads(_key("gptq"))[1]["gptq"]
     assert "scale_search" not in plain and plain["act_order"] is False
     assert _key("gptq", GPTQConfig(scale_search="mse")) != _key("gptq")
+    # reduced-precision calibration statistics make another model of a calibrating method
+    # only (its key gains the arithmetic; "exact" keys stay as they were)
+
+    def captured(name: str, arithmetic: str) -> str:
+        config = RunConfig(model="m", methods=method_specs([name]))
+        config.capture = CaptureSettings(arithmetic=arithmetic)
+        return record_key(asdict(config), name)
+
+    for name in ("had32+gptaq", "torq", "wush"):
+        assert captured(name, "tf32") != captured(name, "exact") == _key(name), name
+    assert captured("had32", "tf32") == _key("had32")
 
 
 def test_a_spec_holds_its_own_settings_only() -> None:

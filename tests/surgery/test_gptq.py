@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -145,6 +147,16 @@ def test_asymmetric_gptq_is_closer_to_the_float_models_output(act_order: bool) -
     capped = GPTQConfig(act_order=act_order, asymmetry=1.0, max_shift=rec["asymmetric_shift"] / 2)
     refused, rec2 = gptq_quantize(w, h, fmt, capped, cross)
     assert torch.equal(refused, plain) and rec2["asymmetric_shift_refused"] == 1.0
+    # the bound is on the full correction, whatever its weight: GPTAQ's α = 0.25 applies a
+    # quarter of it, and is refused at the same bound
+    quarter, rec3 = gptq_quantize(
+        w, h, fmt, GPTQConfig(act_order=act_order, asymmetry=0.25, max_shift=10.0), cross
+    )
+    assert rec3["asymmetric_shift"] == pytest.approx(rec["asymmetric_shift"] / 4)
+    assert not torch.equal(quarter, plain) and "asymmetric_shift_refused" not in rec3
+    capped_quarter = replace(capped, asymmetry=0.25)
+    refused_quarter, rec4 = gptq_quantize(w, h, fmt, capped_quarter, cross)
+    assert torch.equal(refused_quarter, plain) and rec4["asymmetric_shift_refused"] == 1.0
     with pytest.raises(ValueError, match="cross term"):
         gptq_quantize(w, h, fmt, cfg, cross[:8])
     with pytest.raises(ValueError, match="asymmetry"):

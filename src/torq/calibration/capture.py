@@ -26,13 +26,15 @@ and pooled over the experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from torq.calibration.data import ARITHMETICS
 from torq.calibration.hidden import HiddenStates
 from torq.models.architecture import is_fused_experts
 from torq.models.streaming import ModelLayers, embed_windows
@@ -59,12 +61,16 @@ class BlockStatistics:
         hessian: bool = False,
         cross: bool = False,
         device: torch.device | str = "cpu",
+        products: torch.dtype = torch.float64,
     ) -> None:
         if width % block_size:
             raise ValueError(
                 f"input width {width} is not a multiple of the block size {block_size}"
             )
         self.width = width
+        # the dtype of each batch's products (float64: exact; float32: TF32 on a CUDA GPU
+        # under ``calibration_arithmetic("tf32")``); the sums are float64 either way
+        self.products = products
         self.block_size = block_size
         self.n_blocks = width // block_size
         # the sums live on ``device``, where the activations are (an update from elsewhere
@@ -104,16 +110,16 @@ class BlockStatistics:
             raise ValueError("calibration activations contain NaN or Inf")
         if x.device != self.cov.device:
             self._to(x.device)
-        xb = x.to(torch.float64).reshape(-1, self.n_blocks, self.block_size)
-        self.cov += torch.einsum("tbk,tck->kbc", xb, xb)
-        x64 = xb.reshape(-1, self.width)
+        xb = x.to(self.products).reshape(-1, self.n_blocks, self.block_size)
+        self.cov += torch.einsum("tbk,tck->kbc", xb, xb).to(torch.float64)
+        xp = xb.reshape(-1, self.width)
         if self.xtx is not None:
-            self.xtx += x64.T @ x64
+            self.xtx += (xp.T @ xp).to(torch.float64)
         if self.xtx_cross is not None:
             if reference is None:
                 raise ValueError("the cross term needs the float model's inputs")
-            diff = reference.detach().reshape(-1, self.width).to(torch.float64) - x64
-            self.xtx_cross += diff.T @ x64
+            diff = reference.detach().reshape(-1, self.width).to(self.products) - xp
+            self.xtx_cross += (diff.T @ xp).to(torch.float64)
         self.count += x.shape[0]
         self._reservoir(x)
 
@@ -179,22 +185,27 @@ class ExpertsStatistics:
     tokens routed to ``e`` (GPTQ's Hessian of that expert's ``gate_up_proj``; no sample)."""
 
     def __init__(
-        self, group: ExpertsGroup, block_size: int, reservoir: int, seed: int, hessian: bool
+        self,
+        group: ExpertsGroup,
+        block_size: int,
+        reservoir: int,
+        seed: int,
+        hessian: bool,
+        products: torch.dtype = torch.float64,
     ) -> None:
         h, i, e = group.width, group.intermediate, group.num_experts
 
         def child(k: int) -> int:  # a stable seed for each expert's statistics
             return seed * 1000 + k + 1
 
-        self.input = BlockStatistics(h, block_size, reservoir, seed)
-        self.down_shared = BlockStatistics(i, block_size, reservoir, child(e))
-        self.down = [
-            BlockStatistics(i, block_size, reservoir, child(k), hessian=hessian) for k in range(e)
-        ]
+        def stats(width: int, res: int, s: int, hess: bool = False) -> BlockStatistics:
+            return BlockStatistics(width, block_size, res, s, hessian=hess, products=products)
+
+        self.input = stats(h, reservoir, seed)
+        self.down_shared = stats(i, reservoir, child(e))
+        self.down = [stats(i, reservoir, child(k), hessian) for k in range(e)]
         self.input_per_expert = (
-            [BlockStatistics(h, block_size, 0, child(e + 1 + k), hessian=True) for k in range(e)]
-            if hessian
-            else None
+            [stats(h, 0, child(e + 1 + k), True) for k in range(e)] if hessian else None
         )
 
     @torch.no_grad()
@@ -304,6 +315,28 @@ def _slice_kwargs(kwargs: dict[str, Any], length: int) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def calibration_arithmetic(arithmetic: str) -> Iterator[None]:
+    """The matrix products of a calibration step: ``"exact"`` turns TF32 off on CUDA
+    (float32 forwards are float32 whatever the process set), ``"tf32"`` turns it on (the
+    float32 products of the forwards and of the float32 statistics run as TF32 on a GPU
+    that has it: about 8× float32's rate on a Hopper GPU, inputs rounded to 10 mantissa
+    bits). The CPU has no TF32: there only the statistics' dtype differs. The previous
+    settings come back on exit."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(
+            f"calibration arithmetic must be one of {', '.join(ARITHMETICS)}, got {arithmetic!r}"
+        )
+    on = arithmetic == "tf32"
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 LayerSolver = Callable[
     [int, nn.Module, list[LinearGroup], dict[str, BlockStatistics]], dict[str, Any]
 ]
@@ -321,6 +354,7 @@ def capture_layer(
     hessian: bool = False,
     keep_outputs: bool = True,
     reference: list[torch.Tensor] | HiddenStates | None = None,
+    arithmetic: str = "exact",
 ) -> tuple[list[LinearGroup], dict[str, Any], Any]:
     """One layer of the capture: its input groups (linears, then fused experts), their
     statistics (:class:`BlockStatistics`; :class:`ExpertsStatistics`) over ``hidden`` (every
@@ -332,7 +366,39 @@ def capture_layer(
     quantized model's), each linear group also sums GPTAQ's cross term from the float
     layer's inputs on ``reference`` (:meth:`BlockStatistics.cross_term`; fused experts: none),
     and the outputs returned are the float layer's on ``reference`` (the float model's next
-    states; the quantized ones come from the layer once quantized)."""
+    states; the quantized ones come from the layer once quantized).
+
+    ``arithmetic`` (:data:`torq.calibration.data.ARITHMETICS`) sets the forwards' and the
+    statistics' products (:func:`calibration_arithmetic`)."""
+    with calibration_arithmetic(arithmetic):
+        return _capture_layer(
+            index,
+            layer,
+            hidden,
+            kwargs,
+            block_size,
+            reservoir,
+            seed,
+            hessian,
+            keep_outputs,
+            reference,
+            torch.float32 if arithmetic == "tf32" else torch.float64,
+        )
+
+
+def _capture_layer(
+    index: int,
+    layer: nn.Module,
+    hidden: list[torch.Tensor] | HiddenStates,
+    kwargs: dict[str, Any],
+    block_size: int,
+    reservoir: int,
+    seed: int,
+    hessian: bool,
+    keep_outputs: bool,
+    reference: list[torch.Tensor] | HiddenStates | None,
+    products: torch.dtype,
+) -> tuple[list[LinearGroup], dict[str, Any], Any]:
     groups: list[LinearGroup] = list(discover_groups(layer, hidden[0], kwargs))
     experts = discover_experts(layer)
     # the groups' sums where the layer computes (its inputs are there)
@@ -346,6 +412,7 @@ def capture_layer(
             hessian=hessian,
             cross=reference is not None,
             device=device,
+            products=products,
         )
         for gi, g in enumerate(groups)
     }
@@ -368,7 +435,7 @@ def capture_layer(
         handles.append(modules[g.members[0]].register_forward_pre_hook(hook))
     for gi, g in enumerate(experts, start=len(groups)):
         stats[g.name] = ExpertsStatistics(
-            g, block_size, reservoir, seed * 1000 + index * 10 + gi, hessian
+            g, block_size, reservoir, seed * 1000 + index * 10 + gi, hessian, products
         )
 
         def experts_hook(m: nn.Module, args: tuple, _s: ExpertsStatistics = stats[g.name]) -> None:

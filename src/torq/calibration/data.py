@@ -54,6 +54,13 @@ class CalibrationConfig:
         return asdict(self)
 
 
+# the calibration's arithmetic: "exact" keeps float32 forwards (TF32 off) and float64
+# statistics; "tf32" lets a CUDA GPU take TF32 products in the capture's forwards and the
+# statistics (each batch's products then summed in float64), and on a CPU takes the
+# statistics' products in float32
+ARITHMETICS: tuple[str, ...] = ("exact", "tf32")
+
+
 @dataclass(frozen=True)
 class CaptureSettings:
     """What every calibrating method of a run reads alike: the calibration windows, how
@@ -65,10 +72,18 @@ class CaptureSettings:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sequential: bool = False
     reservoir_tokens: int = 1024
+    # the capture's arithmetic (:func:`torq.calibration.capture.calibration_arithmetic`):
+    # "exact" (float32 forwards, float64 products) or "tf32" (TF32 products on a CUDA GPU)
+    arithmetic: str = "exact"
 
     def __post_init__(self) -> None:
         if self.reservoir_tokens < 1:
             raise ValueError(f"reservoir_tokens must be positive: {self.reservoir_tokens}")
+        if self.arithmetic not in ARITHMETICS:
+            raise ValueError(
+                f"calibration arithmetic must be one of {', '.join(ARITHMETICS)}, "
+                f"got {self.arithmetic!r}"
+            )
 
 
 def python_stdlib_files() -> list[Path]:

@@ -80,6 +80,7 @@ def capture_from_args(args: argparse.Namespace) -> CaptureSettings:
         ),
         sequential=args.sequential,
         reservoir_tokens=args.reservoir,
+        arithmetic=args.calib_arithmetic,
     )
 
 
@@ -298,6 +299,7 @@ def _main(argv: list[str] | None) -> int:
                 if method.supports_gptq:
                     notes.append(f"with GPTQ weights: {get_method(name + '+gptq').name}")
                     notes.append(f"GPTAQ: {get_method(name + '+gptaq').name}")
+                    notes.append(f"Qronos: {get_method(name + '+qronos').name}")
                 print(f"{name}\t{method.description}" + "".join(f"\t({n})" for n in notes))
             return 0
     except (TorqError, ValueError, FileNotFoundError, NotImplementedError) as exc:

@@ -533,3 +533,11 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         default=1024,
         help="token vectors sampled per input group for the intra-block solver",
     )
+    t.add_argument(
+        "--calib-arithmetic",
+        choices=("exact", "tf32"),
+        default="exact",
+        help="the calibration's products: exact (float32 forwards, float64 statistics) or "
+        "tf32 (TF32 on a CUDA GPU for the capture's forwards and statistics, each batch "
+        "summed in float64; on a CPU, float32 statistics)",
+    )

@@ -38,7 +38,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from torq.calibration.capture import LayerSolver, capture_layer, layer_outputs
+from torq.calibration.capture import (
+    LayerSolver,
+    calibration_arithmetic,
+    capture_layer,
+    layer_outputs,
+)
 from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
 from torq.driver.progress import LayerProgress
@@ -216,7 +221,8 @@ def run_layerwise(
                 "method": desc,
                 "record": _stable_record(plan.record),
                 "calibration": None if plan.calibration is None else plan.calibration.to_dict(),
-                "capture": [plan.block_size, plan.reservoir, plan.sequential, plan.hessian],
+                "capture": [plan.block_size, plan.reservoir, plan.sequential, plan.hessian]
+                + ([plan.arithmetic] if plan.arithmetic != "exact" else []),
                 "quantizes": plan.quantize is not None,
                 "residual": plan.parts is not None,
                 "layers": source.num_layers,
@@ -281,6 +287,7 @@ def run_layerwise(
                     plan.hessian,
                     keep_outputs=not plan.sequential,
                     reference=calib_fp,
+                    arithmetic=plan.arithmetic,
                 )
                 if calib_fp is not None:
                     # the float layer's outputs are the float states on; the quantized
@@ -311,7 +318,8 @@ def run_layerwise(
                     del observed
                 elif plan.sequential:
                     t0 = clock()
-                    outputs = layer_outputs(layer, calib, calib_kwargs[li])
+                    with calibration_arithmetic(plan.arithmetic):
+                        outputs = layer_outputs(layer, calib, calib_kwargs[li])
                     fwd += clock() - t0
                 _release(calib, outputs)
                 calib = outputs
@@ -411,6 +419,8 @@ def run_layerwise(
             details["save_seconds"] = t_save
         if plan.calibration is not None:
             details["calibration"] = plan.calibration.to_dict() | {"sequential": plan.sequential}
+            if plan.arithmetic != "exact":
+                details["calibration"]["arithmetic"] = plan.arithmetic
             details["calibration_seconds"] = {"capture_forward": t_fwd, "solve": t_solve}
         if plan.calibration is not None:
             details["layers"] = records

@@ -371,4 +371,5 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         parts=parts,
         observe_activations=static,
         asymmetric=asymmetric,
+        arithmetic=capture.arithmetic,
     )

@@ -43,6 +43,18 @@ GPTQ_SUFFIX = "+gptq"
 # GPTAQ's own code (α = 0.25; :class:`~torq.surgery.gptq.GPTQConfig`'s ``asymmetry``)
 GPTAQ_SUFFIX = "+gptaq"
 GPTAQ_ASYMMETRY = 0.25
+# ``<method>+qronos``: the same solver on the mismatched loss ``‖Ŵ X̃ − W X‖²`` in full
+# (α = 1), which is Qronos (Zhang et al., ICLR 2026): its first step, the least-squares
+# correction of every weight to the quantized inputs, is the shifted start
+# ``W + W C H⁻¹``, and its later steps are GPTQ's on ``H = X̃ X̃ᵀ``
+QRONOS_SUFFIX = "+qronos"
+QRONOS_ASYMMETRY = 1.0
+# each weight-quantizer suffix: its name in descriptions and its asymmetric weight α
+_GPTQ_SUFFIXES: dict[str, tuple[str, float]] = {
+    GPTQ_SUFFIX: ("GPTQ", 0.0),
+    GPTAQ_SUFFIX: ("GPTAQ", GPTAQ_ASYMMETRY),
+    QRONOS_SUFFIX: ("Qronos", QRONOS_ASYMMETRY),
+}
 
 
 @dataclass
@@ -98,6 +110,9 @@ class LayerPlan:
     # needs ``sequential``), each group's statistics with GPTAQ's cross term
     # (:meth:`torq.calibration.capture.BlockStatistics.cross_term`)
     asymmetric: bool = False
+    # the calibration forwards' and statistics' arithmetic
+    # (:func:`torq.calibration.capture.calibration_arithmetic`)
+    arithmetic: str = "exact"
 
 
 class TransformBuilder:
@@ -217,20 +232,22 @@ class Method:
         """Whether ``<name>+gptq`` exists: this transform, then GPTQ weights."""
         return self.quantizes and self.transform.composes_with_gptq and not self.gptq_enabled
 
-    def with_gptq(self, name: str | None = None, asymmetric: bool = False) -> Method:
-        """The same transform with GPTQ weights (``<name>+gptq``) or, ``asymmetric``, GPTAQ's
-        (``<name>+gptaq``: GPTQ against the float model's output,
-        :func:`torq.surgery.gptq.gptq_quantize`)."""
+    def with_gptq(self, name: str | None = None, suffix: str = GPTQ_SUFFIX) -> Method:
+        """The same transform with GPTQ weights (``<name>+gptq``), GPTAQ's (``+gptaq``: GPTQ
+        against the float model's output, its asymmetric term weighted 0.25) or Qronos's
+        (``+qronos``: the same loss in full), :func:`torq.surgery.gptq.gptq_quantize`."""
         if not self.supports_gptq:
             raise TorqError(f"method '{self.name}' does not compose with GPTQ")
+        if suffix not in _GPTQ_SUFFIXES:
+            raise ValueError(f"weight-quantizer suffix must be one of {sorted(_GPTQ_SUFFIXES)}")
+        label, asymmetry = _GPTQ_SUFFIXES[suffix]
         what = self.description.replace("(RTN weights)", "").rstrip()
-        suffix = GPTAQ_SUFFIX if asymmetric else GPTQ_SUFFIX
         return replace(
             self,
             name=name or f"{self.name}{suffix}",
-            description=f"{what}, {'GPTAQ' if asymmetric else 'GPTQ'} weights",
+            description=f"{what}, {label} weights",
             weights="gptq",
-            gptq_settings=(("asymmetry", GPTAQ_ASYMMETRY),) if asymmetric else (),
+            gptq_settings=(("asymmetry", asymmetry),) if asymmetry > 0 else (),
         )
 
     def calibrates(self, qconfig: QuantConfig | None = None) -> bool:
@@ -268,6 +285,10 @@ class Method:
             key["calibration"] = [
                 capture.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
             ]
+        if self.calibrates() and capture.get("arithmetic", "exact") != "exact":
+            # reduced-precision statistics make another model (absent at "exact", so the
+            # keys made before stay)
+            key["arithmetic"] = capture["arithmetic"]
         if run.get("act_scale", "dynamic") != "dynamic":
             # static activation scales: calibrated on the calibration windows (absent at
             # the default, so the keys made before stay)
@@ -292,9 +313,9 @@ def register(method: Method) -> Method:
 def get_method(name: str) -> Method:
     """A registered method by name; ``<method>+gptq`` composes its transform with GPTQ
     weights (``rtn+gptq`` is ``gptq``), ``<method>+gptaq`` with GPTAQ's (``rtn+gptaq`` is
-    ``gptaq``). Unknown names list the known ones."""
+    ``gptaq``), ``<method>+qronos`` with Qronos's. Unknown names list the known ones."""
     key = name.strip().lower()
-    for suffix in (GPTQ_SUFFIX, GPTAQ_SUFFIX):
+    for suffix in _GPTQ_SUFFIXES:
         if not key.endswith(suffix):
             continue
         base = key[: -len(suffix)]
@@ -306,13 +327,13 @@ def get_method(name: str) -> Method:
             raise TorqError(
                 f"unknown method '{name}': '{suffix}' composes with rtn, {', '.join(composable)}"
             )
-        return method.with_gptq(key, asymmetric=suffix == GPTAQ_SUFFIX)
+        return method.with_gptq(key, suffix)
     try:
         return METHODS[key]
     except KeyError:
         raise TorqError(
             f"unknown method '{name}'; known methods: {', '.join(sorted(METHODS))}"
-            f" (and <method>+gptq, <method>+gptaq)"
+            f" (and <method>+gptq, <method>+gptaq, <method>+qronos)"
         ) from None
 
 

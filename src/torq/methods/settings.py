@@ -116,7 +116,10 @@ def torq_key(settings: dict[str, Any], capture: dict[str, Any] | None = None) ->
     run's capture (``asdict(CaptureSettings)``), which TORQ's settings held when the first
     keys were made: settings added after results were kept are left out at their defaults,
     so those keys still match."""
+    # the capture's arithmetic is keyed for every calibrating method alike
+    # (:meth:`torq.methods.registry.Method.settings_key`)
     merged = {**settings, **(capture or {})}
+    merged.pop("arithmetic", None)
     return {k: v for k, v in merged.items() if not (k in _LATER and v is _LATER[k])}
 
 

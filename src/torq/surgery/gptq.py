@@ -22,7 +22,10 @@ loss ``‖Ŵ X̃ − W X‖²``. With ``H = X̃ X̃ᵀ`` and ``C = (X − X̃) X
 ``(Ŵ − T) H (Ŵ − T)ᵀ`` up to a constant, ``T = W + W C H⁻¹``: the same quadratic as GPTQ's
 about a shifted target, so GPTQ run from ``T`` is the greedy column-by-column solution of
 the asymmetric loss. GPTAQ's own code damps the asymmetric term by ``α = 0.25``; here
-``T = W + α W C H⁻¹`` (``α = 1``: the loss exactly).
+``T = W + α W C H⁻¹`` (``α = 1``: the loss exactly, which is Qronos, Zhang et al., ICLR 2026:
+its first step corrects every weight to the quantized inputs by least squares, ``T``, and
+its later steps are GPTQ's on ``X̃ X̃ᵀ``). A group whose full correction ``‖W C H⁻¹‖``
+exceeds ``max_shift · ‖W‖`` keeps GPTQ's weights.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ _KEYLESS_AT_DEFAULT = {
     "scale_search": "amax",
     "mse_norm": 2.4,
     "asymmetry": 0.0,
-    "max_shift": 0.25,
+    "max_shift": 1.0,
 }
 
 
@@ -68,11 +71,12 @@ class GPTQConfig:
     # in the target, 0 (GPTQ: the quantized inputs' own output) to 1; it needs the inputs
     # of both models (:class:`torq.calibration.capture.BlockStatistics`' cross term)
     asymmetry: float = 0.0
-    # the largest shift ‖α W C H⁻¹‖ / ‖W‖ taken: beyond it the quantized model's inputs are
-    # too far from the float model's for the float output to be a target, and the group
-    # keeps GPTQ's (WUSH's transform with GPTAQ diverged from layer 1 on, shifts 0.75 and
-    # growing; the balanced Hadamard's stay under 0.2 on SmolLM2: docs/recipes.md)
-    max_shift: float = 0.25
+    # the largest full correction ‖W C H⁻¹‖ / ‖W‖ trusted: beyond it the quantized model's
+    # inputs are too far from the float model's for the float output to be a target, and
+    # the group keeps GPTQ's (WUSH's transform with GPTAQ diverged from layer 1 on, full
+    # corrections 3.0 and growing; the balanced Hadamard's stay under 0.8 on SmolLM2:
+    # docs/recipes.md). Unweighted by ``asymmetry``, so one bound serves GPTAQ and Qronos.
+    max_shift: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.damp >= 0:
@@ -296,9 +300,9 @@ def gptq_quantize(
         # Tᵀ = Wᵀ + α H⁻¹ (W C)ᵀ, H the damped Hessian (symmetric), by its Cholesky factor
         shift = torch.cholesky_solve((w @ c).T, torch.linalg.cholesky(h)).T
         shift[:, dead] = 0.0
-        relative = float(cfg.asymmetry * shift.norm() / w.norm().clamp_min(1e-30))
-        record["asymmetric_shift"] = relative
-        if relative <= cfg.max_shift:
+        full = float(shift.norm() / w.norm().clamp_min(1e-30))
+        record["asymmetric_shift"] = cfg.asymmetry * full
+        if full <= cfg.max_shift:
             w += cfg.asymmetry * shift
         else:
             record["asymmetric_shift_refused"] = 1.0
