@@ -105,6 +105,8 @@ def test_quantize_command_streams_the_same_model_as_the_api(
         (["--format", "mxint4", "--save-format", "compressed-tensors"], "not mxint4"),
         (["--recipe", "nope"], "invalid choice: 'nope'"),
         (["--calib-corpus", "nowhere.txt"], "nowhere.txt"),
+        (["--device", "banana"], "unknown device 'banana'"),
+        (["--calib-arithmetic", "bf16"], "invalid choice: 'bf16'"),
         (["--occupied"], "is not empty"),
     ],
 )

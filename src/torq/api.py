@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -281,11 +281,16 @@ def quantize_checkpoint(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    device: str = "cpu",
+    calib_arithmetic: str = "exact",
 ) -> dict[str, Any]:
     """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
     with ``recipe`` and write it to ``out``: compressed-tensors when the recipe and format
     can be served, else torq's checkpoint (``save_format`` forces one; asking
-    compressed-tensors of what it cannot hold is refused before any work). Returns
+    compressed-tensors of what it cannot hold is refused before any work). ``device``: where
+    each layer calibrates (``cpu``, ``cuda``, ``cuda:N`` or ``auto``);
+    ``calib_arithmetic``: ``exact`` or ``tf32``
+    (:func:`torq.calibration.capture.calibration_arithmetic`). Returns
     ``{"path", "format", "bytes", "seconds", "recipe", "method", "record"}``."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
@@ -314,14 +319,18 @@ def quantize_checkpoint(
         act_scale="static" if qconfig.static_activations else "dynamic",
         data_dir=data_dir,
         seed=seed,
-        capture=chosen.capture(
-            CalibrationConfig(
-                corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
-            )
+        capture=replace(
+            chosen.capture(
+                CalibrationConfig(
+                    corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
+                )
+            ),
+            arithmetic=calib_arithmetic,
         ),
         skip_ppl=True,
         save_dir=str(staging),
         save_format=save_format,
+        device=device,
     )
     t0 = time.perf_counter()
     try:

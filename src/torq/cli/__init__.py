@@ -179,6 +179,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             seed=args.calib_seed,
             overwrite=args.overwrite,
             progress=not args.no_progress,
+            device=args.device,
+            calib_arithmetic=args.calib_arithmetic,
         )
     print(
         f"torq: wrote {done['path']} ({done['format']}, {done['bytes'] / 1e6:.0f} MB; recipe "

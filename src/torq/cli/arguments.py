@@ -78,9 +78,9 @@ def _format_name(value: str) -> str | None:
 
 # what each command's default --help shows, by group; every other option is under --help-all
 EVERYDAY: dict[str, tuple[str, ...]] = {
-    "model": ("model", "format", "threads"),
+    "model": ("model", "format", "device", "threads"),
     "recipe": ("recipe", "methods", "calib_samples", "calib_corpus"),
-    "data": ("max_windows", "data_dir", "tasks", "limit"),
+    "data": ("max_windows", "data_dir", "tasks"),
     "output": ("out", "save_dir", "save_format", "resume_dir", "overwrite", "no_progress"),
 }
 
@@ -244,7 +244,20 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
     )
     qz.add_argument("--overwrite", action="store_true", help="replace --out if it holds files")
     qz.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads")
+    qz.add_argument(
+        "--device",
+        default="auto",
+        help="where the layers calibrate: cpu, cuda, cuda:N or auto (default: cuda when there; "
+        "TORQ's rotation solvers stay on the CPU)",
+    )
     qz.add_argument("--no-progress", action="store_true", help="no progress bars")
+    qz.add_argument(
+        "--calib-arithmetic",
+        choices=("exact", "tf32"),
+        default="exact",
+        help="the calibration's products: exact, or tf32 on a CUDA GPU (faster; see "
+        "docs/large-models.md)",
+    )
     qz.add_argument(
         "--calib-seqlen", type=_positive_int, default=2048, help="calibration window length"
     )
