@@ -98,6 +98,32 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     assert row["method"] == "torq-had32+gptaq" and row["ppl"] == pytest.approx(direct["ppl"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arithmetic", ["exact", "tf32"])
+def test_quantize_on_the_gpu_writes_the_cpus_model(
+    arithmetic, tiny_checkpoint, tiny_calibration_data_dir, tmp_path
+) -> None:
+    """``torq quantize --device cuda`` (and its TF32 calibration): the folder it writes
+    scores as the CPU's within 2 %, the weights packed on the same grid."""
+    data = str(tiny_calibration_data_dir)
+    scores = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        argv = ["quantize", str(tiny_checkpoint), "--out", str(out), "--data-dir", data]
+        argv += [
+            "--device",
+            device,
+            "--calib-arithmetic",
+            arithmetic if device == "cuda" else "exact",
+        ]
+        assert main([*argv, *CALIB_ARGS]) == 0
+        scores[device] = torq.evaluate(
+            torq.load(out), seqlen=32, max_windows=2, data_dir=data, progress=False
+        )["ppl"]
+        assert _folder_tensors(out).keys() == _folder_tensors(tmp_path / "cpu").keys()
+    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=0.02)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
