@@ -320,7 +320,7 @@ def calibration_arithmetic(arithmetic: str) -> Iterator[None]:
     """The matrix products of a calibration step: ``"exact"`` turns TF32 off on CUDA
     (float32 forwards are float32 whatever the process set), ``"tf32"`` turns it on (the
     float32 products of the forwards and of the float32 statistics run as TF32 on a GPU
-    that has it: about 8× float32's rate on a Hopper GPU, inputs rounded to 10 mantissa
+    that has it: about 7× float32's rate on a Hopper GPU, inputs rounded to 10 mantissa
     bits). The CPU has no TF32: there only the statistics' dtype differs. The previous
     settings come back on exit."""
     if arithmetic not in ARITHMETICS:
