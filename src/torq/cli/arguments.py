@@ -203,6 +203,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
 
 def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
     """``torq quantize MODEL --out DIR``: one recipe, streamed, written to ``DIR``."""
+    from torq.calibration.data import ARITHMETICS
     from torq.methods.recipes import DEFAULT_RECIPE, RECIPES
 
     qz.add_argument(
@@ -253,7 +254,7 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
     qz.add_argument("--no-progress", action="store_true", help="no progress bars")
     qz.add_argument(
         "--calib-arithmetic",
-        choices=("exact", "tf32"),
+        choices=ARITHMETICS,
         default="exact",
         help="the calibration's products: exact, or tf32 on a CUDA GPU (faster; see "
         "docs/large-models.md)",
@@ -271,6 +272,7 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
 
 def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     """Arguments shared by ``torq run`` and ``torq eval``."""
+    from torq.calibration.data import ARITHMETICS
     from torq.formats import SCALE_MODES
 
     run.add_argument(
@@ -548,7 +550,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--calib-arithmetic",
-        choices=("exact", "tf32"),
+        choices=ARITHMETICS,
         default="exact",
         help="the calibration's products: exact (float32 forwards, float64 statistics) or "
         "tf32 (TF32 on a CUDA GPU for the capture's forwards and statistics, each batch "
