@@ -370,35 +370,7 @@ def capture_layer(
 
     ``arithmetic`` (:data:`torq.calibration.data.ARITHMETICS`) sets the forwards' and the
     statistics' products (:func:`calibration_arithmetic`)."""
-    with calibration_arithmetic(arithmetic):
-        return _capture_layer(
-            index,
-            layer,
-            hidden,
-            kwargs,
-            block_size,
-            reservoir,
-            seed,
-            hessian,
-            keep_outputs,
-            reference,
-            torch.float32 if arithmetic == "tf32" else torch.float64,
-        )
-
-
-def _capture_layer(
-    index: int,
-    layer: nn.Module,
-    hidden: list[torch.Tensor] | HiddenStates,
-    kwargs: dict[str, Any],
-    block_size: int,
-    reservoir: int,
-    seed: int,
-    hessian: bool,
-    keep_outputs: bool,
-    reference: list[torch.Tensor] | HiddenStates | None,
-    products: torch.dtype,
-) -> tuple[list[LinearGroup], dict[str, Any], Any]:
+    products = torch.float32 if arithmetic == "tf32" else torch.float64
     groups: list[LinearGroup] = list(discover_groups(layer, hidden[0], kwargs))
     experts = discover_experts(layer)
     # the groups' sums where the layer computes (its inputs are there)
@@ -451,15 +423,16 @@ def _capture_layer(
         else ((h, None) for h in hidden)
     )
     try:
-        for hs, ref in pairs:
-            if ref is not None:
-                holding[0] = True
-                outputs.append(_layer_output(layer(ref, **kwargs)))
-                holding[0] = False
-            out = _layer_output(layer(hs, **kwargs))
-            if keep_outputs and reference is None:
-                outputs.append(out)
-            held.clear()
+        with calibration_arithmetic(arithmetic):
+            for hs, ref in pairs:
+                if ref is not None:
+                    holding[0] = True
+                    outputs.append(_layer_output(layer(ref, **kwargs)))
+                    holding[0] = False
+                out = _layer_output(layer(hs, **kwargs))
+                if keep_outputs and reference is None:
+                    outputs.append(out)
+                held.clear()
     finally:
         for h in handles:
             h.remove()
