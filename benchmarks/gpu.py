@@ -27,6 +27,10 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    rows give GPTQ's summed proxy loss, the agreement of the two calibrations.
 5. ``torq+gptq``: the paper's TORQ rotations with GPTQ on one layer of the 8B shape
    (``--windows`` windows): its solvers run on the CPU.
+5b. ``torq+gptq-device-solvers``: the same with both TORQ solvers on the GPU
+   (``TorqSettings(solver_device="calibration")``, the angle search's batched sweeps); its
+   ``solve_seconds`` against ``torq+gptq``'s is the solvers' GPU-against-CPU ratio, and
+   GPTQ's summed proxy loss the two runs' agreement.
 6. ``checkpoint`` (with ``--model``, a real model, and ``--data-dir``): the model quantized
    with the default recipe on the device (``--calib-samples`` windows), saved as
    compressed-tensors and loaded back through transformers, then on torq's kernels
@@ -151,14 +155,17 @@ def streamed_calibration(
     windows: torch.Tensor,
     device: torch.device,
     arithmetic: str = "exact",
+    solver_device: str = "cpu",
 ) -> dict[str, Any]:
     """``method`` (a recipe name or a method name) through every layer of ``folder`` on
-    ``device`` with torq's streaming driver: the driver's own per-layer seconds."""
+    ``device`` with torq's streaming driver: the driver's own per-layer seconds
+    (``solver_device``: where a TORQ method's solvers run)."""
     from torq.calibration.data import CalibrationConfig, CaptureSettings
     from torq.driver import run_layerwise
     from torq.methods.layers import layer_plan
     from torq.methods.recipes import RECIPES
     from torq.methods.registry import method_spec
+    from torq.methods.settings import TorqSettings
     from torq.models.streaming import LayerStream
     from torq.surgery.qlinear import QuantConfig
 
@@ -166,7 +173,8 @@ def streamed_calibration(
         recipe = RECIPES[method]
         spec, qconfig = recipe.spec(), recipe.quant_config("mxfp4")
     else:
-        spec, qconfig = method_spec(method), QuantConfig.from_names("mxfp4", "mxfp4")
+        torq = TorqSettings(solver_device=solver_device)
+        spec, qconfig = method_spec(method, torq), QuantConfig.from_names("mxfp4", "mxfp4")
     n, seqlen = windows.shape
     capture = CaptureSettings(CalibrationConfig(n_samples=n, seqlen=seqlen), arithmetic=arithmetic)
     source = LayerStream(folder, device)
@@ -183,6 +191,7 @@ def streamed_calibration(
     out: dict[str, Any] = {
         "method": spec.method.name,
         "arithmetic": arithmetic,
+        "solver_device": solver_device,
         "proxy_loss": _summed(run.details.get("layers"), "proxy_loss"),
         "device": device.type,
         "windows": int(n),
@@ -465,17 +474,19 @@ def markdown(rec: dict[str, Any]) -> str:
     cal = rec.get("calibration")
     if cal:
         lines += [
-            "| method | arithmetic | windows × tokens | layers run | s / layer (warm) | "
-            "capture fwd | transform + GPTQ | est. whole model s | peak GPU GiB | "
-            "GPTQ proxy loss |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | arithmetic | TORQ solvers on | windows × tokens | layers run | "
+            "s / layer (warm) | capture fwd | transform + GPTQ | est. whole model s | "
+            "peak GPU GiB | GPTQ proxy loss |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in cal:
             e = r["estimate"]
             share = e["step_share"]
             peak = r["peak_gpu_bytes"]
             lines.append(
-                f"| {r['method']} | {r.get('arithmetic', 'exact')} | {r['windows']} × "
+                f"| {r['method']} | {r.get('arithmetic', 'exact')} | "
+                f"{'the GPU' if r.get('solver_device') == 'calibration' else 'the CPU'} | "
+                f"{r['windows']} × "
                 f"{r['seqlen']} | {r['layers']} | "
                 f"{e['mean_layer_seconds']:.1f} | {share['forward_seconds']:.0%} | "
                 f"{share['solve_seconds']:.0%} | {e['full_model_seconds']:.0f} | "
@@ -587,16 +598,18 @@ def main(argv: list[str] | None = None) -> None:
             save()
             continue
         print(f"[{time.perf_counter() - start:6.0f} s] {part}", flush=True)
-        if part in ("calibration", "calibration-tf32", "torq+gptq"):
-            layers = 1 if part == "torq+gptq" else args.layers
+        if part in ("calibration", "calibration-tf32", "torq+gptq", "torq+gptq-device-solvers"):
+            torq = part.startswith("torq+gptq")
+            layers = 1 if torq else args.layers
             folder = write_random(root / f"{args.shape}-{layers}l", dims, layers)
             windows = random_windows(args.windows, args.seqlen, dims["vocab_size"])
             r = streamed_calibration(
                 folder,
-                "torq+gptq" if part == "torq+gptq" else "default",
+                "torq+gptq" if torq else "default",
                 windows,
                 device,
                 "tf32" if part == "calibration-tf32" else "exact",
+                "calibration" if part == "torq+gptq-device-solvers" else "cpu",
             )
             r["estimate"] = estimate(r, full)
             rec.setdefault("calibration", []).append(r)

@@ -14,8 +14,10 @@ their ratio, and whether the two found the same rotation bit for bit (they must)
     python benchmarks/intra_speed.py --cuda --threads 16 --large --out results/gpu/intra-cuda.json
 
 (``--cuda``, on a GPU machine) times this tree's solver on the CPU against the same solver
-on the GPU (the issue's ``--device cuda``; the largest difference of the two rotations is
-reported, since a GPU may sum in another order). Writes JSON and a markdown table (``<out>.md``).
+on the GPU (the largest difference of the two rotations is reported, since a GPU may sum in
+another order). On the GPU the angle search prepares all pairs' sweeps as one padded table
+(``exact_angle_search``'s ``batched`` path; on the CPU each pair is prepared alone, which is
+faster there). Writes JSON and a markdown table (``<out>.md``).
 """
 
 from __future__ import annotations

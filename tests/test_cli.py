@@ -406,11 +406,13 @@ def _cpu_and_gpu_perplexities(
     methods: list[str],
     fold: bool = False,
     gpu_arithmetic: str = "exact",
+    solver_device: str = "cpu",
     **formats: str,
 ) -> dict[str, dict[str, float]]:
     """Each method's perplexity from the same run on the CPU and on the GPU (small
     calibration, two windows; ``fold``: torq's balancing folded into the producers;
-    ``gpu_arithmetic``: the GPU run's calibration arithmetic, the CPU's being exact)."""
+    ``gpu_arithmetic``: the GPU run's calibration arithmetic, the CPU's being exact;
+    ``solver_device``: where the GPU run's TORQ solvers run)."""
     from torq.calibration.data import CalibrationConfig, CaptureSettings
     from torq.methods.registry import method_specs
     from torq.methods.settings import TorqSettings
@@ -423,7 +425,10 @@ def _cpu_and_gpu_perplexities(
     for device in ("cpu", "cuda"):
         cfg = RunConfig(
             model=str(checkpoint),
-            methods=method_specs(methods, TorqSettings(fold=fold)),
+            methods=method_specs(
+                methods,
+                TorqSettings(fold=fold, solver_device=solver_device if device == "cuda" else "cpu"),
+            ),
             seqlen=64,
             max_windows=2,
             data_dir=str(data_dir),
@@ -449,6 +454,18 @@ def test_gpu_run_matches_cpu_run(tiny_checkpoint, tiny_data_dir) -> None:
     rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods)
     for method, ppl in rows["cpu"].items():
         assert math.isfinite(rows["cuda"][method])
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_solvers_match_cpu_solvers(tiny_checkpoint, tiny_data_dir) -> None:
+    """TORQ's two solvers on the GPU (``solver_device="calibration"``, the angle search's
+    batched sweeps): the quantized models score as the CPU's solvers make them, within 2 %."""
+    methods = ["torq", "torq+gptaq", "torq-had32+gptaq"]
+    rows = _cpu_and_gpu_perplexities(
+        tiny_checkpoint, tiny_data_dir, methods, solver_device="calibration"
+    )
+    for method, ppl in rows["cpu"].items():
         assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
 
 

@@ -518,7 +518,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
     torq adds, at its default, does not rename it (TORQ's guard and fold, GPTQ's scale
     search, the groups TORQ calibrates, the block-mass permutation, the experts' shared
-    down_proj transform)."""
+    down_proj transform, where TORQ's solvers run)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -526,7 +526,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())
-    later = ("guard", "fold", "calibrate", "permute", "expert_down_shared")
+    later = ("guard", "fold", "calibrate", "permute", "expert_down_shared", "solver_device")
     before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__
@@ -539,6 +539,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     assert changed["settings"]["guard"] == 0.25 and changed["settings"]["fold"] is True
     assert changed["settings"]["calibrate"] == ("o_proj",)
     assert _stable_record({"settings": {**settings, "permute": True}})["settings"]["permute"]
+    moved = {**settings, "solver_device": "calibration"}
+    assert _stable_record({"settings": moved})["settings"]["solver_device"] == "calibration"
 
 
 def test_a_folded_balancing_streams_and_saves_as_the_whole_model(

@@ -11,10 +11,11 @@ from benchmarks.gpu import main
 def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     out = tmp_path / "out"
     args = ["--shape", "tiny", "--device", "cpu", "--windows", "2", "--seqlen", "32"]
-    args += ["--layers", "2", "--new-tokens", "2", "--parts", "calibration,calibration-tf32,decode"]
+    parts = "calibration,calibration-tf32,decode,torq+gptq,torq+gptq-device-solvers"
+    args += ["--layers", "2", "--new-tokens", "2", "--parts", parts]
     main([*args, "--dir", str(tmp_path / "ck"), "--out", str(out)])
     rec = json.loads((out / "gpu.json").read_text())
-    cal, fast = rec["calibration"]
+    cal, fast, torq_cpu, torq_device = rec["calibration"]
     assert cal["method"] == "torq-had32+gptaq" and cal["layers"] == 2 and cal["windows"] == 2
     assert cal["estimate"]["full_model_seconds"] > 0
     # the same recipe with float32 statistics (TF32 on a GPU): a few of GPTQ's rounding
@@ -22,6 +23,11 @@ def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     assert (cal["arithmetic"], fast["arithmetic"]) == ("exact", "tf32")
     assert cal["proxy_loss"] > 0 and fast["proxy_loss"] != cal["proxy_loss"]
     assert abs(fast["proxy_loss"] - cal["proxy_loss"]) <= 1e-2 * cal["proxy_loss"]
+    # TORQ's solvers on "the calibration's device": here the CPU too, so the same model
+    assert (torq_cpu["solver_device"], torq_device["solver_device"]) == ("cpu", "calibration")
+    assert torq_cpu["method"] == torq_device["method"] == "torq+gptq"
+    assert torq_cpu["proxy_loss"] == torq_device["proxy_loss"] > 0
+    assert "| torq+gptq | exact | the GPU |" in (out / "gpu.md").read_text()
     dec = rec["decode"]
     assert dec["nll_relative_difference"] == 0.0
     assert "28 layers on torq's MXFP4 W4A4 kernels" in dec["accelerate"]

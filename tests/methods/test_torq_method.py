@@ -209,6 +209,43 @@ def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None
     assert _key("torq-had32", o_only) == _key("torq-had32")
 
 
+def test_the_solvers_on_the_calibration_device(corpus, tiny_tokenizer, monkeypatch) -> None:
+    """``solver_device="calibration"`` hands both solvers their inputs on the device the
+    statistics are summed on (on a CPU run, the CPU: the same transforms bit for bit) and
+    enters the settings key; other values are refused."""
+    import torq.methods.torq_rotation as tr
+
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    seen: list[tuple[str, str]] = []
+    inter, intra = tr.inter_block_rotations, tr.fit_intra_block_rotation
+
+    def watch_inter(covariance, *a, **k):
+        seen.append(("inter", covariance.device.type))
+        return inter(covariance, *a, **k)
+
+    def watch_intra(sample, *a, **k):
+        seen.append(("intra", sample.device.type))
+        return intra(sample, *a, **k)
+
+    monkeypatch.setattr(tr, "inter_block_rotations", watch_inter)
+    monkeypatch.setattr(tr, "fit_intra_block_rotation", watch_intra)
+    models = {}
+    for where in ("cpu", "calibration"):
+        models[where] = tiny_model("llama")
+        settings = _settings(corpus, solver_device=where)
+        _apply(models[where], "torq", qconfig, settings, tiny_tokenizer)
+    assert {kind for kind, _ in seen} == {"inter", "intra"}
+    assert {device for _, device in seen} == {"cpu"}
+    for a, b in zip(models["cpu"].parameters(), models["calibration"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(models["cpu"].buffers(), models["calibration"].buffers(), strict=True):
+        assert torch.equal(a, b)
+    assert "solver_device" not in _key("torq")
+    assert _key("torq", TorqSettings(solver_device="calibration")) != _key("torq")
+    with pytest.raises(ValueError, match="solver_device"):
+        TorqSettings(solver_device="gpu")
+
+
 def test_the_block_mass_permutation_is_kept_where_it_lowers_the_held_back_error(
     corpus, tiny_tokenizer
 ) -> None:

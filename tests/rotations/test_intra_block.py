@@ -504,3 +504,67 @@ def test_the_pairs_prepared_side_by_side_give_the_search_of_one_thread(monkeypat
         wide = widths > 1e-9
         mids = ib._fold(sweep.angle + widths / 2)[wide]
         assert torch.equal(nums[wide], _grid_numerators(zn, p, q, mids))
+
+
+@pytest.mark.parametrize(
+    ("kind", "k", "n_pairs", "seed"),
+    [("student_t2", 16, 4, 3), ("laplace_colscale", 32, 8, 1), ("gauss", 8, 2, 4)],
+)
+def test_the_batched_sweeps_give_the_search_of_the_pairs_one_by_one(
+    monkeypatch, kind, k, n_pairs, seed
+):
+    """The sweeps prepared as one padded table (the path an accelerator takes) give the
+    angles, losses and rotated sample of the pairs prepared one by one, bit for bit, in any
+    chunk size; a pair of all-zero columns has no events in either."""
+    import torq.rotations.angle_search as ib
+
+    zn = _normalized(_samples(kind, 500, k=k, seed=seed))
+    pairs = select_column_pairs(zn, k_top=k, n_pairs=n_pairs, lam=1.0)
+    one_by_one = exact_angle_search(zn, pairs, batched=False)
+    assert int((one_by_one.angles != 0).sum()) >= 2
+    for chunk in (ib._SWEEP_CHUNK, 5):
+        monkeypatch.setattr(ib, "_SWEEP_CHUNK", chunk)
+        batched = exact_angle_search(zn, pairs, batched=True)
+        assert torch.equal(batched.angles, one_by_one.angles)
+        assert torch.equal(batched.losses, one_by_one.losses)
+        assert torch.equal(batched.sweep_losses, one_by_one.sweep_losses)
+        assert torch.equal(batched.z_norm, one_by_one.z_norm)
+    # every usable interval's numerator is the per-pair sweep's
+    base_all = codebook_histogram(zn)
+    for (p, q), ours, theirs in zip(
+        pairs,
+        ib._batched_sweeps(zn, pairs),
+        ib._prepare_sweeps(zn, pairs, ib._pair_events(zn, pairs)),
+        strict=True,
+    ):
+        assert torch.equal(ours.angle, theirs.angle)
+        base = base_all - codebook_histogram(zn[:, p]) - codebook_histogram(zn[:, q])
+        wide = theirs.widths() > 1e-9
+        assert torch.equal(
+            ib._sweep_numerators(ours, base, zn.numel())[wide],
+            ib._sweep_numerators(theirs, base, zn.numel())[wide],
+        )
+    zeros = zn.clone()
+    zeros[:, [0, 1]] = 0.0
+    for batched_flag in (True, False):
+        sweeps = (
+            ib._batched_sweeps(zeros, [(0, 1), (2, 3)])
+            if batched_flag
+            else ib._prepare_sweeps(
+                zeros, [(0, 1), (2, 3)], ib._pair_events(zeros, [(0, 1), (2, 3)])
+            )
+        )
+        assert sweeps[0].angle.numel() == 0 and sweeps[1].angle.numel() > 0
+        assert int(sweeps[0].own_start.sum()) == 2 * zeros.shape[0]
+    a = exact_angle_search(zeros, [(0, 1), (2, 3)], batched=True)
+    b = exact_angle_search(zeros, [(0, 1), (2, 3)], batched=False)
+    assert torch.equal(a.angles, b.angles) and torch.equal(a.z_norm, b.z_norm)
+
+
+def test_the_batched_sweeps_in_float32():
+    zn = _normalized(_samples("student_t2", 400, k=16, seed=9)).to(torch.float32)
+    pairs = select_column_pairs(zn, k_top=16, n_pairs=4, lam=1.0)
+    a = exact_angle_search(zn, pairs, batched=True)
+    b = exact_angle_search(zn, pairs, batched=False)
+    assert torch.equal(a.angles, b.angles) and torch.equal(a.z_norm, b.z_norm)
+    assert bool((a.angles != 0).any())

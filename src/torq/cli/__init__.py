@@ -63,6 +63,7 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
         fold=args.fold_balance,
         calibrate=args.torq_calibrate,
         expert_down_shared=args.expert_down == "shared",
+        solver_device=args.solver_device,
     )
     return torq_settings.paper() if args.paper else torq_settings
 

@@ -274,6 +274,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     """Arguments shared by ``torq run`` and ``torq eval``."""
     from torq.calibration.data import ARITHMETICS
     from torq.formats import SCALE_MODES
+    from torq.methods.settings import SOLVER_DEVICES
 
     run.add_argument(
         "--help-all", action="store_true", help="show every option (research knobs included)"
@@ -367,7 +368,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--device",
         default="cpu",
-        help="where the model runs: cpu, cuda, cuda:N or auto (solvers stay on the CPU)",
+        help="where the model runs: cpu, cuda, cuda:N or auto (TORQ's solvers stay on the CPU "
+        "unless --solver-device calibration)",
     )
     run.add_argument(
         "--out", default=None, help="result JSON path (default: results/run-<model>-<time>.json)"
@@ -530,6 +532,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         help="blocks the intra-block solver fits on (default: all sampled)",
+    )
+    t.add_argument(
+        "--solver-device",
+        choices=SOLVER_DEVICES,
+        default="cpu",
+        help="where TORQ's inter- and intra-block solvers run: the CPU (default) or the "
+        "device the calibration runs on (a GPU with --device cuda)",
     )
     t.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ dampening (× mean diag H)")
     t.add_argument(

@@ -22,6 +22,9 @@ TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")
+
+
 @dataclass(frozen=True)
 class TorqSettings:
     """Every knob of TORQ (Algorithms 1–3 and torq's additions); recorded verbatim in the
@@ -56,8 +59,18 @@ class TorqSettings:
     # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
     # pooled, instead of one per expert from the tokens routed to it (the cheap variant)
     expert_down_shared: bool = False
+    # where the two solvers (Algorithms 1 and 2) run: "cpu", or "calibration", the device
+    # the calibration statistics are summed on (a GPU when calibrating on one; there the
+    # angle search prepares all pairs of a step at once). Not the default until measured
+    # faster on a GPU: the per-pair solver was 2.6–4x slower on an H200 than on its CPUs
+    solver_device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.solver_device not in SOLVER_DEVICES:
+            raise ValueError(
+                f"solver_device must be one of {', '.join(SOLVER_DEVICES)}, "
+                f"got {self.solver_device!r}"
+            )
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
         if self.calibrate is not None:
@@ -120,14 +133,20 @@ def torq_key(settings: dict[str, Any], capture: dict[str, Any] | None = None) ->
     # (:meth:`torq.methods.registry.Method.settings_key`)
     merged = {**settings, **(capture or {})}
     merged.pop("arithmetic", None)
-    return {k: v for k, v in merged.items() if not (k in _LATER and v is _LATER[k])}
+    return {k: v for k, v in merged.items() if not (k in _LATER and _same(v, _LATER[k]))}
 
 
-# settings added after keys were kept, at their defaults (``is``: None and False themselves)
+def _same(value: Any, default: Any) -> bool:
+    # of the same type too: 0 is not False, nor 0.0 None
+    return type(value) is type(default) and value == default
+
+
+# settings added after keys were kept, at their defaults
 _LATER: dict[str, Any] = {
     "guard": None,
     "fold": False,
     "calibrate": None,
     "permute": False,
     "expert_down_shared": False,
+    "solver_device": "cpu",
 }

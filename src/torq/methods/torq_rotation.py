@@ -61,13 +61,16 @@ def build_group_transform(
     weight: torch.Tensor | None = None,
     weight_fmt: FormatSpec | None = None,
     ties: torch.Tensor | None = None,
+    solver_device: torch.device | None = None,
 ) -> tuple[BlockRotation, dict[str, Any]]:
     """``T`` for one input group (Algorithm 3, steps 1–3): the balancing scales ``s`` (torq's
     addition, from ``E[x_j²]`` and the group's stacked ``weight``), inter-block ``R_k`` from
     the balanced ``Σ_k`` (Algorithm 1), then ``R_intra`` (Algorithm 2) on balanced blocks.
     With ``settings.guard`` the transform is checked on held-back tokens against the
     balanced ``H₃₂`` (module doc; ``fmt``/``weight_fmt``: the activation and weight formats).
-    ``ties``: channels that must share one balancing scale (:func:`balance.tied_energies`)."""
+    ``ties``: channels that must share one balancing scale (:func:`balance.tied_energies`).
+    ``solver_device``: where Algorithms 1 and 2 run (their inputs are moved there and their
+    rotations back to the CPU); ``None``: the CPU, where the statistics are kept."""
     k = settings.block_size
     record: dict[str, Any] = {"tokens": stats.count, "width": stats.width}
     fit_sample, held = stats.sample, None
@@ -109,7 +112,8 @@ def build_group_transform(
         }
     r_inter = None
     if settings.use_inter:
-        r_inter, info = inter_block_rotations(covariance, settings.inter)
+        r_inter, info = inter_block_rotations(covariance.to(solver_device), settings.inter)
+        r_inter = r_inter.cpu()
         record["inter"] = {"rotations": info.rotations, "max_rel_deviation": info.max_rel_deviation}
     r_intra = None
     if settings.use_intra:
@@ -120,8 +124,8 @@ def build_group_transform(
             sample = sample[:, perm]
         if r_inter is not None:
             sample = BlockRotation(k, r_inter, None, dtype=torch.float64)(sample)
-        result = fit_intra_block_rotation(sample.reshape(-1, k), settings.intra)
-        r_intra = result.rotation
+        result = fit_intra_block_rotation(sample.reshape(-1, k).to(solver_device), settings.intra)
+        r_intra = result.rotation.cpu()
         record["intra"] = {
             "loss_first": result.loss_history[0],
             "loss_last": result.loss_history[-1],
@@ -253,8 +257,15 @@ class TorqTransform(TransformBuilder):
         ties = None
         if settings.fold and settings.balance is not None and is_o_proj(group):
             ties = o_proj_ties(ctx.model_config)
+        solver_device = stats.device if settings.solver_device == "calibration" else None
         return build_group_transform(
-            stats, settings, qconfig.activation, weight, qconfig.weight, ties=ties
+            stats,
+            settings,
+            qconfig.activation,
+            weight,
+            qconfig.weight,
+            ties=ties,
+            solver_device=solver_device,
         )
 
     def check(self, qconfig: QuantConfig, ctx: MethodContext) -> None:
