@@ -18,60 +18,36 @@ import argparse
 import sys
 from dataclasses import replace
 
-import torch
-
-from torq.api import compare
-from torq.cli import capture_from_args, torq_settings_from_args
-from torq.cli.arguments import build_parser
-from torq.methods.registry import get_method, method_spec, register
-from torq.surgery.gptq import GPTQConfig
+from torq.cli import main as torq_main
+from torq.methods.registry import get_method, register
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("alpha", type=float, help="GPTAQ's asymmetry, in [0, 1]")
     ap.add_argument("--out", required=True)
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        ap.error("give torq run's options after --")
+    if "--" not in argv or "--methods" not in argv:
+        ap.error("give torq run's options after --, --methods among them")
     split = argv.index("--")
     args = ap.parse_args(argv[:split])
-    run_args = build_parser().parse_args(["run", *argv[split + 1 :]])
-    if run_args.threads:
-        torch.set_num_threads(run_args.threads)
-    torq = torq_settings_from_args(run_args)
-    gptq = GPTQConfig(
-        damp=run_args.gptq_damp, act_order=run_args.act_order, scale_search=run_args.gptq_scales
-    )
-    specs = []
-    for name in run_args.methods.split(","):
-        method = get_method(name.strip())
-        if not name.strip().endswith("+gptaq"):
-            raise SystemExit(f"{name}: not a method with GPTAQ's weights (+gptaq)")
+    run = list(argv[split + 1 :])
+    at = run.index("--methods") + 1
+    names = []
+    for name in (n.strip() for n in run[at].split(",")):
+        if not name.endswith("+gptaq"):
+            ap.error(f"{name}: not a method with GPTAQ's weights (+gptaq)")
+        method = get_method(name)
         variant = replace(
             method,
-            name=f"{name.strip().removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}",
+            name=f"{name.removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}",
             description=f"{method.description} (asymmetry {args.alpha})",
             gptq_settings=(("asymmetry", args.alpha),),
         )
-        register(variant)
-        specs.append(method_spec(variant.name, torq, gptq))
-    result = compare(
-        run_args.model,
-        specs,
-        (torq, gptq),
-        capture=capture_from_args(run_args),
-        out=args.out,
-        progress=not run_args.no_progress,
-        seqlen=run_args.seqlen,
-        max_windows=run_args.max_windows,
-        data_dir=run_args.data_dir,
-        seed=run_args.seed,
-        scale_mode=run_args.scale_mode,
-        device=run_args.device,
-    )
-    print(result["table"])
+        names.append(register(variant).name)
+    run[at] = ",".join(names)
+    return torq_main(["run", *run, "--out", args.out])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
