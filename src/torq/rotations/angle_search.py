@@ -311,16 +311,19 @@ def _fold(angle: Tensor) -> Tensor:
     return torch.where(folded >= _HALF_PI, folded - _HALF_PI, folded)
 
 
-def _pair_events(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
-    """Critical angles in ``[0, π/2)`` of every pair, each with a signed event code.
-
-    The code is ``±(i + 1)`` for a crossing of boundary ``d_i``: ``+`` when the magnitude
-    rises through it (a count moves from bin ``i`` to ``i + 1``), ``−`` when it falls.
-    """
+def _pair_columns(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """Each pair's two columns, pair-major ``[P, N]``: each pair's slice contiguous for the
+    masked selections and row-wise steps of the sweeps."""
     ps = [p for p, _ in pairs]
     qs = [q for _, q in pairs]
-    # Pair-major layout keeps each pair's slice contiguous for the masked selections below.
-    u, v = z_norm[:, ps].T.contiguous(), z_norm[:, qs].T.contiguous()
+    return z_norm[:, ps].T.contiguous(), z_norm[:, qs].T.contiguous()
+
+
+def _crossings(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Every pair's value ``(r cos φ, r sin φ)`` of each block against each decision boundary
+    ``d_i``: ``φ`` (``[P, N, 1]``), ``α = arccos(d_i / r)`` and whether ``r > d_i`` (both
+    ``[P, N, J−1]``). Where ``r > d_i``, the magnitudes cross ``d_i`` at ``φ ± α``."""
+    u, v = _pair_columns(z_norm, pairs)
     r = torch.hypot(u, v).unsqueeze(-1)
     phi = torch.atan2(v, u).unsqueeze(-1)
     del u, v
@@ -331,8 +334,23 @@ def _pair_events(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> list[tuple
     # (on an 8B model's down_proj group, N is about a million blocks).
     alpha = r - bounds
     alpha.mul_(r + bounds).clamp_min_(0).sqrt_().atan2_(bounds)
-    code = torch.arange(1, bounds.numel() + 1, dtype=torch.int8, device=z_norm.device)
-    code = code.expand_as(crosses)
+    return phi, alpha, crosses
+
+
+def _event_codes(crosses: Tensor) -> Tensor:
+    """``i + 1`` for boundary ``d_i``, along the last dimension of ``crosses``."""
+    n_bounds = crosses.shape[-1]
+    return torch.arange(1, n_bounds + 1, dtype=torch.int8, device=crosses.device)
+
+
+def _pair_events(z_norm: Tensor, pairs: Sequence[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
+    """Critical angles in ``[0, π/2)`` of every pair, each with a signed event code.
+
+    The code is ``±(i + 1)`` for a crossing of boundary ``d_i``: ``+`` when the magnitude
+    rises through it (a count moves from bin ``i`` to ``i + 1``), ``−`` when it falls.
+    """
+    phi, alpha, crosses = _crossings(z_norm, pairs)
+    code = _event_codes(crosses).expand_as(crosses)
     out = []
     for pair in range(len(pairs)):
         mask = crosses[pair]
@@ -451,17 +469,7 @@ def _batched_sweeps(zn: Tensor, pairs: Sequence[tuple[int, int]]) -> list[_PairS
     sweeps give the same numerators on every usable interval.
     """
     n_pairs = len(pairs)
-    ps = [p for p, _ in pairs]
-    qs = [q for _, q in pairs]
-    u, v = zn[:, ps].T.contiguous(), zn[:, qs].T.contiguous()
-    r = torch.hypot(u, v).unsqueeze(-1)
-    phi = torch.atan2(v, u).unsqueeze(-1)
-    bounds = decision_boundaries(zn.dtype, zn.device)
-    crosses = r > bounds
-    # the same element-wise steps as _pair_events, so the same angles bit for bit
-    alpha = r - bounds
-    alpha.mul_(r + bounds).clamp_min_(0).sqrt_().atan2_(bounds)
-    del r
+    phi, alpha, crosses = _crossings(zn, pairs)
     never = torch.full((), math.inf, dtype=zn.dtype, device=zn.device)
     angle = torch.cat(
         [
@@ -471,7 +479,7 @@ def _batched_sweeps(zn: Tensor, pairs: Sequence[tuple[int, int]]) -> list[_PairS
         dim=1,
     )
     del phi, alpha
-    code = torch.arange(1, bounds.numel() + 1, dtype=torch.int8, device=zn.device)
+    code = _event_codes(crosses)
     code = torch.where(crosses, code, torch.zeros_like(code)).reshape(n_pairs, -1)
     code = torch.cat([code, -code], dim=1)
     counts = 2 * crosses.reshape(n_pairs, -1).sum(dim=1)
@@ -503,6 +511,7 @@ def _batched_sweeps(zn: Tensor, pairs: Sequence[tuple[int, int]]) -> list[_PairS
         anchors = [
             a + w / 2 if n else 0.0 for a, w, n in zip(at_gap, gap_width, count_list, strict=True)
         ]
+    u, v = _pair_columns(zn, pairs)
     cos = torch.tensor([math.cos(t) for t in anchors], dtype=zn.dtype, device=zn.device)
     sin = torch.tensor([math.sin(t) for t in anchors], dtype=zn.dtype, device=zn.device)
     su = cos[:, None] * u + sin[:, None] * v
@@ -512,17 +521,18 @@ def _batched_sweeps(zn: Tensor, pairs: Sequence[tuple[int, int]]) -> list[_PairS
     )
     del su, sv, u, v
 
-    own_square = torch.empty(n_pairs, width, dtype=torch.int64, device=zn.device)
     step = max(1, _SWEEP_CHUNK // max(1, n_pairs))
-    # the moves of events 0..anchor (taken off the anchor's counts), then the running counts
-    # from the first event on, both a chunk of events at a time
-    moved = torch.zeros(n_pairs, N_CODES, dtype=torch.int32, device=zn.device)
+    # the net moves of events 0..anchor, added straight into each row's bins (no [events,
+    # J] table; a padding event, code 0, adds 0), taken off the anchor's counts
+    moved = torch.zeros(n_pairs, N_CODES, dtype=torch.int64, device=zn.device)
     for start in range(0, width, step):
         stop = min(start + step, width)
-        delta = _event_moves(code[:, start:stop].reshape(-1)).view(n_pairs, stop - start, -1)
-        before = (position[start:stop] <= gap[:, None]).to(torch.int32)
-        moved += (delta * before[:, :, None]).sum(dim=1, dtype=torch.int32)
-    own_start = own_start - moved.long()
+        chunk = code[:, start:stop].long() * (position[start:stop] <= gap[:, None])
+        rise, bound = chunk.sign(), (chunk.abs() - 1).clamp_min(0)
+        moved.scatter_add_(1, bound, -rise).scatter_add_(1, bound + 1, rise)
+    own_start = own_start - moved
+    # the counts after each event, a chunk of events at a time
+    own_square = torch.empty(n_pairs, width, dtype=torch.int64, device=zn.device)
     running = own_start.to(torch.int32)
     for start in range(0, width, step):
         stop = min(start + step, width)
