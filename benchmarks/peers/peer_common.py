@@ -71,7 +71,10 @@ def add_common_args(parser: argparse.ArgumentParser, peer: str) -> None:
         + ", ".join(sorted(TINY_MODELS)),
     )
     parser.add_argument(
-        "--max-windows", type=int, default=16, help="evaluate the first N WikiText-2 windows"
+        "--max-windows",
+        type=int,
+        default=16,
+        help="evaluate the first N WikiText-2 windows (0: the full test)",
     )
     parser.add_argument("--seqlen", type=int, default=2048, help="perplexity window length")
     parser.add_argument(
@@ -133,7 +136,8 @@ def load_subject(args: argparse.Namespace) -> Subject:
     if args.model in TINY_MODELS:
         model = _tiny_model(args.model)
         gen = torch.Generator().manual_seed(args.seed)
-        windows = torch.randint(0, TINY_VOCAB, (args.max_windows, args.seqlen), generator=gen)
+        n_windows = args.max_windows or 4
+        windows = torch.randint(0, TINY_VOCAB, (n_windows, args.seqlen), generator=gen)
         describe = {
             "source": f"random init ({args.model})",
             "model_type": "llama",
@@ -146,7 +150,7 @@ def load_subject(args: argparse.Namespace) -> Subject:
 
     lm = load(args.model)
     text = load_wikitext2_test(resolve_data_dir(args.data_dir))
-    windows = windows_from_text(text, lm.tokenizer, args.seqlen, args.max_windows)
+    windows = windows_from_text(text, lm.tokenizer, args.seqlen, args.max_windows or None)
     return Subject(
         lm.model.to(args.device), windows, lm.describe(), tiny=False, tokenizer=lm.tokenizer
     )
