@@ -136,7 +136,7 @@ def load_subject(args: argparse.Namespace) -> Subject:
     if args.model in TINY_MODELS:
         model = _tiny_model(args.model)
         gen = torch.Generator().manual_seed(args.seed)
-        n_windows = args.max_windows or 4
+        n_windows = args.max_windows or 16  # a random model has no test to run in full
         windows = torch.randint(0, TINY_VOCAB, (n_windows, args.seqlen), generator=gen)
         describe = {
             "source": f"random init ({args.model})",
