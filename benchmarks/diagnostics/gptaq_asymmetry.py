@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             method,
             name=f"{name.removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}",
             description=f"{method.description} (asymmetry {args.alpha})",
-            gptq_settings=(("asymmetry", args.alpha),),
+            # only the asymmetry changes; the method's other GPTQ settings stay
+            gptq_settings=tuple(
+                (key, args.alpha if key == "asymmetry" else value)
+                for key, value in method.gptq_settings
+            ),
         )
         names.append(register(variant).name)
     run[at] = ",".join(names)
