@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,7 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
     assert res["eval"] == {
         "dataset": "wikitext-2-raw test",
         "n_windows": 3,
+        "window_sample": None,
         "seqlen": 64,
         "zeroshot_tasks": [],
         "zeroshot_limit": None,
@@ -225,6 +227,37 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
         assert res[key]
     assert rtn["eval_tokens_per_s"] > 0
     assert out.with_suffix(".md").read_text().startswith("`")
+
+
+def test_a_window_sample_scores_the_same_windows_for_every_row(
+    tiny_checkpoint, tiny_data_dir, tmp_path, capsys
+) -> None:
+    """``--window-sample``: the record names the windows drawn and of how many; each row's
+    per-window NLLs are those windows' of a run over the whole test; ×FP is the paired
+    estimate with its interval."""
+    common = ["--model", str(tiny_checkpoint), "--seqlen", "64", "--data-dir", str(tiny_data_dir)]
+    common += ["--no-progress"]
+    whole_out, sample_out = tmp_path / "whole.json", tmp_path / "sample.json"
+    assert _run(["run", *common, "--methods", "fp", "--out", str(whole_out)], capsys)[0] == 0
+    argv = ["run", *common, "--methods", "fp,rtn", "--window-sample", "3"]
+    code, stdout, _ = _run([*argv, "--window-sample-seed", "5", "--out", str(sample_out)], capsys)
+    assert code == 0
+    whole, sample = json.loads(whole_out.read_text()), json.loads(sample_out.read_text())
+    drawn = sample["eval"]["window_sample"]
+    assert drawn["n"] == 3 and drawn["seed"] == 5 and drawn["of"] == whole["eval"]["n_windows"]
+    assert drawn["ids"] == sorted(drawn["ids"]) and sample["eval"]["n_windows"] == 3
+    all_nll = whole["rows"][0]["details"]["perplexity"]["window_nll"]
+    fp, rtn = sample["rows"]
+    assert fp["details"]["perplexity"]["window_nll"] == pytest.approx(
+        [all_nll[i] for i in drawn["ids"]], rel=1e-9
+    )
+    assert len(rtn["details"]["perplexity"]["window_nll"]) == 3
+    assert "drawn at random (seed 5)" in stdout and re.search(
+        r"\| [\d.]+ \([\d.]+–[\d.]+\) \|", stdout
+    )
+    both = [*argv, "--max-windows", "2", "--out", str(tmp_path / "x.json")]
+    code, _, err = _run(both, capsys)
+    assert code == 2 and "either --max-windows" in err and len(err.strip().splitlines()) == 1
 
 
 def test_weight_only_flag(tiny_checkpoint, tiny_data_dir, tmp_path, capsys) -> None:

@@ -57,6 +57,7 @@ def test_float_model_layer_by_layer_is_the_whole_model(arch, tmp_path, tiny_toke
     assert streamed.perplexity is not None and in_memory.perplexity is not None
     assert streamed.perplexity.ppl == whole
     assert in_memory.perplexity.ppl == whole
+    assert streamed.perplexity.window_nll == perplexity(model, windows, progress=False).window_nll
 
 
 def test_batches_of_windows_give_the_same_perplexity(tmp_path, tiny_tokenizer) -> None:

@@ -33,7 +33,7 @@ from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import load_eval_text
 from torq.driver import LayerProgress, run_layerwise
 from torq.errors import TorqError
-from torq.eval.perplexity import perplexity, windows_from_text
+from torq.eval.perplexity import perplexity, sample_windows, windows_from_text
 from torq.eval.zeroshot import evaluate_zeroshot
 from torq.export import load_quantized
 from torq.export.checkpoint import CheckpointWriter
@@ -104,7 +104,7 @@ def _evaluate_saved(
     saved = loaded.quantized or saved  # with how it loaded (time, fingerprint check)
     if getattr(loaded.model, "hf_device_map", None) is None:  # not dispatched by accelerate
         loaded.model.to(device)
-    windows = _eval_windows(config, loaded.tokenizer)
+    windows, sample = _eval_windows(config, loaded.tokenizer)
     resume = open_method_resume_dir(config, method.name)
     info = saved.get("info", {})
     details = {
@@ -135,14 +135,23 @@ def _evaluate_saved(
         zeroshot,
     )
     row.details["peak_memory"] = peak_memory(device)
-    return run_record(config, qconfig, loaded, windows, [row], t_start, complete=True)
+    return run_record(config, qconfig, loaded, windows, [row], t_start, True, sample)
 
 
-def _eval_windows(config: RunConfig, tokenizer: Any) -> torch.Tensor | None:
+def _eval_windows(
+    config: RunConfig, tokenizer: Any
+) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+    """The perplexity windows (none with ``skip_ppl``) and, for a seeded window sample,
+    which windows of how many it took (the record's ``eval.window_sample``)."""
     if config.skip_ppl:
-        return None
+        return None, None
     text = load_eval_text(config.eval_corpus, config.data_dir)
-    return windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
+    windows = windows_from_text(text, tokenizer, config.seqlen, config.max_windows)
+    if config.window_sample is None:
+        return windows, None
+    total = int(windows.shape[0])
+    windows, ids = sample_windows(windows, config.window_sample, config.window_sample_seed)
+    return windows, {"n": len(ids), "seed": config.window_sample_seed, "of": total, "ids": ids}
 
 
 def _row(
@@ -221,7 +230,7 @@ def _run_streamed(
             parts.check(skeleton)
         plans.append(layer_plan(method, qconfig, ctx))
     hidden_size = int(skeleton.config.hidden_size)
-    windows = _eval_windows(config, tokenizer)
+    windows, sample = _eval_windows(config, tokenizer)
     n_windows = 0 if windows is None else int(windows.shape[0])
     hidden = hidden_states_mode(config, plans, hidden_size, n_windows)
     rows: list[MethodRow] = []
@@ -241,8 +250,8 @@ def _run_streamed(
         rows.append(row)
         gc.collect()
         if on_row is not None and len(rows) < len(specs):
-            on_row(run_record(config, qconfig, loaded, windows, rows, t_start, complete=False))
-    return run_record(config, qconfig, loaded, windows, rows, t_start, complete=True)
+            on_row(run_record(config, qconfig, loaded, windows, rows, t_start, False, sample))
+    return run_record(config, qconfig, loaded, windows, rows, t_start, True, sample)
 
 
 def _row_file(config: RunConfig, windows: torch.Tensor | None) -> str:

@@ -11,6 +11,7 @@ from tests.conftest import tiny_model
 from torq.data import DATA_DIR_ENV
 from torq.errors import TorqError
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval.perplexity import paired_log_ratio, sample_windows, window_sample_ids
 from torq.eval.store import EvalStore, MemoryStore
 from torq.runs.store import FolderStore
 
@@ -36,6 +37,55 @@ def test_perplexity_equals_the_models_own_loss(arch: str) -> None:
     assert res.ppl == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-6)
     assert res.n_tokens == 3 * 48 and res.n_windows == 3
     assert res.tokens_per_s > 0
+
+
+def test_each_windows_nll_is_kept_in_order() -> None:
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    windows = torch.randint(0, model.config.vocab_size, (4, 40))
+    res = perplexity(model, windows, batch_size=3, progress=False)
+    one_by_one = [perplexity(model, w[None], progress=False).window_nll[0] for w in windows]
+    assert res.window_nll == pytest.approx(one_by_one, rel=1e-5)
+    assert res.mean_nll == pytest.approx(sum(res.window_nll) / (4 * 39), rel=1e-12)
+
+
+def test_a_window_sample_is_seeded_sorted_and_distinct() -> None:
+    windows = torch.arange(50 * 4).view(50, 4)
+    picked, ids = sample_windows(windows, 7, seed=3)
+    assert ids == sorted(set(ids)) and len(ids) == 7 and all(0 <= i < 50 for i in ids)
+    assert picked.tolist() == windows[ids].tolist()
+    assert window_sample_ids(50, 7, 3) == ids
+    assert window_sample_ids(50, 7, 4) != ids
+    assert window_sample_ids(5, 9, 0) == [0, 1, 2, 3, 4]
+    with pytest.raises(TorqError, match="at least one window"):
+        window_sample_ids(5, 0, 0)
+
+
+def test_the_paired_ratio_is_exact_on_the_whole_test_and_covers_it_from_samples() -> None:
+    """On every window the estimate is the whole test's PPL ratio with no error (the finite
+    population correction); from random samples its 95 % interval covers that ratio about
+    95 % of the time."""
+    seqlen, total, n = 101, 120, 24
+    gen = torch.Generator().manual_seed(0)
+    a = 300.0 + 40.0 * torch.rand(total, generator=gen, dtype=torch.float64)
+    b = a * 1.2 + 8.0 * torch.randn(total, generator=gen, dtype=torch.float64)
+    truth = math.exp((b.sum() - a.sum()).item() / (total * (seqlen - 1)))
+    whole = paired_log_ratio(a.tolist(), b.tolist(), seqlen, population=total)
+    assert whole.ratio == pytest.approx(truth, rel=1e-12)
+    assert whole.log_se == 0.0 and whole.low == pytest.approx(truth, rel=1e-12)
+    covered = 0
+    for seed in range(400):
+        ids = window_sample_ids(total, n, seed)
+        est = paired_log_ratio(a[ids].tolist(), b[ids].tolist(), seqlen, population=total)
+        assert est.low < est.ratio < est.high
+        covered += est.low <= truth <= est.high
+    assert 0.89 <= covered / 400 <= 0.99
+    with pytest.raises(TorqError, match="different windows"):
+        paired_log_ratio([1.0, 2.0], [1.0], seqlen)
+    with pytest.raises(TorqError, match="at least two windows"):
+        paired_log_ratio([1.0], [1.0], seqlen)
+    with pytest.raises(TorqError, match="from a test of 3"):
+        paired_log_ratio([1.0] * 4, [2.0] * 4, seqlen, population=3)
 
 
 def test_nan_model_is_reported() -> None:

@@ -135,6 +135,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             act_scale=args.act_scale,
             seqlen=args.seqlen,
             max_windows=args.max_windows,
+            window_sample=args.window_sample,
+            window_sample_seed=args.window_sample_seed,
             eval_corpus=args.eval_corpus,
             batch_size=args.batch_size,
             data_dir=args.data_dir,

@@ -348,6 +348,22 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "--max-windows", type=_positive_int, default=None, help="evaluate only the first N windows"
     )
     run.add_argument(
+        "--window-sample",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="evaluate N windows drawn at random with --window-sample-seed (the same for every "
+        "row) instead of the first ones; ×FP is then the whole test's ratio estimated window "
+        "by window, with its 95%% interval",
+    )
+    run.add_argument(
+        "--window-sample-seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="which windows --window-sample draws (default 0)",
+    )
+    run.add_argument(
         "--eval-corpus",
         default="wikitext2-test",
         metavar="TEXT",

@@ -397,15 +397,13 @@ def run_layerwise(
                 if hidden is not None:
                     assert eval_windows is not None
                     t0 = clock()
-                    total = 0.0
+                    nll: list[float] = []
                     for bi, h in enumerate(hidden):
                         first = bi * batch_size
                         batch = eval_windows[first : first + h.shape[0]].to(source.device)
-                        total += sum(_head_nll(source, h, batch, first))
+                        nll.extend(_head_nll(source, h, batch, first))
                     t_eval += clock() - t0
-                    result = perplexity_from_nll(
-                        total, int(eval_windows.shape[0]), int(eval_windows.shape[1]), t_eval
-                    )
+                    result = perplexity_from_nll(nll, int(eval_windows.shape[1]), t_eval)
             finally:
                 source.release_head()
                 give_back_memory()

@@ -5,6 +5,11 @@ The raw test split is tokenized once as one string and cut into non-overlapping 
 its tokens 1..L-1 from the preceding ones; PPL = exp(mean token NLL) over all windows.
 Because every window has the same length, this equals exp of the mean of the model's own
 ``labels=`` loss over the windows.
+
+A measurement too long for the whole test can take a seeded random sample of its windows
+(:func:`sample_windows`): every row of a run scores the same windows, each window's NLL is
+kept (:attr:`PerplexityResult.window_nll`), and :func:`paired_log_ratio` estimates the
+whole test's PPL ratio of two rows from their per-window differences, with its error.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +40,9 @@ class PerplexityResult:
     seqlen: int
     n_tokens: int
     seconds: float
+    # each window's summed NLL of its tokens 1..L-1, in window order: two rows on the same
+    # windows compare window by window (:func:`paired_log_ratio`)
+    window_nll: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,7 +55,8 @@ class PerplexityResult:
 def windows_from_text(
     text: str, tokenizer: Any, seqlen: int = 2048, max_windows: int | None = None
 ) -> torch.Tensor:
-    """Tokenize ``text`` once and cut it into ``[n_windows, seqlen]`` non-overlapping windows."""
+    """Tokenize ``text`` once and cut it into ``[n_windows, seqlen]`` non-overlapping windows
+    (the first ``max_windows`` of them when given)."""
     if seqlen < 2:
         raise TorqError(f"seqlen must be at least 2, got {seqlen}")
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
@@ -59,6 +68,73 @@ def windows_from_text(
             raise TorqError(f"max_windows must be positive, got {max_windows}")
         n = min(n, max_windows)
     return ids[: n * seqlen].view(n, seqlen)
+
+
+def window_sample_ids(total: int, n: int, seed: int) -> list[int]:
+    """The ``n`` windows of ``total`` drawn with ``seed`` (sorted; all when ``n ≥ total``):
+    the first ``n`` of ``torch.randperm(total, seed)``, as the zero-shot subsets draw."""
+    if n < 1:
+        raise TorqError(f"a window sample needs at least one window, got {n}")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    return sorted(order[:n].tolist())
+
+
+def sample_windows(windows: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """A seeded random sample of ``n`` of ``windows`` (:func:`window_sample_ids`) and the
+    indices it took. Drawn at random, its mean NLL is an unbiased estimate of the whole
+    test's, where the first ``n`` windows follow the text's order (one article after
+    another)."""
+    ids = window_sample_ids(int(windows.shape[0]), n, seed)
+    return windows[ids], ids
+
+
+@dataclass
+class PairedRatio:
+    """The whole test's ``PPL_b / PPL_a`` from a window sample (:func:`paired_log_ratio`)."""
+
+    ratio: float  # exp of the mean per-token NLL difference on the sample
+    low: float  # 95 % interval of the whole test's ratio
+    high: float
+    log_se: float  # standard error of ln(ratio)
+    n_windows: int
+    population: int | None  # the test's window count (finite-population correction)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def paired_log_ratio(
+    nll_a: list[float], nll_b: list[float], seqlen: int, population: int | None = None
+) -> PairedRatio:
+    """Estimate ``PPL_b / PPL_a`` over the whole test from two rows' per-window NLLs on the
+    same window sample (window by window, so the windows' shared difficulty cancels).
+
+    With windows of equal length, ``ln(PPL_b / PPL_a)`` over the whole test is the mean over
+    its windows of ``d_i = (nll_b[i] − nll_a[i]) / (seqlen − 1)``; the sample's mean of
+    ``d_i`` estimates it with standard error ``s_d / √n · √((N − n) / (N − 1))`` (``N``: the
+    ``population`` of windows, sampled without replacement; no correction when ``None``),
+    and the interval is ``exp(mean ± 1.96 se)`` (normal approximation)."""
+    if len(nll_a) != len(nll_b):
+        raise TorqError(f"the rows scored different windows ({len(nll_a)} and {len(nll_b)})")
+    n = len(nll_a)
+    if n < 2:
+        raise TorqError(f"a paired estimate needs at least two windows, got {n}")
+    d = torch.tensor(nll_b, dtype=torch.float64) - torch.tensor(nll_a, dtype=torch.float64)
+    d = d / (seqlen - 1)
+    mean = float(d.mean())
+    se = float(d.std(unbiased=True)) / math.sqrt(n)
+    if population is not None:
+        if population < n:
+            raise TorqError(f"a sample of {n} windows from a test of {population}")
+        se *= math.sqrt((population - n) / (population - 1)) if population > 1 else 0.0
+    return PairedRatio(
+        ratio=math.exp(mean),
+        low=math.exp(mean - 1.96 * se),
+        high=math.exp(mean + 1.96 * se),
+        log_se=se,
+        n_windows=n,
+        population=population,
+    )
 
 
 @torch.no_grad()
@@ -85,12 +161,12 @@ def perplexity(
     saved = _open_kept(store, name, model, windows) if store is not None else None
     done: dict[str, float] = saved["nll"] if saved else {}
     earlier_seconds = saved["seconds"] if saved else 0.0
-    total_nll = 0.0
+    nll: list[float] = []
     start = time.perf_counter()
     bar = tqdm(total=n, desc=desc, unit="win", disable=not progress, leave=False)
     for i in range(0, n, batch_size):
         if all(str(j) in done for j in range(i, min(i + batch_size, n))):
-            total_nll += sum(done[str(j)] for j in range(i, min(i + batch_size, n)))
+            nll.extend(done[str(j)] for j in range(i, min(i + batch_size, n)))
             bar.update(min(batch_size, n - i))
             continue
         batch = windows[i : i + batch_size].to(device)
@@ -100,7 +176,7 @@ def perplexity(
         except TorqError:
             bar.close()
             raise
-        total_nll += sum(per_window)
+        nll.extend(per_window)
         if saved is not None:
             done.update({str(i + b): v for b, v in enumerate(per_window)})
             saved["seconds"] = earlier_seconds + time.perf_counter() - start
@@ -108,7 +184,7 @@ def perplexity(
         bar.update(batch.shape[0])
     bar.close()
     seconds = earlier_seconds + time.perf_counter() - start
-    return perplexity_from_nll(total_nll, n, seqlen, seconds)
+    return perplexity_from_nll(nll, seqlen, seconds)
 
 
 # token rows per log-softmax in :func:`window_nll`
@@ -150,11 +226,11 @@ def window_nll(logits: torch.Tensor, batch: torch.Tensor, first: int = 0) -> lis
     return summed_nll(token_nll(logits[:, :-1], batch[:, 1:]), first)
 
 
-def perplexity_from_nll(
-    total_nll: float, n_windows: int, seqlen: int, seconds: float
-) -> PerplexityResult:
-    """PPL = exp(mean token NLL) over ``n_windows`` windows of ``seqlen`` tokens."""
-    mean_nll = total_nll / (n_windows * (seqlen - 1))
+def perplexity_from_nll(window_nll: list[float], seqlen: int, seconds: float) -> PerplexityResult:
+    """PPL = exp(mean token NLL) over windows of ``seqlen`` tokens, from each window's summed
+    NLL (:func:`window_nll`)."""
+    n_windows = len(window_nll)
+    mean_nll = sum(window_nll) / (n_windows * (seqlen - 1))
     return PerplexityResult(
         ppl=math.exp(mean_nll),
         mean_nll=mean_nll,
@@ -162,6 +238,7 @@ def perplexity_from_nll(
         seqlen=seqlen,
         n_tokens=n_windows * seqlen,
         seconds=seconds,
+        window_nll=list(window_nll),
     )
 
 

@@ -134,6 +134,12 @@ def check_run(config: RunConfig, from_saved: bool) -> None:
         )
     if config.skip_ppl and not config.tasks and config.save_dir is None:
         raise TorqError("nothing to do: no perplexity, no zero-shot tasks, nothing saved")
+    if config.window_sample is not None and config.max_windows is not None:
+        raise TorqError(
+            "give either --max-windows (the first windows) or --window-sample, not both"
+        )
+    if config.window_sample is not None and config.window_sample < 2:
+        raise TorqError(f"--window-sample needs at least 2 windows: {config.window_sample}")
     if config.task_subset is not None and config.task_limit is not None:
         raise TorqError("give either --limit (the first questions) or --subset, not both")
     if config.task_subset is not None and config.task_subset < 1:

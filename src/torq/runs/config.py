@@ -32,6 +32,11 @@ class RunConfig:
     act_scale: str = "dynamic"
     seqlen: int = 2048
     max_windows: int | None = None
+    # a seeded random sample of this many of the test's windows instead of the first ones
+    # (:func:`torq.eval.perplexity.sample_windows`): every row scores the same windows and
+    # keeps each one's NLL, so two rows compare window by window
+    window_sample: int | None = None
+    window_sample_seed: int = 0
     batch_size: int = 1
     data_dir: str | None = None
     seed: int = 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from torq.eval.perplexity import paired_log_ratio
 from torq.models.loading import LoadedModel
 from torq.results import command_line, machine_info, now_iso, versions
 from torq.runs.config import RunConfig, resolve_device
@@ -52,10 +53,12 @@ def run_record(
     rows: list[MethodRow],
     t_start: float,
     complete: bool,
+    window_sample: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The result record of a run (``torq run --out``): its config and command, the model,
-    the evaluation's windows and tasks, one row per method done so far (``complete`` once
-    every method has run), time, memory, versions and machine."""
+    the evaluation's windows (``window_sample``: which of the test's windows a seeded
+    sample took) and tasks, one row per method done so far (``complete`` once every method
+    has run), time, memory, versions and machine."""
     return {
         "kind": "torq.run",
         "complete": complete,
@@ -67,6 +70,7 @@ def run_record(
         "eval": {
             "dataset": eval_dataset_label(config.eval_corpus),
             "n_windows": 0 if windows is None else int(windows.shape[0]),
+            "window_sample": window_sample,
             "seqlen": config.seqlen,
             "zeroshot_tasks": list(config.tasks),
             "zeroshot_limit": config.task_limit,
@@ -80,6 +84,17 @@ def run_record(
         "versions": versions(),
         "machine": machine_info(),
     }
+
+
+def _sampled_ratio(fp_row: dict[str, Any], row: dict[str, Any], seqlen: int, total: int) -> str:
+    """A row's ×FP on a window sample: the whole test's ratio estimated window by window,
+    with its 95 % interval (:func:`torq.eval.perplexity.paired_log_ratio`)."""
+    a = (fp_row["details"].get("perplexity") or {}).get("window_nll") or []
+    b = (row["details"].get("perplexity") or {}).get("window_nll") or []
+    if not a or len(a) != len(b) or len(a) < 2:
+        return f"{row['ppl'] / fp_row['ppl']:.2f}"
+    est = paired_log_ratio(a, b, seqlen, total)
+    return f"{est.ratio:.3f} ({est.low:.3f}–{est.high:.3f})"
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -107,8 +122,12 @@ def markdown_table(result: dict[str, Any]) -> str:
             "| method | W | A | PPL | ×FP | quantize s | eval tok/s |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: |",
         ]
+        fp_row = next((r for r in rows if r["method"] == "fp" and r["ppl"] is not None), None)
+        sample = result["eval"].get("window_sample")
         for r in rows:
             ratio = f"{r['ppl'] / fp:.2f}" if fp else "–"
+            if sample and fp_row is not None and r is not fp_row:
+                ratio = _sampled_ratio(fp_row, r, result["eval"]["seqlen"], sample["of"])
             out.append(
                 f"| {r['method']} | {r['weights']} | {r['activations']} | {r['ppl']:.2f} | "
                 f"{ratio} | {r['quantize_seconds']:.1f} | {r['eval_tokens_per_s']:.0f} |"
@@ -117,7 +136,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     out.append("")
     notes = []
     if ev["n_windows"]:
-        notes.append(f"{ev['dataset']}, {ev['n_windows']} windows × {ev['seqlen']} tokens")
+        sample = ev.get("window_sample")
+        drawn = "" if not sample else f" drawn at random (seed {sample['seed']}) of {sample['of']}"
+        notes.append(f"{ev['dataset']}, {ev['n_windows']} windows{drawn} × {ev['seqlen']} tokens")
+        if sample:
+            notes.append("×FP: the whole test's ratio estimated window by window (95 % interval)")
     if tasks:
         limit = ev.get("zeroshot_limit")
         subset = ev.get("zeroshot_subset")
