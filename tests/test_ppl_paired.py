@@ -1,0 +1,67 @@
+"""``benchmarks/ppl_paired.py``: rows of separate runs on one window sample, compared window
+by window; records on other windows are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(path: Path, ids: list[int], rows: dict[str, list[float]]) -> Path:
+    seqlen = 11
+    record = {
+        "model": {"name": "tiny"},
+        "eval": {
+            "dataset": "wikitext-2-raw test",
+            "seqlen": seqlen,
+            "n_windows": len(ids),
+            "window_sample": {"n": len(ids), "seed": 0, "of": 20, "ids": ids},
+        },
+        "rows": [
+            {
+                "method": m,
+                "ppl": math.exp(sum(nll) / (len(nll) * (seqlen - 1))),
+                "details": {"perplexity": {"window_nll": nll}},
+            }
+            for m, nll in rows.items()
+        ],
+    }
+    path.write_text(json.dumps(record))
+    return path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    script = str(ROOT / "benchmarks" / "ppl_paired.py")
+    return subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_rows_of_two_records_compare_with_the_reference(tmp_path: Path) -> None:
+    ids = [1, 4, 7, 9]
+    fp = [20.0, 30.0, 25.0, 22.0]
+    a = _record(tmp_path / "a.json", ids, {"fp": fp, "rtn": [x + 5.0 for x in fp]})
+    b = _record(tmp_path / "b.json", ids, {"default": [x + 1.0 for x in fp]})
+    out = tmp_path / "paired.json"
+    done = _run(str(a), str(b), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    # the same difference on every window: the ratio is exact, its interval a point
+    assert rows["b:default"]["ratio"] == math.exp(1.0 / 10)
+    assert rows["a:rtn"]["ratio"] == math.exp(5.0 / 10)
+    assert rows["a:rtn"]["low"] == rows["a:rtn"]["high"]
+    assert rows["a:rtn"]["population"] == 20
+    assert "4 windows drawn of 20" in out.with_suffix(".md").read_text()
+
+
+def test_records_on_other_windows_are_refused(tmp_path: Path) -> None:
+    a = _record(tmp_path / "a.json", [1, 4, 7], {"fp": [1.0, 2.0, 3.0]})
+    b = _record(tmp_path / "b.json", [1, 4, 8], {"rtn": [2.0, 3.0, 4.0]})
+    done = _run(str(a), str(b), "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2
+    assert "scored other windows" in done.stderr and "Traceback" not in done.stderr
