@@ -26,15 +26,20 @@ from torq.eval.perplexity import paired_log_ratio
 from torq.results import command_line, machine_info, now_iso
 
 
-def windows_of(record: dict[str, Any]) -> tuple[Any, ...]:
-    """Which windows a record scored: the sample's ids and test size, or the first n."""
+def windows_of(record: dict[str, Any]) -> dict[str, Any]:
+    """Which windows a record scored: the sample's ids and the test's size, or the first n."""
     ev = record["eval"]
     sample = ev.get("window_sample")
-    which = ("sample", tuple(sample["ids"]), sample["of"]) if sample else ("first", ev["n_windows"])
-    return (ev["dataset"], ev["seqlen"], record["model"].get("name"), *which)
+    return {
+        "dataset": ev["dataset"],
+        "seqlen": ev["seqlen"],
+        "model": record["model"].get("name"),
+        "ids": sample["ids"] if sample else list(range(ev["n_windows"])),
+        "population": sample["of"] if sample else None,
+    }
 
 
-def load_rows(paths: list[str]) -> tuple[dict[str, dict[str, Any]], tuple[Any, ...]]:
+def load_rows(paths: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every row with per-window NLLs, keyed ``stem:method``; all on the same windows."""
     rows: dict[str, dict[str, Any]] = {}
     windows = None
@@ -73,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except TorqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    seqlen = windows[1]
-    population = windows[-1] if windows[3] == "sample" else None
+    seqlen, population = windows["seqlen"], windows["population"]
     n = len(rows[ref]["nll"])
     compared = []
     for key, row in rows.items():

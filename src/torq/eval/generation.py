@@ -24,6 +24,7 @@ from torq.eval.sandbox import SandboxLimits
 from torq.eval.stopping import StopEachSequenceHFLM
 from torq.eval.store import EvalStore
 from torq.eval.zeroshot import _lm_eval_tasks_dir, answers_cached_in, in_process_lm
+from torq.seeding import seeded_subset_ids
 
 TASK = "torq_humaneval"
 # lm-eval's humaneval.yaml (0.4.13): its prompt, stop sequences and generation settings
@@ -313,8 +314,7 @@ def evaluate_gsm8k(
     builtin = _lm_eval_tasks_dir() / "gsm8k" / "gsm8k.yaml"
     total = gsm8k_test_size(data_dir)
     check_problem_count(n, total, "the GSM8K subset's size")
-    drawn = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-    asked = sorted(drawn[: n or total])
+    asked = seeded_subset_ids(total, n or total, seed)
     t0 = time.perf_counter()
     resolved = {k: v.resolve() for k, v in files.items() if v is not None}
     out = _run_task(

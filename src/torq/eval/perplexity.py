@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from torq.errors import TorqError
 from torq.eval.store import EvalStore
 from torq.models.fingerprint import check_fingerprint, logits_fingerprint
+from torq.seeding import seeded_subset_ids
 
 
 @dataclass
@@ -72,11 +73,10 @@ def windows_from_text(
 
 def window_sample_ids(total: int, n: int, seed: int) -> list[int]:
     """The ``n`` windows of ``total`` drawn with ``seed`` (sorted; all when ``n ≥ total``):
-    the first ``n`` of ``torch.randperm(total, seed)``, as the zero-shot subsets draw."""
+    :func:`torq.seeding.seeded_subset_ids`, the zero-shot subsets' draw."""
     if n < 1:
         raise TorqError(f"a window sample needs at least one window, got {n}")
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-    return sorted(order[:n].tolist())
+    return seeded_subset_ids(total, n, seed)
 
 
 def sample_windows(windows: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, list[int]]:

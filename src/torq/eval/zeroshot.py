@@ -33,6 +33,7 @@ from torq.errors import TorqError
 from torq.eval.store import EvalStore
 from torq.models.fingerprint import check_fingerprint, fingerprint_ids, logits_fingerprint
 from torq.results import now_iso
+from torq.seeding import seeded_subset_ids
 
 
 @dataclass(frozen=True)
@@ -197,9 +198,9 @@ def seeded_subset(
     a task that has fewer): the same questions for every method of a seed, so two rows pair
     question by question (:mod:`torq.eval.paired`); drawn at random they stand for the
     task, where the first ``n`` (``limit``) follow the file's order. The draw is
-    :func:`torq.eval.generation.evaluate_gsm8k`'s: the first ``n`` of
-    ``torch.randperm(total, seed)``. Needs each task's local file (its lines are the docs,
-    in lm-eval's order); raises :class:`TorqError` naming the file otherwise."""
+    :func:`torq.seeding.seeded_subset_ids`, as for GSM8K's problems. Needs each task's
+    local file (its lines are the docs, in lm-eval's order); raises :class:`TorqError`
+    naming the file otherwise."""
     if n < 1:
         raise TorqError(f"a seeded subset needs at least one question per task, got {n}")
     chosen: dict[str, list[int]] = {}
@@ -211,8 +212,7 @@ def seeded_subset(
             )
         with data_file.open(encoding="utf-8") as f:
             total = sum(1 for line in f if line.strip())
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-        chosen[name] = sorted(order[:n].tolist())
+        chosen[name] = seeded_subset_ids(total, n, seed)
     return chosen
 
 
