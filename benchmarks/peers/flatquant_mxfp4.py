@@ -70,21 +70,21 @@ from typing import Any
 import torch
 
 PEER = "flatquant"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def prepare(args: argparse.Namespace) -> int:
     """torq's float model folder, evaluation windows and calibration windows, in one file."""
-    from peer_common import calibration_tokens, load_subject
+    from peer_common import TINY_MODELS, calibration_tokens, load_subject
 
+    if args.out is None:
+        raise SystemExit("flatquant_mxfp4 prepare: --out is required (the file `run` reads)")
+    if args.model in TINY_MODELS:
+        raise SystemExit("flatquant_mxfp4 prepare: a random smoke-test model has no folder")
     subject = load_subject(args)
     calib = calibration_tokens(args, subject)
-    from torq.models import load
-
-    folder = load(args.model).path
     payload = {
         "model": args.model,
-        "model_folder": str(folder),
+        "model_folder": str(subject.describe["path"]),
         "describe": subject.describe,
         "windows": subject.windows.clone(),
         "max_windows": args.max_windows,
