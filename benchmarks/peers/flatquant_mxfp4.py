@@ -74,37 +74,9 @@ PEER = "flatquant"
 
 def prepare(args: argparse.Namespace) -> int:
     """torq's float model folder, evaluation windows and calibration windows, in one file."""
-    from peer_common import TINY_MODELS, calibration_tokens, load_subject
+    from peer_common import write_windows
 
-    if args.out is None:
-        raise SystemExit("flatquant_mxfp4 prepare: --out is required (the file `run` reads)")
-    if args.model in TINY_MODELS:
-        raise SystemExit("flatquant_mxfp4 prepare: a random smoke-test model has no folder")
-    subject = load_subject(args)
-    calib = calibration_tokens(args, subject)
-    payload = {
-        "model": args.model,
-        "model_folder": str(subject.describe["path"]),
-        "describe": subject.describe,
-        "windows": subject.windows.clone(),
-        "max_windows": args.max_windows,
-        "seqlen": args.seqlen,
-        "calib": calib.clone(),
-        "calibration": {
-            "corpus": args.calib_corpus,
-            "n_samples": args.calib_samples,
-            "seqlen": args.calib_seqlen,
-            "seed": args.calib_seed,
-        },
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(out)
-    shapes = f"{tuple(subject.windows.shape)} evaluation, {tuple(calib.shape)} calibration"
-    print(f"wrote {out}: {shapes}")
-    return 0
+    return write_windows(args, "flatquant_mxfp4")
 
 
 def mxfp4_ste(x: torch.Tensor, fmt: Any) -> torch.Tensor:
@@ -166,10 +138,9 @@ def load_float_model(folder: str) -> torch.nn.Module:
 
 
 def run(args: argparse.Namespace) -> int:
-    from peer_common import evaluate, package_versions
+    from peer_common import evaluate, package_versions, save_run_record
 
     from torq.formats import get_format
-    from torq.results import command_line, machine_info, now_iso, write_json_atomic
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,24 +216,8 @@ def run(args: argparse.Namespace) -> int:
         "calibration": data["calibration"],
         "substitutes": substitutes,
     }
-    payload = {
-        "peer": PEER,
-        "created": now_iso(),
-        "command": command_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "model": {"name": data["model"], **data["describe"]},
-        "eval": {
-            "dataset": "wikitext-2-raw test",
-            "seqlen": data["seqlen"],
-            "n_windows": int(windows.shape[0]),
-            "harness": "torq.eval.perplexity",
-        },
-        **record,
-        "versions": package_versions("torch", "transformers", "accelerate", "torq-mx"),
-        "flatquant_commit": args.flatquant_commit,
-        "machine": machine_info(),
-    }
-    write_json_atomic(Path(args.out), payload)
+    versions = package_versions("torch", "transformers", "accelerate", "torq-mx")
+    save_run_record(args, PEER, data, record, versions, flatquant_commit=args.flatquant_commit)
     q, fp = record["quantized"]["ppl"], record["fp"]["ppl"]
     print(
         f"flatquant on {data['model']}: W4A4 PPL {q:.3f}  FP {fp:.3f}  "
@@ -273,30 +228,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    sub = parser.add_subparsers(dest="step", required=True)
-    prep = sub.add_parser("prepare", help="torq's environment: the model folder and windows")
-    from peer_common import add_common_args
+    from peer_common import two_step_parser
 
-    add_common_args(prep, PEER)
-    prep.add_argument("--calib-corpus", default="wikitext2-valid")
-    prep.add_argument("--calib-samples", type=int, default=32)
-    prep.add_argument("--calib-seqlen", type=int, default=2048)
-    prep.add_argument("--calib-seed", type=int, default=0)
-    go = sub.add_parser("run", help="FlatQuant's environment: train, quantize, score")
+    parser, go = two_step_parser(__doc__, PEER, "FlatQuant's environment: train, quantize, score")
     go.add_argument("--flatquant-repo", type=Path, required=True)
     go.add_argument("--flatquant-commit", default="9d88ffc")
-    go.add_argument("--windows", type=Path, required=True, help="the file `prepare` wrote")
     go.add_argument("--nsamples", type=int, default=32, help="calibration windows trained on")
     go.add_argument("--epochs", type=int, default=15)
     go.add_argument("--cali-bsz", type=int, default=4)
     go.add_argument("--flat-lr", type=float, default=5e-3)
     go.add_argument("--diag-alpha", type=float, default=0.3)
     go.add_argument("--scale-mode", default="ocp", choices=["ocp", "nearest"])
-    go.add_argument("--threads", type=int, default=None)
-    go.add_argument("--seed", type=int, default=0)
-    go.add_argument("--no-progress", action="store_true")
-    go.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     return prepare(args) if args.step == "prepare" else run(args)
 

@@ -271,3 +271,94 @@ def rotation_check(nll_float: float, nll_rotated: float) -> dict[str, float | bo
         "abs_diff": abs(nll_rotated - nll_float),
         "equivalent": math.isclose(nll_rotated, nll_float, rel_tol=1e-4, abs_tol=1e-4),
     }
+
+
+def add_prepare_args(parser: argparse.ArgumentParser, peer: str) -> None:
+    """The arguments of a two-step peer's ``prepare`` step (:func:`write_windows`)."""
+    add_common_args(parser, peer)
+    parser.add_argument("--calib-corpus", default="wikitext2-valid")
+    parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument("--calib-seqlen", type=int, default=2048)
+    parser.add_argument("--calib-seed", type=int, default=0)
+
+
+def write_windows(args: argparse.Namespace, script: str) -> int:
+    """torq's float model folder, evaluation windows and calibration windows, in one file:
+    the ``prepare`` step of a peer whose own environment cannot hold torq's."""
+    if args.out is None:
+        raise SystemExit(f"{script} prepare: --out is required (the file `run` reads)")
+    if args.model in TINY_MODELS:
+        raise SystemExit(f"{script} prepare: a random smoke-test model has no folder")
+    subject = load_subject(args)
+    calib = calibration_tokens(args, subject)
+    payload = {
+        "model": args.model,
+        "model_folder": str(subject.describe["path"]),
+        "describe": subject.describe,
+        "windows": subject.windows.clone(),
+        "max_windows": args.max_windows,
+        "seqlen": args.seqlen,
+        "calib": calib.clone(),
+        "calibration": {
+            "corpus": args.calib_corpus,
+            "n_samples": args.calib_samples,
+            "seqlen": args.calib_seqlen,
+            "seed": args.calib_seed,
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(out)
+    shapes = f"{tuple(subject.windows.shape)} evaluation, {tuple(calib.shape)} calibration"
+    print(f"wrote {out}: {shapes}")
+    return 0
+
+
+def two_step_parser(
+    doc: str, peer: str, run_help: str
+) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line of a two-step peer: ``prepare`` (:func:`write_windows`) and ``run``,
+    which reads the file ``prepare`` wrote; the caller adds the peer's own ``run`` options."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    add_prepare_args(
+        sub.add_parser("prepare", help="torq's environment: model folder, windows"), peer
+    )
+    go = sub.add_parser("run", help=run_help)
+    go.add_argument("--windows", type=Path, required=True, help="the file `prepare` wrote")
+    go.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    go.add_argument("--seed", type=int, default=0)
+    go.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    go.add_argument("--out", required=True, help="the result JSON")
+    return parser, go
+
+
+def save_run_record(
+    args: argparse.Namespace,
+    peer: str,
+    data: dict[str, Any],
+    record: dict[str, Any],
+    versions: dict[str, str | None],
+    **extra: Any,
+) -> None:
+    """A two-step peer's ``run`` record: what it ran, on which model and windows, with what."""
+    payload = {
+        "peer": peer,
+        "created": now_iso(),
+        "command": command_line(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "model": {"name": data["model"], **data["describe"]},
+        "eval": {
+            "dataset": "wikitext-2-raw test",
+            "seqlen": data["seqlen"],
+            "n_windows": int(data["windows"].shape[0]),
+            "harness": "torq.eval.perplexity",
+        },
+        **record,
+        "versions": versions,
+        **extra,
+        "machine": machine_info(),
+    }
+    write_json_atomic(Path(args.out), payload)
