@@ -56,7 +56,9 @@ def prepare(args: argparse.Namespace) -> int:
     return write_windows(args, "brevitas_mxfp4")
 
 
-def brevitas_args(config: Path, data: dict[str, Any], args: argparse.Namespace) -> Any:
+def brevitas_args(
+    config: Path, data: dict[str, Any], args: argparse.Namespace
+) -> tuple[argparse.Namespace, Any]:
     """Brevitas's own argument namespace for ``quantize_llm``: the packaged recipe, the float
     model's folder, the calibration windows' count and length, the algorithm."""
     from brevitas_examples.common.parse_utils import override_defaults, parse_args
