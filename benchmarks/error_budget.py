@@ -4,12 +4,17 @@ For each method, the transforms are built once in float (``QuantConfig(None, Non
 model then computes the same function as the original), and the copies are quantized after
 the fact: weights only, activations only, both, and — with ``--per-group`` — activations of
 one input group at a time (q/k/v, o_proj, gate/up, down_proj) with everything else in
-float. All rows use the same perplexity windows.
+float. All rows use the same perplexity windows. With ``--per-group`` each group's row also
+gives the relative MXFP4 error of its transformed inputs ``Σ‖Tx − Q(Tx)‖² / Σ‖Tx‖²`` on the
+first window, beside the same error for Gaussian blocks (the floor an orthogonal transform
+tends to: mixing many channels makes each block's entries near-Gaussian).
 
 Usage::
 
     python benchmarks/error_budget.py --methods rtn,had32,torq --max-windows 4 \\
         --calib-samples 8 --per-group --out results/error_budget.json
+
+``--acts-only`` leaves out the rows that quantize weights.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torq.formats import fake_quantize, get_format
 from torq.methods import TorqSettings
 from torq.methods.registry import method_spec
 from torq.models import load
-from torq.results import machine_info, now_iso, versions
+from torq.results import command_line, machine_info, now_iso, versions
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.surgery import QuantConfig, QuantLinear
 
@@ -64,6 +69,43 @@ def quantize_after(
             mod.input_quantizer.fmt = fmt
 
 
+def gaussian_error(fmt_name: str, scale_mode: str) -> float:
+    """The relative MXFP4 error ``‖x − Q(x)‖² / ‖x‖²`` of standard Gaussian entries."""
+    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+    x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))
+    return float((x - fake_quantize(x, fmt)).pow(2).sum() / x.pow(2).sum())
+
+
+@torch.no_grad()
+def input_errors(
+    model: torch.nn.Module, window: torch.Tensor, fmt_name: str, scale_mode: str
+) -> dict[str, float]:
+    """Per input group, ``Σ‖Tx − Q(Tx)‖² / Σ‖Tx‖²`` over ``window``'s tokens, ``T`` each
+    layer's online transform (the float-held model computes the original function)."""
+    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+    sums = {g: [0.0, 0.0] for g in GROUPS}
+    group_of = {n: g for g, names in GROUPS.items() for n in names}
+    handles = []
+    for name, mod in model.named_modules():
+        group = group_of.get(name.rsplit(".", 1)[-1])
+        if not isinstance(mod, QuantLinear) or group is None:
+            continue
+
+        def hook(m: QuantLinear, args: tuple[torch.Tensor, ...], group: str = group) -> None:
+            t = m.input_transform
+            x = (t(args[0]) if t is not None else args[0]).float()
+            sums[group][0] += float((x - fake_quantize(x, fmt)).pow(2).sum())
+            sums[group][1] += float(x.pow(2).sum())
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        model(window.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return {g: err / energy for g, (err, energy) in sums.items() if energy > 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -80,6 +122,7 @@ def main() -> None:
     )
     ap.add_argument("--scale-mode", default="ocp", help="MXFP4 scale rule")
     ap.add_argument("--per-group", action="store_true")
+    ap.add_argument("--acts-only", action="store_true", help="no rows with quantized weights")
     ap.add_argument("--out", default="results/error_budget.json")
     args = ap.parse_args()
 
@@ -98,6 +141,7 @@ def main() -> None:
         balance=None if args.balance.lower() == "none" else float(args.balance),
     )
     rows = []
+    floor = gaussian_error(args.format, args.scale_mode) if args.per_group else None
     fp = perplexity(lm.model, windows, progress=False).ppl
     rows.append({"method": "fp", "setting": "float", "ppl": fp})
     print(f"fp {fp:.2f}", flush=True)
@@ -114,25 +158,42 @@ def main() -> None:
             ("A only", False, ()),
             ("W4A4", True, ()),
         ]
+        if args.acts_only:
+            settings_list = settings_list[1:2]
+        errors: dict[str, float] = {}
         if args.per_group:
             settings_list += [(f"A only: {g}", False, names) for g, names in GROUPS.items()]
+            errors = input_errors(base, windows[0], args.format, args.scale_mode)
         for label, w, a in settings_list:
             model = copy.deepcopy(base)
             quantize_after(model, args.format, w, a, args.scale_mode)
             ppl = perplexity(model, windows, progress=False).ppl
-            rows.append({"method": method_name, "setting": label, "ppl": ppl, "build_s": build})
+            row = {"method": method_name, "setting": label, "ppl": ppl, "build_s": build}
+            group = label.removeprefix("A only: ")
+            if group in errors:
+                row["input_error"] = errors[group]
+            rows.append(row)
             print(f"{method_name} {label}: {ppl:.2f}", flush=True)
         del base
 
-    table = ["| method | setting | PPL | ×FP |", "| --- | --- | ---: | ---: |"]
-    table += [
-        f"| {r['method']} | {r['setting']} | {r['ppl']:.2f} | {r['ppl'] / fp:.2f} |" for r in rows
+    table = [
+        "| method | setting | PPL | ×FP | input error ÷ Gaussian's |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
+    table += [
+        f"| {r['method']} | {r['setting']} | {r['ppl']:.2f} | {r['ppl'] / fp:.2f} | "
+        + (f"{r['input_error'] / floor:.2f} |" if floor and "input_error" in r else "|")
+        for r in rows
+    ]
+    if floor is not None:
+        table.append(f"\nGaussian entries' relative error ({args.scale_mode} scales): {floor:.5f}")
     record = {
         "benchmark": "W4A4 error budget",
         "date": now_iso(),
+        "command": command_line(),
         "args": vars(args),
         "windows": int(windows.shape[0]),
+        "gaussian_input_error": floor,
         "torq_settings": settings.to_dict(),
         "capture": asdict(capture),
         "rows": rows,

@@ -9,7 +9,10 @@ run's transform: ``torq run``'s options, then ``+gptaq``'s fixed ``α = 0.25`` r
 not methods of torq, so this script registers, in its own process, each ``+gptaq`` method
 given as ``<transform>-gptaq-a<α·1000>`` (``torq-had32-gptaq-a500``): the same method
 with its asymmetry replaced, under its own name and settings key. Writes ``torq run``'s
-record (JSON and markdown) to ``--out``.
+record (JSON and markdown) to ``--out``. ``alpha`` 1 is Qronos's loss with GPTQ's damping
+(1 % of H's mean diagonal), which ``+qronos`` was before it took its reference's;
+``--qronos-damping`` gives the variant Qronos's damping instead (10⁻³ of H's largest
+eigenvalue; name suffix ``-ld``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ import sys
 from dataclasses import replace
 
 from torq.cli import main as torq_main
-from torq.methods.registry import get_method, register
+from torq.methods.registry import QRONOS_SETTINGS, get_method, register
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("alpha", type=float, help="GPTAQ's asymmetry, in [0, 1]")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--qronos-damping", action="store_true", help="damp by 10⁻³ λmax(H), as +qronos does"
+    )
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv or "--methods" not in argv:
         ap.error("give torq run's options after --, --methods among them")
@@ -38,15 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         if not name.endswith("+gptaq"):
             ap.error(f"{name}: not a method with GPTAQ's weights (+gptaq)")
         method = get_method(name)
+        # only the asymmetry (and with --qronos-damping the damping) changes; the method's
+        # other GPTQ settings stay
+        settings = {**dict(method.gptq_settings), "asymmetry": args.alpha}
+        if args.qronos_damping:
+            damping = {k: v for k, v in QRONOS_SETTINGS if k in ("damp", "damp_scale")}
+            settings.update(damping)
+        suffix = "-ld" if args.qronos_damping else ""
+        what = ", Qronos's damping" if args.qronos_damping else ""
         variant = replace(
             method,
-            name=f"{name.removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}",
-            description=f"{method.description} (asymmetry {args.alpha})",
-            # only the asymmetry changes; the method's other GPTQ settings stay
-            gptq_settings=tuple(
-                (key, args.alpha if key == "asymmetry" else value)
-                for key, value in method.gptq_settings
-            ),
+            name=f"{name.removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}{suffix}",
+            description=f"{method.description} (asymmetry {args.alpha}{what})",
+            gptq_settings=tuple(settings.items()),
         )
         names.append(register(variant).name)
     run[at] = ",".join(names)

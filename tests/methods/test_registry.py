@@ -51,6 +51,10 @@ def test_weight_quantizers_that_see_the_quantized_input(suffix: str, asymmetry: 
     assert get_method(f"rtn+{suffix}") is get_method(suffix)
     assert get_method(suffix).gptq_config(MethodContext()).asymmetry == asymmetry
     assert get_method("had32+gptq").gptq_config(MethodContext()).asymmetry == 0.0
+    # Qronos damps as its reference code does, GPTAQ as GPTQ
+    damping = (suffix == "qronos", "largest-eigenvalue" if suffix == "qronos" else "mean-diagonal")
+    cfg = composed.gptq_config(MethodContext())
+    assert (cfg.damp == 1e-3, cfg.damp_scale) == damping
     with pytest.raises(ValueError, match="suffix"):
         get_method("had32").with_gptq(suffix="+awq")
 

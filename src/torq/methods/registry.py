@@ -46,14 +46,23 @@ GPTAQ_ASYMMETRY = 0.25
 # ``<method>+qronos``: the same solver on the mismatched loss ``‖Ŵ X̃ − W X‖²`` in full
 # (α = 1), which is Qronos (Zhang et al., ICLR 2026): its first step, the least-squares
 # correction of every weight to the quantized inputs, is the shifted start
-# ``W + W C H⁻¹``, and its later steps are GPTQ's on ``H = X̃ X̃ᵀ``
+# ``W + W C (H + λI)⁻¹``, and its later steps are GPTQ's on ``H + λI``, ``H = X̃ X̃ᵀ``. λ is
+# its reference code's (Brevitas): 10⁻³ of H's largest eigenvalue, not GPTQ's 1 % of H's
+# mean diagonal, with which the full correction chases the drift of the layers before it
+# (SmolLM2: 216.5 on the default's transform, docs/recipes.md)
 QRONOS_SUFFIX = "+qronos"
 QRONOS_ASYMMETRY = 1.0
-# each weight-quantizer suffix: its name in descriptions and its asymmetric weight α
-_GPTQ_SUFFIXES: dict[str, tuple[str, float]] = {
-    GPTQ_SUFFIX: ("GPTQ", 0.0),
-    GPTAQ_SUFFIX: ("GPTAQ", GPTAQ_ASYMMETRY),
-    QRONOS_SUFFIX: ("Qronos", QRONOS_ASYMMETRY),
+QRONOS_DAMP = 1e-3
+QRONOS_SETTINGS: tuple[tuple[str, Any], ...] = (
+    ("asymmetry", QRONOS_ASYMMETRY),
+    ("damp", QRONOS_DAMP),
+    ("damp_scale", "largest-eigenvalue"),
+)
+# each weight-quantizer suffix: its name in descriptions and its GPTQ settings
+_GPTQ_SUFFIXES: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    GPTQ_SUFFIX: ("GPTQ", ()),
+    GPTAQ_SUFFIX: ("GPTAQ", (("asymmetry", GPTAQ_ASYMMETRY),)),
+    QRONOS_SUFFIX: ("Qronos", QRONOS_SETTINGS),
 }
 
 
@@ -235,19 +244,20 @@ class Method:
     def with_gptq(self, name: str | None = None, suffix: str = GPTQ_SUFFIX) -> Method:
         """The same transform with GPTQ weights (``<name>+gptq``), GPTAQ's (``+gptaq``: GPTQ
         against the float model's output, its asymmetric term weighted 0.25) or Qronos's
-        (``+qronos``: the same loss in full), :func:`torq.surgery.gptq.gptq_quantize`."""
+        (``+qronos``: the same loss in full, Qronos's damping),
+        :func:`torq.surgery.gptq.gptq_quantize`."""
         if not self.supports_gptq:
             raise TorqError(f"method '{self.name}' does not compose with GPTQ")
         if suffix not in _GPTQ_SUFFIXES:
             raise ValueError(f"weight-quantizer suffix must be one of {sorted(_GPTQ_SUFFIXES)}")
-        label, asymmetry = _GPTQ_SUFFIXES[suffix]
+        label, settings = _GPTQ_SUFFIXES[suffix]
         what = self.description.replace("(RTN weights)", "").rstrip()
         return replace(
             self,
             name=name or f"{self.name}{suffix}",
             description=f"{what}, {label} weights",
             weights="gptq",
-            gptq_settings=(("asymmetry", asymmetry),) if asymmetry > 0 else (),
+            gptq_settings=settings,
         )
 
     def calibrates(self, qconfig: QuantConfig | None = None) -> bool:

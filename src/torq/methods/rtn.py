@@ -3,7 +3,7 @@ weights without a transform."""
 
 from __future__ import annotations
 
-from torq.methods.registry import GPTAQ_ASYMMETRY, QRONOS_ASYMMETRY, Method, register
+from torq.methods.registry import GPTAQ_ASYMMETRY, QRONOS_SETTINGS, Method, register
 
 # The float model itself (the GGUF de-quantized to float32): the baseline row.
 FP = register(Method("fp", "full precision, no quantization", quantizes=False))
@@ -36,9 +36,9 @@ GPTAQ = register(
 QRONOS = register(
     Method(
         "qronos",
-        "Qronos weights (GPTQ against the float model's output, asymmetry 1), RTN "
-        "activations, no transform",
+        "Qronos weights (GPTQ against the float model's output, asymmetry 1, damping "
+        "10⁻³ λmax(H)), RTN activations, no transform",
         weights="gptq",
-        gptq_settings=(("asymmetry", QRONOS_ASYMMETRY),),
+        gptq_settings=QRONOS_SETTINGS,
     )
 )

@@ -7,7 +7,8 @@ calibration inputs ``X``. Here the grid is the target format's: the blocks of 32
 NVFP4) run along the input dimension, and each block's scale is fitted when GPTQ reaches the
 block's first column, from the block's weights as the earlier columns' updates left them
 (or, with ``act_order``, from the original weights, since columns are then visited out of
-block order). Dampening adds ``damp · mean(diag H)`` to the diagonal. With
+block order). Dampening adds ``damp · mean(diag H)`` to the diagonal (``damp_scale=
+"largest-eigenvalue"``: ``damp · λmax(H)``, Qronos's reference damping). With
 ``scale_search="mse"`` (MR-GPTQ's MSE-chosen scales, Egiazarian et al., 2025) each MX
 block's power-of-two scale is the one of ``2^(e−1), 2^e, 2^(e+1)`` (``e`` the format's rule)
 that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 as in FP-Quant).
@@ -46,6 +47,11 @@ from torq.formats.reference import (
 from torq.surgery.qlinear import nvfp4_weight_tensor_scale
 
 SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
+# what ``damp`` multiplies: GPTQ's mean of H's diagonal, or H's largest eigenvalue (Qronos's
+# reference code, Brevitas's ``qronos.py``: its ``alpha`` times a power-iteration estimate)
+DAMP_SCALES: tuple[str, ...] = ("mean-diagonal", "largest-eigenvalue")
+# power iterations for λmax(H): Brevitas's count, which its Qronos rows were made with
+POWER_ITERATIONS = 30
 # settings added after results were kept under keys without them: at their defaults they
 # stay out of a method's settings key (:meth:`GPTQConfig.key`), so those keys still match
 _KEYLESS_AT_DEFAULT = {
@@ -53,6 +59,7 @@ _KEYLESS_AT_DEFAULT = {
     "mse_norm": 2.4,
     "asymmetry": 0.0,
     "max_shift": 1.0,
+    "damp_scale": "mean-diagonal",
 }
 
 
@@ -61,6 +68,7 @@ class GPTQConfig:
     """GPTQ's knobs (defaults: the GPTQ paper's)."""
 
     damp: float = 0.01
+    damp_scale: str = "mean-diagonal"
     act_order: bool = False
     lazy_batch: int = 128
     # how each block's scale is chosen: the format's rule from the block's amax, or the
@@ -81,6 +89,8 @@ class GPTQConfig:
     def __post_init__(self) -> None:
         if not self.damp >= 0:
             raise ValueError(f"damp must be >= 0, got {self.damp}")
+        if self.damp_scale not in DAMP_SCALES:
+            raise ValueError(f"damp_scale must be one of {DAMP_SCALES}, got {self.damp_scale!r}")
         if self.scale_search not in SCALE_SEARCHES:
             raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}")
         if not self.mse_norm > 0:
@@ -103,6 +113,32 @@ def gptq_key(settings: dict[str, Any] | None) -> dict[str, Any] | None:
         for k, v in settings.items()
         if not (k in _KEYLESS_AT_DEFAULT and v == _KEYLESS_AT_DEFAULT[k])
     }
+
+
+def largest_eigenvalue(h: torch.Tensor, steps: int = POWER_ITERATIONS) -> torch.Tensor:
+    """λmax of the symmetric positive semi-definite ``h`` by ``steps`` power iterations from
+    the all-ones vector (deterministic; a Hessian's dominant direction is its large-activation
+    channels, which the all-ones start is not orthogonal to), as Qronos's reference estimates
+    it; the Rayleigh quotient of the last iterate, a lower bound of λmax."""
+    v = torch.ones(h.shape[0], dtype=h.dtype, device=h.device)
+    v = v / v.norm()
+    for _ in range(steps):
+        hv = h @ v
+        norm = hv.norm()
+        if norm == 0:
+            return norm
+        v = hv / norm
+    return v @ (h @ v)
+
+
+def damp_reference(h: torch.Tensor, damp_scale: str) -> torch.Tensor:
+    """What :class:`GPTQConfig`'s ``damp`` multiplies (``damp_scale``): H's mean diagonal
+    (GPTQ) or its largest eigenvalue (Qronos's reference)."""
+    if damp_scale == "mean-diagonal":
+        return torch.diag(h).mean()
+    if damp_scale == "largest-eigenvalue":
+        return largest_eigenvalue(h)
+    raise ValueError(f"damp_scale must be one of {DAMP_SCALES}, got {damp_scale!r}")
 
 
 class _BlockGrid:
@@ -291,7 +327,7 @@ def gptq_quantize(
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += cfg.damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    h += cfg.damp * damp_reference(h, cfg.damp_scale) * torch.eye(k, dtype=h.dtype, device=h.device)
     record: dict[str, float] = {}
     if cross is not None and cfg.asymmetry > 0:
         if cross.shape != (k, k):
