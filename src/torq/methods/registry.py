@@ -48,8 +48,8 @@ GPTAQ_ASYMMETRY = 0.25
 # correction of every weight to the quantized inputs, is the shifted start
 # ``W + W C (H + λI)⁻¹``, and its later steps are GPTQ's on ``H + λI``, ``H = X̃ X̃ᵀ``. λ is
 # its reference code's (Brevitas): 10⁻³ of H's largest eigenvalue, not GPTQ's 1 % of H's
-# mean diagonal, with which the full correction chases the drift of the layers before it
-# (SmolLM2: 216.5 on the default's transform, docs/recipes.md)
+# mean diagonal. On SmolLM2 it fails with either damping (152.1 and 216.5 on the default's
+# transform, where Brevitas's own Qronos works): docs/recipes.md says what still differs
 QRONOS_SUFFIX = "+qronos"
 QRONOS_ASYMMETRY = 1.0
 QRONOS_DAMP = 1e-3
