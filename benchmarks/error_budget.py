@@ -30,7 +30,7 @@ from common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
-from torq.formats import fake_quantize, get_format
+from torq.formats import FormatSpec, fake_quantize, get_format
 from torq.methods import TorqSettings
 from torq.methods.registry import method_spec
 from torq.models import load
@@ -46,6 +46,11 @@ GROUPS = {
 }
 
 
+def block_format(fmt_name: str, scale_mode: str) -> FormatSpec:
+    """``fmt_name``'s spec, with ``scale_mode`` where the format has a choice (MXFP4)."""
+    return get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+
+
 @torch.no_grad()
 def quantize_after(
     model: torch.nn.Module,
@@ -59,7 +64,7 @@ def quantize_after(
     ``acts=None`` quantizes no activation; an empty tuple quantizes all of them; otherwise
     only the inputs of layers whose name ends with one of ``acts``.
     """
-    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+    fmt = block_format(fmt_name, scale_mode)
     for name, mod in model.named_modules():
         if not isinstance(mod, QuantLinear):
             continue
@@ -71,7 +76,7 @@ def quantize_after(
 
 def gaussian_error(fmt_name: str, scale_mode: str) -> float:
     """The relative MXFP4 error ``‖x − Q(x)‖² / ‖x‖²`` of standard Gaussian entries."""
-    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+    fmt = block_format(fmt_name, scale_mode)
     x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))
     return float((x - fake_quantize(x, fmt)).pow(2).sum() / x.pow(2).sum())
 
@@ -82,7 +87,7 @@ def input_errors(
 ) -> dict[str, float]:
     """Per input group, ``Σ‖Tx − Q(Tx)‖² / Σ‖Tx‖²`` over ``window``'s tokens, ``T`` each
     layer's online transform (the float-held model computes the original function)."""
-    fmt = get_format(fmt_name, scale_mode if fmt_name == "mxfp4" else "ocp")
+    fmt = block_format(fmt_name, scale_mode)
     sums = {g: [0.0, 0.0] for g in GROUPS}
     group_of = {n: g for g, names in GROUPS.items() for n in names}
     handles = []
