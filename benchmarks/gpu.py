@@ -38,6 +38,12 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    test for torq's own model, the served one and the packed one, and decoding tokens per
    second of the float model in bf16 against the packed one (real weights: these
    perplexities mean something).
+7. ``arithmetic`` (with ``--model`` and ``--data-dir``): the real model through ``torq
+   quantize``'s path (:func:`torq.quantize_checkpoint`, the default recipe,
+   ``--calib-samples`` windows of ``--seqlen`` tokens, on the device) once with exact and
+   once with TF32 calibration arithmetic; each one's seconds, and the perplexity of the
+   saved folder loaded through transformers on the first ``--eval-windows`` windows of
+   WikiText-2's test: what TF32 costs in accuracy on real weights.
 
 Random weights and random tokens: perplexities mean nothing here; seconds, memory and the
 agreement of two computations of the same model are what is measured.
@@ -430,6 +436,47 @@ def checkpoint(args: argparse.Namespace, device: torch.device, root: Path) -> di
     return out
 
 
+def arithmetic(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
+    """The default recipe on a real model with exact and TF32 calibration (module doc, 7)."""
+    import torq
+
+    if not args.model or not args.data_dir:
+        raise SystemExit("the arithmetic part needs --model and --data-dir")
+    out: dict[str, Any] = {
+        "model": args.model,
+        "calib_samples": args.calib_samples,
+        "eval_windows": args.eval_windows,
+    }
+    for how in ("exact", "tf32"):
+        folder = root / f"arithmetic-{how}"
+        t0 = sync(device)
+        torq.quantize_checkpoint(
+            args.model,
+            folder,
+            calib_samples=args.calib_samples,
+            calib_seqlen=args.seqlen,
+            data_dir=args.data_dir,
+            overwrite=True,
+            progress=False,
+            device=str(device),
+            calib_arithmetic=how,
+        )
+        seconds = sync(device) - t0
+        model = torq.load(folder).to(device)
+        score = torq.evaluate(
+            model,
+            max_windows=args.eval_windows,
+            seqlen=args.seqlen,
+            data_dir=args.data_dir,
+            progress=False,
+        )
+        out[how] = {"seconds": seconds, "ppl": score["ppl"], "windows": score["windows"]}
+        del model
+    out["ppl_ratio_tf32_to_exact"] = out["tf32"]["ppl"] / out["exact"]["ppl"]
+    out["speedup_tf32"] = out["exact"]["seconds"] / out["tf32"]["seconds"]
+    return out
+
+
 def device_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": device.type,
@@ -544,6 +591,24 @@ def markdown(rec: dict[str, Any]) -> str:
             *speed_rows(tps),
             "",
         ]
+    ar = rec.get("arithmetic")
+    if ar:
+        lines += [
+            f"{ar['model']}, the default recipe through `torq quantize`'s path on "
+            f"{ar['calib_samples']} calibration windows, the saved folder loaded through "
+            f"transformers and scored on {ar['exact']['windows']} windows of WikiText-2's test:",
+            "",
+            "| calibration arithmetic | quantize s | perplexity |",
+            "| --- | ---: | ---: |",
+            *(
+                f"| {how} | {ar[how]['seconds']:.1f} | {ar[how]['ppl']:.3f} |"
+                for how in ("exact", "tf32")
+            ),
+            "",
+            f"TF32 against exact: {ar['speedup_tf32']:.2f}× the speed, perplexity "
+            f"×{ar['ppl_ratio_tf32_to_exact']:.4f}",
+            "",
+        ]
     if rec.get("skipped"):
         lines.append("Not run (the time budget): " + ", ".join(rec["skipped"]))
     return "\n".join(lines) + "\n"
@@ -626,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
             rec["anatomy"] = anatomy(folder, args.windows, device)
         elif part == "checkpoint":
             rec["checkpoint"] = checkpoint(args, device, root)
+        elif part == "arithmetic":
+            rec["arithmetic"] = arithmetic(args, device, root)
         elif part == "decode":
             rec["decode"] = decode(
                 dims, args.decode_layers or full, device, args.new_tokens, not args.no_share

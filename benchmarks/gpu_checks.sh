@@ -1,42 +1,65 @@
 #!/usr/bin/env bash
 # Every GPU measurement and GPU-only test of torq in one run, for a machine lent for a few
-# minutes (about 8 on an H200): the GPU tests first (their log), then benchmarks/gpu.py's
-# calibration parts (the default recipe exact and in TF32, TORQ's solvers on the CPU and on
-# the GPU) and W4A4 decoding, then the intra-block solver on the CPU against the GPU.
-# Each step writes under OUT as it finishes, so a run cut short keeps what it did.
+# minutes, most important first, each step cut to the time left before DEADLINE_S: W4A4
+# decoding and the default recipe's calibration (TF32 and exact) through benchmarks/gpu.py,
+# the kernels' suite compiled for the GPU and the tests that skip without one, TORQ's
+# solvers on the GPU against the CPU, then the intra-block solver on the CPU against the GPU.
+# Each step writes under OUT/records as it finishes; at the end everything is packed into
+# OUT/records.tgz (a lent machine returns few files), so a run cut short keeps what it did.
 #
 #   OUT=results/gpu bash benchmarks/gpu_checks.sh        # OUT: where the records go
-#   BUDGET_S=300 ...                                      # no gpu.py part starts after it
+#   DEADLINE_S=560 ...                                    # the whole run ends by then
+#   MODEL=m.gguf DATA_DIR=data ...     # also the default recipe on a real model, exact and TF32
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to a folder for the records}"
-BUDGET_S="${BUDGET_S:-300}"
-PY="${PYTHON:-python}"
+DEADLINE_S="${DEADLINE_S:-560}"
+PY="${PYTHON:-python3}"
 export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+R="$OUT/records"
+mkdir -p "$R"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || exit 2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 
-step() { echo "[$(date +%T)] $*"; }
+step() { echo "[$(date +%T), ${SECONDS} s] $*"; }
+# left SLACK: the seconds before the deadline, less SLACK (floored at 1)
+left() { local l=$((DEADLINE_S - SECONDS - ${1:-0})); echo $((l > 1 ? l : 1)); }
+
+step "benchmarks/gpu.py: decoding, the default recipe's calibration in TF32 and exact"
+timeout "$(left 330)" "$PY" benchmarks/gpu.py --out "$R/gpu-default" --layers 2 \
+    --budget-s 150 --parts decode,calibration-tf32,calibration > "$R/gpu-default.log" 2>&1
+tail -2 "$R/gpu-default.log"
+
+if [ -n "${MODEL:-}" ]; then
+    step "benchmarks/gpu.py: the default recipe on $MODEL, exact and TF32 calibration"
+    timeout "$(left 240)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" --parts arithmetic \
+        --model "$MODEL" --data-dir "${DATA_DIR:?set DATA_DIR with MODEL}" --calib-samples 128 \
+        --eval-windows 1000 > "$R/gpu-arithmetic.log" 2>&1
+    tail -1 "$R/gpu-arithmetic.log"
+fi
 
 step "GPU tests"
 # the kernels' whole suite on the GPU (elsewhere it runs in Triton's interpreter), then the
 # tests that skip without a GPU: CPU against GPU runs, GPTQ's graphed loop, formats on CUDA
-"$PY" -m pytest -q -rs tests/kernels > "$OUT/pytest-kernels-gpu.txt" 2>&1
-tail -3 "$OUT/pytest-kernels-gpu.txt"
-"$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py tests/test_api.py \
-    tests/surgery/test_gptq.py tests/formats/test_formats_fake_quant.py \
-    > "$OUT/pytest-gpu.txt" 2>&1
-tail -3 "$OUT/pytest-gpu.txt"
+timeout "$(left 240)" "$PY" -m pytest -q -rs tests/kernels > "$R/pytest-kernels-gpu.txt" 2>&1
+tail -1 "$R/pytest-kernels-gpu.txt"
+timeout "$(left 150)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
+    tests/test_api.py tests/surgery/test_gptq.py tests/formats/test_formats_fake_quant.py \
+    tests/calibration/test_capture.py \
+    > "$R/pytest-gpu.txt" 2>&1
+tail -1 "$R/pytest-gpu.txt"
 
-step "benchmarks/gpu.py"
-"$PY" benchmarks/gpu.py --out "$OUT" --layers 2 --budget-s "$BUDGET_S" \
-    --parts calibration,calibration-tf32,torq+gptq,torq+gptq-device-solvers,decode \
-    > "$OUT/gpu.log" 2>&1
-tail -2 "$OUT/gpu.log"
+step "benchmarks/gpu.py: torq+gptq with TORQ's solvers on the GPU, then on the CPU"
+timeout "$(left 40)" "$PY" benchmarks/gpu.py --out "$R/gpu-torq" --budget-s 60 \
+    --parts torq+gptq-device-solvers,torq+gptq > "$R/gpu-torq.log" 2>&1
+tail -2 "$R/gpu-torq.log"
 
-step "benchmarks/intra_speed.py --cuda"
-"$PY" benchmarks/intra_speed.py --cuda --threads "$(nproc)" --repeats 1 --max-iter 5 --large \
-    --out "$OUT/intra-cuda.json" > "$OUT/intra-cuda.log" 2>&1
-tail -2 "$OUT/intra-cuda.log"
+if [ "$(left)" -gt 60 ]; then
+    step "benchmarks/intra_speed.py --cuda"
+    timeout "$(left 10)" "$PY" benchmarks/intra_speed.py --cuda --threads "$(nproc)" \
+        --repeats 1 --max-iter 5 --large --out "$R/intra-cuda.json" > "$R/intra-cuda.log" 2>&1
+    tail -2 "$R/intra-cuda.log"
+fi
+tar -czf "$OUT/records.tgz" -C "$OUT" records && rm -rf "$R"
 step "done"

@@ -95,6 +95,15 @@ def arch(request) -> str:
     return request.param
 
 
+# How far a TF32 calibration may move a tiny random model's perplexity from the CPU's exact
+# one: as far as a new calibration seed moves it. On the two-window test models (perplexity
+# ~470, 64 calibration tokens) TF32's rounding flips GPTQ's choices like any perturbation:
+# measured on an H200 +6.3 % (`torq-had32+gptaq`), in a CPU emulation of TF32's rounding
+# +4.9 %, and a new calibration seed moves the same rows by up to 5.4 %. What TF32 computes
+# is held to its rounding by `test_gpu_tf32_statistics_are_exact_to_tf32s_rounding`; what it
+# costs a real model is measured by `benchmarks/gpu.py --parts arithmetic`.
+TF32_TINY_REL = 0.10
+
 TINY_TEXT = (
     " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical "
     "role @-@ playing video game developed by Sega and Media.Vision for the PlayStation Portable . "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torq
+from tests.conftest import TF32_TINY_REL
 from tests.export.test_compressed_tensors import _folder_tensors
 from torq.cli import main
 from torq.errors import TorqError
@@ -104,7 +105,8 @@ def test_quantize_on_the_gpu_writes_the_cpus_model(
     arithmetic, tiny_checkpoint, tiny_calibration_data_dir, tmp_path
 ) -> None:
     """``torq quantize --device cuda`` (and its TF32 calibration): the folder it writes
-    scores as the CPU's within 2 %, the weights packed on the same grid."""
+    scores as the CPU's within 2 % (TF32: within what a new calibration seed moves it,
+    :data:`tests.conftest.TF32_TINY_REL`), the weights packed on the same grid."""
     data = str(tiny_calibration_data_dir)
     scores = {}
     for device in ("cpu", "cuda"):
@@ -121,7 +123,8 @@ def test_quantize_on_the_gpu_writes_the_cpus_model(
             torq.load(out), seqlen=32, max_windows=2, data_dir=data, progress=False
         )["ppl"]
         assert _folder_tensors(out).keys() == _folder_tensors(tmp_path / "cpu").keys()
-    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=0.02)
+    rel = 0.02 if arithmetic == "exact" else TF32_TINY_REL
+    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=rel)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TF32_TINY_REL
 from torq.cli import main
 
 
@@ -505,11 +506,12 @@ def test_gpu_solvers_match_cpu_solvers(tiny_checkpoint, tiny_data_dir) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_tf32_calibration_matches_cpu_exact(tiny_checkpoint, tiny_data_dir) -> None:
     """The calibration's forwards and statistics in TF32 on the GPU: the quantized models
-    score as the CPU's exact calibration does, within the same 2 %."""
+    score as the CPU's exact calibration does, within what a new calibration seed moves
+    them (:data:`tests.conftest.TF32_TINY_REL`)."""
     methods = ["had32+gptq", "torq-had32+gptaq", "torq+gptq"]
     rows = _cpu_and_gpu_perplexities(tiny_checkpoint, tiny_data_dir, methods, gpu_arithmetic="tf32")
     for method, ppl in rows["cpu"].items():
-        assert rows["cuda"][method] == pytest.approx(ppl, rel=0.02), method
+        assert rows["cuda"][method] == pytest.approx(ppl, rel=TF32_TINY_REL), method
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

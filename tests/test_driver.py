@@ -540,8 +540,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     assert changed["settings"]["guard"] == 0.25 and changed["settings"]["fold"] is True
     assert changed["settings"]["calibrate"] == ("o_proj",)
     assert _stable_record({"settings": {**settings, "permute": True}})["settings"]["permute"]
-    moved = {**settings, "solver_device": "calibration"}
-    assert _stable_record({"settings": moved})["settings"]["solver_device"] == "calibration"
+    moved = {**settings, "solver_device": "cpu"}
+    assert _stable_record({"settings": moved})["settings"]["solver_device"] == "cpu"
 
 
 def test_a_folded_balancing_streams_and_saves_as_the_whole_model(

@@ -33,3 +33,23 @@ def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     assert "28 layers on torq's MXFP4 W4A4 kernels" in dec["accelerate"]
     assert {"bf16 batch 1", "torq W4A4 batch 16", "ratio batch 1"} <= set(dec["tokens_per_s"])
     assert "| generate, batch 1 |" in (out / "gpu.md").read_text()
+
+
+def test_the_arithmetic_part_quantizes_a_checkpoint_both_ways(
+    tmp_path, tiny_checkpoint, tiny_calibration_data_dir
+) -> None:
+    """``--parts arithmetic``: the real-model path of ``torq quantize`` with exact and TF32
+    calibration, each folder scored through transformers (on a CPU, "tf32" takes only the
+    statistics' products in float32: a perplexity close to the exact one's)."""
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--parts", "arithmetic", "--model", str(tiny_checkpoint)]
+    args += ["--data-dir", str(tiny_calibration_data_dir), "--calib-samples", "2"]
+    args += ["--seqlen", "32", "--eval-windows", "2", "--dir", str(tmp_path / "ck")]
+    main([*args, "--out", str(out)])
+    rec = json.loads((out / "gpu.json").read_text())["arithmetic"]
+    for how in ("exact", "tf32"):
+        assert rec[how]["windows"] == 2 and rec[how]["seconds"] > 0
+        assert rec[how]["ppl"] > 1.0
+    assert rec["ppl_ratio_tf32_to_exact"] == rec["tf32"]["ppl"] / rec["exact"]["ppl"]
+    assert abs(rec["ppl_ratio_tf32_to_exact"] - 1.0) < 0.02
+    assert "| tf32 |" in (out / "gpu.md").read_text()

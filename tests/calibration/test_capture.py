@@ -55,6 +55,36 @@ def test_float32_products_sum_in_float64_to_float32s_precision() -> None:
     assert torch.equal(exact.sample, fast.sample)  # the same tokens kept
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tf32_statistics_are_exact_to_tf32s_rounding() -> None:
+    """On a GPU, the "tf32" arithmetic's statistics differ from the CPU's float64 ones by
+    TF32's rounding (a 10-bit significand, unit roundoff 2⁻¹¹ ≈ 4.9e-4, each product's
+    operands rounded once): norm-wise within a few unit roundoffs, and visibly more than
+    float32's, so TF32 did run; the exact arithmetic on the GPU is float64's."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 512, 256, generator=gen) * 3.0 for _ in range(3)]
+    refs = [x + 0.1 * torch.randn(x.shape, generator=gen) for x in xs]
+
+    def stats(device: str, arithmetic: str) -> BlockStatistics:
+        products = torch.float32 if arithmetic == "tf32" else torch.float64
+        st = BlockStatistics(
+            256, 32, 4, seed=0, hessian=True, cross=True, device=device, products=products
+        )
+        with calibration_arithmetic(arithmetic):
+            for x, ref in zip(xs, refs, strict=True):
+                st.update(x.to(device), ref.to(device))
+        return st
+
+    cpu, exact, tf32 = stats("cpu", "exact"), stats("cuda", "exact"), stats("cuda", "tf32")
+    for name in ("covariance", "hessian", "cross_term"):
+        want = getattr(cpu, name)().cpu()
+        scale = float(torch.linalg.norm(want))
+        gpu_exact = float(torch.linalg.norm(getattr(exact, name)().cpu() - want)) / scale
+        gpu_tf32 = float(torch.linalg.norm(getattr(tf32, name)().cpu() - want)) / scale
+        assert gpu_exact < 1e-12, name
+        assert 1e-6 < gpu_tf32 < 4 * 2.0**-11, (name, gpu_tf32)
+
+
 def test_calibration_arithmetic_sets_tf32_and_puts_it_back() -> None:
     before = torch.backends.cuda.matmul.allow_tf32
     with calibration_arithmetic("tf32"):

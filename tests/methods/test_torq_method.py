@@ -210,9 +210,9 @@ def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None
 
 
 def test_the_solvers_on_the_calibration_device(corpus, tiny_tokenizer, monkeypatch) -> None:
-    """``solver_device="calibration"`` hands both solvers their inputs on the device the
-    statistics are summed on (on a CPU run, the CPU: the same transforms bit for bit) and
-    enters the settings key; other values are refused."""
+    """``solver_device="calibration"`` (the default) hands both solvers their inputs on the
+    device the statistics are summed on (on a CPU run, the CPU: the same transforms bit for
+    bit as ``"cpu"``); ``"cpu"`` enters the settings key; other values are refused."""
     import torq.methods.torq_rotation as tr
 
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
@@ -240,8 +240,9 @@ def test_the_solvers_on_the_calibration_device(corpus, tiny_tokenizer, monkeypat
         assert torch.equal(a, b)
     for a, b in zip(models["cpu"].buffers(), models["calibration"].buffers(), strict=True):
         assert torch.equal(a, b)
+    assert TorqSettings().solver_device == "calibration"
     assert "solver_device" not in _key("torq")
-    assert _key("torq", TorqSettings(solver_device="calibration")) != _key("torq")
+    assert _key("torq", TorqSettings(solver_device="cpu")) != _key("torq")
     with pytest.raises(ValueError, match="solver_device"):
         TorqSettings(solver_device="gpu")
 

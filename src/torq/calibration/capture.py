@@ -152,8 +152,8 @@ class BlockStatistics:
         self._seen += x.shape[0]
 
     def covariance(self) -> torch.Tensor:
-        """``Σ_k`` as an expectation (``[K, B, B]``), on the CPU, where the rotation solvers
-        run."""
+        """``Σ_k`` as an expectation (``[K, B, B]``), on the CPU (small: the inter-block
+        solver takes it to its own device)."""
         return self.cov.cpu() / max(self.count, 1)
 
     def hessian(self) -> torch.Tensor:

@@ -248,8 +248,8 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
     qz.add_argument(
         "--device",
         default="auto",
-        help="where the layers calibrate: cpu, cuda, cuda:N or auto (default: cuda when there; "
-        "TORQ's rotation solvers stay on the CPU)",
+        help="where the layers calibrate, TORQ's rotation solvers included: cpu, cuda, "
+        "cuda:N or auto (default: cuda when there)",
     )
     qz.add_argument("--no-progress", action="store_true", help="no progress bars")
     qz.add_argument(
@@ -384,8 +384,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--device",
         default="cpu",
-        help="where the model runs: cpu, cuda, cuda:N or auto (TORQ's solvers stay on the CPU "
-        "unless --solver-device calibration)",
+        help="where the model runs: cpu, cuda, cuda:N or auto",
     )
     run.add_argument(
         "--out", default=None, help="result JSON path (default: results/run-<model>-<time>.json)"
@@ -552,9 +551,9 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--solver-device",
         choices=SOLVER_DEVICES,
-        default="cpu",
-        help="where TORQ's inter- and intra-block solvers run: the CPU (default) or the "
-        "device the calibration runs on (a GPU with --device cuda)",
+        default="calibration",
+        help="where TORQ's inter- and intra-block solvers run: the device the calibration "
+        "runs on (default; a GPU with --device cuda) or the CPU",
     )
     t.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ dampening (× mean diag H)")
     t.add_argument(

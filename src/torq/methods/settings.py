@@ -59,11 +59,13 @@ class TorqSettings:
     # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
     # pooled, instead of one per expert from the tokens routed to it (the cheap variant)
     expert_down_shared: bool = False
-    # where the two solvers (Algorithms 1 and 2) run: "cpu", or "calibration", the device
-    # the calibration statistics are summed on (a GPU when calibrating on one; there the
-    # angle search prepares all pairs of a step at once). Not the default until measured
-    # faster on a GPU: the per-pair solver was 2.6–4x slower on an H200 than on its CPUs
-    solver_device: str = "cpu"
+    # where the two solvers (Algorithms 1 and 2) run: "calibration", the device the
+    # calibration statistics are summed on (a GPU when calibrating on one; there the angle
+    # search prepares all pairs of a step at once), or "cpu". On an H200 the GPU's solvers
+    # took one 8B-shaped layer's solve step 2.2x faster than 16 CPU threads, with the same
+    # GPTQ loss (docs/records/gpu/gpu-bench-3-torq-solvers-h200.md); on a CPU run the two
+    # are the same computation, bit for bit
+    solver_device: str = "calibration"
 
     def __post_init__(self) -> None:
         if self.solver_device not in SOLVER_DEVICES:
@@ -148,5 +150,7 @@ _LATER: dict[str, Any] = {
     "calibrate": None,
     "permute": False,
     "expert_down_shared": False,
-    "solver_device": "cpu",
+    # "cpu" before the GPU's solvers were measured faster: a CPU run's old key (none) is
+    # the same computation as "calibration" there
+    "solver_device": "calibration",
 }
