@@ -19,6 +19,11 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    tokens per second of batch 1 and 16 in bf16, then the same model quantized (``had32``,
    MXFP4 W4A4, OCP rule) and swapped onto torq's kernels by :func:`torq.accelerate`; the
    mean token NLL of the fake-quant model and of the accelerated one on the same windows.
+   Each model decodes through eager ``generate`` and with one step captured as a CUDA
+   graph; with ``--compiled`` also, at batch 1, with the step through ``torch.compile``
+   (norms, rotary embeddings and attention fused; torq's layers are graph breaks) and then
+   captured: transformers' eager code is most of a graphed step's kernels besides the
+   products.
 4. ``anatomy``: one layer's capture step taken apart: a float forward pass over the
    windows, and the statistics of one input group of each width, each timed alone.
 1b. ``calibration-tf32``: the same with the capture's products in TF32
@@ -289,11 +294,20 @@ def decode_speed(model: Any, batch: int, new_tokens: int, device: torch.device) 
 
 
 @torch.no_grad()
-def graphed_decode_speed(model: Any, batch: int, new_tokens: int, device: torch.device) -> float:
+def graphed_decode_speed(
+    model: Any, batch: int, new_tokens: int, device: torch.device, compiled: bool = False
+) -> float:
     """Tokens per second of greedy decoding with one decode step captured as a CUDA graph
     (transformers' static cache; what a serving engine does): the GPU's time per token
-    without Python's launch overhead. Raises where the step cannot be captured."""
+    without Python's launch overhead. ``compiled``: the step through ``torch.compile``
+    first (its norms, rotary embeddings and attention fused; torq's layers are graph
+    breaks, run as they are), then captured. Raises where the step cannot be captured."""
     from transformers import StaticCache
+
+    forward = model
+    if compiled:
+        torch._dynamo.reset()  # each model and batch compiled afresh
+        forward = torch.compile(model, dynamic=False)
 
     prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
     n = prompt.shape[1]
@@ -308,7 +322,7 @@ def graphed_decode_speed(model: Any, batch: int, new_tokens: int, device: torch.
     position = torch.tensor([n], device=device)
 
     def step() -> torch.Tensor:
-        return model(
+        return forward(
             input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
         ).logits
 
@@ -329,18 +343,28 @@ def graphed_decode_speed(model: Any, batch: int, new_tokens: int, device: torch.
     return batch * new_tokens / (sync(device) - t0)
 
 
-def all_speeds(model: Any, new_tokens: int, device: torch.device, label: str, out: dict) -> None:
-    """Eager ``generate`` and the graphed step, batch 1 and 16, into ``out``."""
+def all_speeds(
+    model: Any,
+    new_tokens: int,
+    device: torch.device,
+    label: str,
+    out: dict,
+    compiled: bool = False,
+) -> None:
+    """Eager ``generate`` and the graphed step, batch 1 and 16 (``compiled``: also the
+    compiled graphed step at batch 1, whose speed is the goal; a compilation takes a while),
+    into ``out``."""
     for b in (1, 16):
         out["tokens_per_s"][f"{label} batch {b}"] = decode_speed(model, b, new_tokens, device)
         if device.type != "cuda":
             continue
-        try:
-            tps = graphed_decode_speed(model, b, new_tokens, device)
-        except Exception as exc:  # recorded: the eager rows still stand
-            out.setdefault("graph_errors", {})[f"{label} batch {b}"] = repr(exc)[:300]
-            continue
-        out["tokens_per_s"][f"{label} graphed batch {b}"] = tps
+        for how in ("graphed", "compiled graphed") if compiled and b == 1 else ("graphed",):
+            try:
+                tps = graphed_decode_speed(model, b, new_tokens, device, how != "graphed")
+            except Exception as exc:  # recorded: the eager rows still stand
+                out.setdefault("graph_errors", {})[f"{label} {how} batch {b}"] = repr(exc)[:300]
+                continue
+            out["tokens_per_s"][f"{label} {how} batch {b}"] = tps
 
 
 @torch.no_grad()
@@ -353,7 +377,12 @@ def mean_nll(model: Any, windows: torch.Tensor, device: torch.device) -> float:
 
 
 def decode(
-    dims: dict[str, Any], layers: int, device: torch.device, new_tokens: int, share: bool = True
+    dims: dict[str, Any],
+    layers: int,
+    device: torch.device,
+    new_tokens: int,
+    share: bool = True,
+    compiled: bool = False,
 ) -> dict:
     """bf16 against torq's kernels on one random model (module doc, part 3)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -368,7 +397,7 @@ def decode(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     out: dict[str, Any] = {"layers": layers, "new_tokens": new_tokens, "tokens_per_s": {}}
-    all_speeds(model, new_tokens, device, "bf16", out)
+    all_speeds(model, new_tokens, device, "bf16", out, compiled)
     t0 = sync(device)
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
     apply_method(get_method("had32"), model, qconfig, MethodContext(options={"progress": False}))
@@ -383,10 +412,10 @@ def decode(
     out["nll_relative_difference"] = abs(out["nll_accelerated"] - out["nll_fake_quant"]) / abs(
         out["nll_fake_quant"]
     )
-    all_speeds(model, new_tokens, device, "torq W4A4", out)
+    all_speeds(model, new_tokens, device, "torq W4A4", out, compiled)
     tps = out["tokens_per_s"]
     for b in (1, 16):
-        for how in ("", "graphed "):
+        for how in ("", "graphed ", "compiled graphed "):
             if f"torq W4A4 {how}batch {b}" in tps and f"bf16 {how}batch {b}" in tps:
                 ratio = tps[f"torq W4A4 {how}batch {b}"] / tps[f"bf16 {how}batch {b}"]
                 tps[f"ratio {how}batch {b}"] = ratio
@@ -496,7 +525,7 @@ def speed_rows(tps: dict[str, float]) -> list[str]:
         "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for how in ("", "graphed "):
+    for how in ("", "graphed ", "compiled graphed "):
         for b in (1, 16):
             bf16, fast = tps.get(f"bf16 {how}batch {b}"), tps.get(f"torq W4A4 {how}batch {b}")
             if bf16 and fast:
@@ -629,6 +658,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="decode with each layer alone (q/k/v and gate/up not one product each)",
     )
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode also with the step through torch.compile, then graphed (both models)",
+    )
     ap.add_argument("--parts", default="decode,calibration,anatomy,steps,torq+gptq")
     ap.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
     ap.add_argument("--dir", default="/tmp/torq-gpu", help="where the checkpoints are written")
@@ -695,7 +729,12 @@ def main(argv: list[str] | None = None) -> None:
             rec["arithmetic"] = arithmetic(args, device, root)
         elif part == "decode":
             rec["decode"] = decode(
-                dims, args.decode_layers or full, device, args.new_tokens, not args.no_share
+                dims,
+                args.decode_layers or full,
+                device,
+                args.new_tokens,
+                not args.no_share,
+                args.compiled,
             )
         else:
             raise SystemExit(f"unknown part '{part}'")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU measurement and GPU-only test of torq in one run, for a machine lent for a few
 # minutes, most important first, each step cut to the time left before DEADLINE_S: W4A4
-# decoding and the default recipe's calibration (TF32 and exact) through benchmarks/gpu.py,
-# the kernels' suite compiled for the GPU and the tests that skip without one, TORQ's
-# solvers on the GPU against the CPU, then the intra-block solver on the CPU against the GPU.
+# decoding (eager, graphed, compiled and graphed) through benchmarks/gpu.py, with MODEL the
+# default recipe on a real model in exact and TF32 arithmetic, the kernels' suite compiled
+# for the GPU and the tests that skip without one, the default recipe's calibration (TF32
+# and exact) and TORQ's solvers on the GPU against the CPU, then the intra-block solver.
 # Each step writes under OUT/records as it finishes; at the end everything is packed into
 # OUT/records.tgz (a lent machine returns few files), so a run cut short keeps what it did.
 #
@@ -26,10 +27,10 @@ step() { echo "[$(date +%T), ${SECONDS} s] $*"; }
 # left SLACK: the seconds before the deadline, less SLACK (floored at 1)
 left() { local l=$((DEADLINE_S - SECONDS - ${1:-0})); echo $((l > 1 ? l : 1)); }
 
-step "benchmarks/gpu.py: decoding, the default recipe's calibration in TF32 and exact"
-timeout "$(left 330)" "$PY" benchmarks/gpu.py --out "$R/gpu-default" --layers 2 \
-    --budget-s 150 --parts decode,calibration-tf32,calibration > "$R/gpu-default.log" 2>&1
-tail -2 "$R/gpu-default.log"
+step "benchmarks/gpu.py: decoding, eager, graphed, compiled and graphed"
+timeout "$(left 330)" "$PY" benchmarks/gpu.py --out "$R/gpu-decode" --parts decode --compiled \
+    > "$R/gpu-decode.log" 2>&1
+tail -2 "$R/gpu-decode.log"
 
 if [ -n "${MODEL:-}" ]; then
     step "benchmarks/gpu.py: the default recipe on $MODEL, exact and TF32 calibration"
@@ -42,18 +43,18 @@ fi
 step "GPU tests"
 # the kernels' whole suite on the GPU (elsewhere it runs in Triton's interpreter), then the
 # tests that skip without a GPU: CPU against GPU runs, GPTQ's graphed loop, formats on CUDA
-timeout "$(left 240)" "$PY" -m pytest -q -rs tests/kernels > "$R/pytest-kernels-gpu.txt" 2>&1
+timeout "$(left 170)" "$PY" -m pytest -q -rs tests/kernels > "$R/pytest-kernels-gpu.txt" 2>&1
 tail -1 "$R/pytest-kernels-gpu.txt"
-timeout "$(left 150)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
+timeout "$(left 100)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
     tests/test_api.py tests/surgery/test_gptq.py tests/formats/test_formats_fake_quant.py \
-    tests/calibration/test_capture.py \
-    > "$R/pytest-gpu.txt" 2>&1
+    tests/calibration/test_capture.py > "$R/pytest-gpu.txt" 2>&1
 tail -1 "$R/pytest-gpu.txt"
 
-step "benchmarks/gpu.py: torq+gptq with TORQ's solvers on the GPU, then on the CPU"
-timeout "$(left 40)" "$PY" benchmarks/gpu.py --out "$R/gpu-torq" --budget-s 60 \
-    --parts torq+gptq-device-solvers,torq+gptq > "$R/gpu-torq.log" 2>&1
-tail -2 "$R/gpu-torq.log"
+step "benchmarks/gpu.py: calibration (TF32, exact), TORQ's solvers on the GPU and the CPU"
+timeout "$(left 20)" "$PY" benchmarks/gpu.py --out "$R/gpu-calibration" --layers 2 \
+    --budget-s 200 --parts calibration-tf32,calibration,torq+gptq-device-solvers,torq+gptq \
+    > "$R/gpu-calibration.log" 2>&1
+tail -2 "$R/gpu-calibration.log"
 
 if [ "$(left)" -gt 60 ]; then
     step "benchmarks/intra_speed.py --cuda"

@@ -152,6 +152,46 @@ def test_accelerated_model_on_a_gpu_runs_the_kernels_as_the_fake_quant_model(
         assert rel_fast <= 2 * rel_bf16 + 1e-3, (tokens.shape, rel_fast, rel_bf16)
 
 
+def test_torch_compile_compiles_around_the_kernels() -> None:
+    """``torch.compile`` of an accelerated model (q/k/v and gate/up shared) compiles the
+    model's own code and runs torq's layers as graph breaks: the eager model's logits."""
+    model = _quantized("had32")
+    accelerate(model)
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
+    )
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        explained = torch._dynamo.explain(model)(input_ids=ids)
+        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
+    assert explained.graph_break_count > 0 and explained.graph_count > 1
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_accelerated_step_captures_as_a_cuda_graph() -> None:
+    """On a GPU: the accelerated model through ``torch.compile`` (Inductor) and captured as
+    a CUDA graph, as ``benchmarks/gpu.py --compiled`` decodes, gives the eager kernels'
+    logits to bf16's rounding of the fused code around them."""
+    model = _quantized("had32").to("cuda", torch.bfloat16)
+    accelerate(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")
+    torch._dynamo.reset()
+    forward = torch.compile(model, dynamic=False)
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits.float()
+        for _ in range(3):
+            forward(input_ids=ids)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward(input_ids=ids).logits
+        graph.replay()
+        torch.cuda.synchronize()
+    rel = float((out.float() - eager).norm() / eager.norm())
+    assert rel < 2e-2, rel
+
+
 def test_a_saved_default_recipe_checkpoint_runs_on_the_kernels(tmp_path, tiny_tokenizer) -> None:
     """A torq checkpoint of the default recipe's method (nearest-rule activations): loaded
     with its weights kept packed, or loaded unpacked and accelerated, every linear runs on

@@ -224,6 +224,8 @@ class SharedInputSlice(nn.Module):
         self.in_features = group.linear.in_features
         self.out_features = group.bounds[index + 1] - group.bounds[index]
 
+    # torch.compile compiles around it, as around PackedMXFP4Linear.forward
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(x, self.index)
 

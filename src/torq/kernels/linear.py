@@ -107,6 +107,10 @@ class PackedMXFP4Linear(nn.Module):
             self.fp8_row_scale,
         )
 
+    # torch.compile compiles the model around this layer (a graph break here): its Triton
+    # launches and their Python dispatch by token count run as they are, between the
+    # compiled norms, rotary embeddings and attention (benchmarks/gpu.py's compiled decode)
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return mxfp4_linear(
