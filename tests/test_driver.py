@@ -531,7 +531,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__
-    later_gptq = ("scale_search", "mse_norm", "asymmetry", "max_shift", "damp_scale")
+    later_gptq = ("scale_search", "mse_norm", "asymmetry", "max_shift", "damp_scale", "input_noise")
     older = {k: v for k, v in gptq.items() if k not in later_gptq}
     assert _stable_record({"gptq": dict(gptq)}) == {"gptq": older}
     changed = _stable_record(

@@ -12,7 +12,8 @@ with its asymmetry replaced, under its own name and settings key. Writes ``torq 
 record (JSON and markdown) to ``--out``. ``alpha`` 1 is Qronos's loss with GPTQ's damping
 (1 % of H's mean diagonal), which ``+qronos`` was before it took its reference's;
 ``--qronos-damping`` gives the variant Qronos's damping instead (10⁻³ of H's largest
-eigenvalue; name suffix ``-ld``).
+eigenvalue; name suffix ``-ld``); ``--input-noise`` raises the Hessian's diagonal by the
+activation quantizer's error power (``GPTQConfig.input_noise``; suffix ``-an``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--qronos-damping", action="store_true", help="damp by 10⁻³ λmax(H), as +qronos does"
     )
+    ap.add_argument(
+        "--input-noise",
+        action="store_true",
+        help="H of the quantized inputs: its diagonal raised by the activations' error power",
+    )
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv or "--methods" not in argv:
         ap.error("give torq run's options after --, --methods among them")
@@ -50,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.qronos_damping:
             damping = {k: v for k, v in QRONOS_SETTINGS if k in ("damp", "damp_scale")}
             settings.update(damping)
-        suffix = "-ld" if args.qronos_damping else ""
-        what = ", Qronos's damping" if args.qronos_damping else ""
+        if args.input_noise:
+            settings["input_noise"] = True
+        suffix = ("-ld" if args.qronos_damping else "") + ("-an" if args.input_noise else "")
+        what = (", Qronos's damping" if args.qronos_damping else "") + (
+            ", the activations' error power on H's diagonal" if args.input_noise else ""
+        )
         variant = replace(
             method,
             name=f"{name.removesuffix('+gptaq')}-gptaq-a{round(args.alpha * 1000):03d}{suffix}",

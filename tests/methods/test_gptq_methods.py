@@ -55,3 +55,53 @@ def test_gptq_weights_are_on_the_grid_and_beat_rtn(method, corpus, tiny_tokenize
                 assert torch.equal(fake_quantize(m.weight, fmt), m.weight)
     gptq_err, rtn_err = errors[method], errors[next(n for n in errors if n != method)]
     assert gptq_err < rtn_err, errors
+
+
+def test_activation_error_power_is_the_quantizers_error_per_channel() -> None:
+    """``E[(Q_a(T x) − T x)²]`` per channel: for Gaussian tokens MXFP4's error power is
+    about 1.3 % of the signal's (its Gaussian floor), with a block rotation it is the
+    error of the rotated tokens, and float activations add nothing."""
+    from torq.methods.layers import activation_error_power
+    from torq.rotations.transform import BlockRotation
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 64, generator=gen)
+    fmt = get_format("mxfp4")
+    power = activation_error_power(x, None, fmt)
+    assert power.shape == (64,) and power.dtype == torch.float64
+    assert 0.010 < float(power.mean()) < 0.016
+    q, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    rotation = BlockRotation(32, r_intra=q)
+    t = rotation(x)
+    expected = (fake_quantize(t, fmt) - t).double().pow(2).mean(0)
+    torch.testing.assert_close(activation_error_power(x, rotation, fmt), expected)
+    assert not activation_error_power(x, None, None).any()
+
+
+def test_input_noise_raises_the_hessians_diagonal(monkeypatch) -> None:
+    """``GPTQConfig(input_noise=True)``: GPTQ sees ``T H Tᵀ + diag(E[e²])``, the group's
+    Hessian with the activation quantizer's error power on its diagonal."""
+    import torq.methods.layers as layers
+    from torq.calibration.capture import BlockStatistics, LinearGroup
+    from torq.surgery.gptq import GPTQConfig
+
+    seen: list[torch.Tensor] = []
+    real = layers.gptq_quantize
+
+    def watch(weight, h, *args, **kwargs):
+        seen.append(h.clone())
+        return real(weight, h, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "gptq_quantize", watch)
+    gen = torch.Generator().manual_seed(0)
+    stats = BlockStatistics(64, 32, 256, seed=0, hessian=True)
+    stats.update(torch.randn(512, 64, generator=gen))
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    for noise in (False, True):
+        layer = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False))
+        group = LinearGroup("in", ["0"], 64)
+        layers.quantize_group(layer, group, None, qconfig, stats, GPTQConfig(input_noise=noise))
+    plain, noisy = seen
+    power = layers.activation_error_power(stats.sample, None, qconfig.activation)
+    torch.testing.assert_close(noisy - plain, torch.diag(power))
+    assert float(power.min()) > 0

@@ -23,7 +23,7 @@ from torq.calibration.capture import (
     ExpertsStatistics,
     LinearGroup,
 )
-from torq.formats import fake_quantize
+from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import LayerPlan, Method, MethodContext
 from torq.rotations.transform import BlockRotation
 from torq.surgery.apply import quantize_layer
@@ -42,6 +42,22 @@ from torq.surgery.qlinear import (
 EXPERT_MIN_TOKENS = 64
 
 _SAME = object()
+
+
+def activation_error_power(
+    sample: torch.Tensor, transform: BlockRotation | None, fmt: FormatSpec | None
+) -> torch.Tensor:
+    """``E[(Q_a(T x) − T x)²]`` per input channel (float64 ``[width]``) over the group's
+    token sample ``x``: what the activation quantizer's error adds to the diagonal of the
+    Hessian of the inputs the fused weights multiply (:attr:`GPTQConfig.input_noise`);
+    zeros for float activations or an empty sample."""
+    width = sample.shape[-1]
+    if fmt is None or sample.shape[0] == 0:
+        return torch.zeros(width, dtype=torch.float64)
+    with torch.no_grad():
+        t = sample.float() if transform is None else transform(sample.float())
+        error = fake_quantize(t, fmt) - t
+    return error.double().pow(2).mean(0)
 
 
 def quantize_group(
@@ -66,6 +82,9 @@ def quantize_group(
             raise ValueError("GPTQ needs the group's calibration statistics")
         h = stats.hessian()
         h = h if transform is None else transform.conjugate_hessian(h)
+        if gptq.input_noise:
+            noise = activation_error_power(stats.sample, transform, qconfig.activation)
+            h = h + torch.diag(noise.to(h))
         cross = stats.cross_term() if gptq.asymmetry > 0 else None
         if cross is not None and transform is not None:
             # T C Tᵀ (C is not symmetric: conjugate_hessian of Cᵀ gives it)

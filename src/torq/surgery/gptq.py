@@ -60,6 +60,7 @@ _KEYLESS_AT_DEFAULT = {
     "asymmetry": 0.0,
     "max_shift": 1.0,
     "damp_scale": "mean-diagonal",
+    "input_noise": False,
 }
 
 
@@ -85,6 +86,12 @@ class GPTQConfig:
     # corrections 3.0 and growing; the balanced Hadamard's stay under 0.8 on SmolLM2:
     # docs/recipes.md). Unweighted by ``asymmetry``, so one bound serves GPTAQ and Qronos.
     max_shift: float = 1.0
+    # the Hessian of the inputs the weight multiplies at inference, Q_a(T x), not T x: its
+    # diagonal raised by the activation quantizer's error power per channel, E[(Q_a(T x) −
+    # T x)²] measured on the group's token sample (the error's own correlations across
+    # channels and with T x are left out). Qronos's reference sums its statistics after
+    # the layer's activation quantizer (Brevitas's ``gpxq.py``); a research setting
+    input_noise: bool = False
 
     def __post_init__(self) -> None:
         if not self.damp >= 0:
