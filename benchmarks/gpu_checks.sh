@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU measurement and GPU-only test of torq in one run, for a machine lent for a few
 # minutes, most important first, each step cut to the time left before DEADLINE_S: W4A4
-# decoding (eager, graphed, compiled and graphed) through benchmarks/gpu.py, with MODEL the
-# default recipe on a real model in exact and TF32 arithmetic, the kernels' suite compiled
-# for the GPU and the tests that skip without one, the default recipe's calibration (TF32
-# and exact) and TORQ's solvers on the GPU against the CPU, then the intra-block solver.
+# decoding (eager, graphed, compiled and graphed) through benchmarks/gpu.py; with MODEL, a
+# real model's checkpoint served and decoded on the kernels and its default recipe in exact
+# and TF32 arithmetic; the kernels' suite compiled for the GPU and the tests that skip
+# without one; the default recipe's calibration (TF32 and exact) and TORQ's solvers on the
+# GPU against the CPU; then the intra-block solver both ways.
 # Each step writes under OUT/records as it finishes; at the end everything is packed into
 # OUT/records.tgz (a lent machine returns few files), so a run cut short keeps what it did.
 #
 #   OUT=results/gpu bash benchmarks/gpu_checks.sh        # OUT: where the records go
 #   DEADLINE_S=560 ...                                    # the whole run ends by then
-#   MODEL=m.gguf DATA_DIR=data ...     # also the default recipe on a real model, exact and TF32
+#   MODEL=m.gguf DATA_DIR=data ...     # also a real model: its checkpoint on the kernels, and
+#                                       # the default recipe in exact and TF32 arithmetic
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to a folder for the records}"
@@ -33,10 +35,15 @@ timeout "$(left 330)" "$PY" benchmarks/gpu.py --out "$R/gpu-decode" --parts deco
 tail -2 "$R/gpu-decode.log"
 
 if [ -n "${MODEL:-}" ]; then
+    step "benchmarks/gpu.py: $MODEL saved, served and decoded on the kernels"
+    timeout "$(left 270)" "$PY" benchmarks/gpu.py --out "$R/gpu-checkpoint" --parts checkpoint \
+        --model "$MODEL" --data-dir "${DATA_DIR:?set DATA_DIR with MODEL}" \
+        > "$R/gpu-checkpoint.log" 2>&1
+    tail -1 "$R/gpu-checkpoint.log"
     step "benchmarks/gpu.py: the default recipe on $MODEL, exact and TF32 calibration"
-    timeout "$(left 240)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" --parts arithmetic \
-        --model "$MODEL" --data-dir "${DATA_DIR:?set DATA_DIR with MODEL}" --calib-samples 128 \
-        --eval-windows 1000 > "$R/gpu-arithmetic.log" 2>&1
+    timeout "$(left 200)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" --parts arithmetic \
+        --model "$MODEL" --data-dir "$DATA_DIR" --calib-samples 128 --eval-windows 1000 \
+        > "$R/gpu-arithmetic.log" 2>&1
     tail -1 "$R/gpu-arithmetic.log"
 fi
 
