@@ -54,10 +54,14 @@ def activation_error_power(
     width = sample.shape[-1]
     if fmt is None or sample.shape[0] == 0:
         return torch.zeros(width, dtype=torch.float64)
+    x = sample.float()
+    if transform is not None:
+        # the sample is kept on the CPU; the transform is wherever the calibration built it
+        x = x.to(next((b.device for b in transform.buffers()), x.device))
     with torch.no_grad():
-        t = sample.float() if transform is None else transform(sample.float())
+        t = x if transform is None else transform(x)
         error = fake_quantize(t, fmt) - t
-    return error.double().pow(2).mean(0)
+    return error.double().pow(2).mean(0).cpu()
 
 
 def quantize_group(
