@@ -117,18 +117,10 @@ def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:
 
 def load_float_model(folder: str) -> torch.nn.Module:
     """torq's float folder read by transformers 4.45, its RoPE base carried over."""
-    import json
-
     import transformers
+    from peer_common import legacy_llama_config
 
-    raw = json.loads((Path(folder) / "config.json").read_text())
-    config = transformers.LlamaConfig.from_pretrained(folder)
-    rope = raw.get("rope_parameters")
-    if rope is not None:
-        if rope.get("rope_type", "default") != "default":
-            kind = rope["rope_type"]
-            raise SystemExit(f"flatquant_mxfp4: RoPE type {kind!r} is not carried over")
-        config.rope_theta = float(rope["rope_theta"])
+    config = legacy_llama_config(folder)
     config._attn_implementation_internal = "eager"
     model = transformers.LlamaForCausalLM.from_pretrained(
         folder, config=config, torch_dtype=torch.float32, low_cpu_mem_usage=True

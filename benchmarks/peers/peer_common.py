@@ -316,6 +316,25 @@ def write_windows(args: argparse.Namespace, script: str) -> int:
     return 0
 
 
+def legacy_llama_config(folder: str | Path) -> Any:
+    """torq's float folder's Llama config as an older transformers (4.4x) reads it, with the
+    RoPE base carried over from the newer ``rope_parameters`` into ``rope_theta`` (without
+    it, 4.45 would use 10000 where SmolLM2 has 100000)."""
+    import json
+
+    import transformers
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    config = transformers.LlamaConfig.from_pretrained(str(folder))
+    rope = raw.get("rope_parameters")
+    if rope is not None:
+        if rope.get("rope_type", "default") != "default":
+            kind = rope["rope_type"]
+            raise SystemExit(f"peer_common: RoPE type {kind!r} is not carried over")
+        config.rope_theta = float(rope["rope_theta"])
+    return config
+
+
 def two_step_parser(
     doc: str, peer: str, run_help: str
 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
