@@ -334,7 +334,8 @@ def gptq_quantize(
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += cfg.damp * damp_reference(h, cfg.damp_scale) * torch.eye(k, dtype=h.dtype, device=h.device)
+    # On the diagonal in place: the same sums as adding λI, without a k×k identity.
+    h.diagonal().add_(cfg.damp * damp_reference(h, cfg.damp_scale))
     record: dict[str, float] = {}
     if cross is not None and cfg.asymmetry > 0:
         if cross.shape != (k, k):
