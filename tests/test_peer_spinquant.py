@@ -55,8 +55,8 @@ def test_weight_quantizer_is_mxfp4_in_training_and_in_rtn() -> None:
     out.sum().backward()
     assert torch.equal(w.grad, torch.ones_like(w))
     # its PTQ RTN (rtn_fwrd) reads the first of fake_quantize's three values
-    deq, codes, scales = q.fake_quantize(w.detach())
-    assert torch.equal(deq, fake_quantize(w.detach(), FMT)) and codes is None and scales is None
+    deq, _, _ = q.fake_quantize(w.detach())
+    assert torch.equal(deq, fake_quantize(w.detach(), FMT))
     assert torch.equal(mod.WeightQuantizer(16).quantize(w.detach()), w.detach())
 
 
@@ -99,3 +99,18 @@ def test_cuda_on_cpu_maps_the_device_and_restores() -> None:
         assert y.device.type == "cpu" and y.dtype == torch.float64
         assert x.cuda() is x
     assert torch.Tensor.to is to and torch.Tensor.cuda is cuda
+
+
+def test_gptq_columns_use_the_block_scales_fitted_at_the_block_start() -> None:
+    mod = _stand_in()
+    q = mod.WeightQuantizer(4)
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)) * 2
+    for start in (0, 32):
+        block = w[:, start : start + 32]
+        q.find_params(block)  # its GPTQ: at each block's first column
+        cols = [q.fake_quantize(block[:, i : i + 1]) for i in range(32)]
+        deq = torch.cat([c[0] for c in cols], 1)
+        # column by column on the block's scales = MXFP4 of the whole block
+        assert torch.equal(deq, fake_quantize(block, FMT))
+        codes, scales = cols[3][1], cols[3][2]
+        assert torch.equal(codes * scales, cols[3][0])

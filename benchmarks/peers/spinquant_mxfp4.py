@@ -25,9 +25,13 @@ features, E8M0 scales under ``--scale-mode``, torq's ``torq.formats.fake_quant``
 straight-through gradient its integer ones use (``STEQuantize``):
 
 * weights (``WeightQuantizer``): MXFP4 per block, in training (its ``QuantizeLinear``
-  quantizes the rotated weight in every forward) and in the PTQ step (RTN,
-  ``--w_rtn``: the recipe with rotations trained against the W4A4 network, its
-  ``10_optimize_rotation.sh M 4 4 16`` then ``2_eval_ptq.sh``);
+  quantizes the rotated weight in every forward) and in the PTQ step: RTN (``--w_rtn``;
+  the recipe with rotations trained against the W4A4 network, its
+  ``10_optimize_rotation.sh M 4 4 16`` then ``2_eval_ptq.sh``), or with ``--w-quantizer
+  gptq`` its GPTQ (``eval_utils.gptq_utils.gptq_fwrd``) on the calibration windows, each
+  block of 32 columns' E8M0 scales fitted when its column loop reaches the block (its
+  README trains the rotations for GPTQ weights against W16A4: ``--train-w-bits 16``;
+  ``--rotations`` reuses a former run's);
 * activations (``ActQuantizer``): MXFP4 per block of each token's features, on every
   linear layer's input (after R4 before ``down_proj``), ``lm_head`` in float.
 
@@ -137,8 +141,8 @@ def _on_cpu(value: Any) -> Any:
 @contextmanager
 def cuda_on_cpu() -> Iterator[None]:
     """While SpinQuant's code runs without a GPU: ``Tensor.to(..."cuda"...)`` goes to the
-    CPU and ``Tensor.cuda()`` returns the tensor itself (its code names ``"cuda"`` in
-    about forty places)."""
+    CPU, ``Tensor.cuda()`` returns the tensor itself and ``torch.cuda.synchronize`` does
+    nothing (its code names ``"cuda"`` in about forty places)."""
     if torch.cuda.is_available():
         yield
         return
@@ -150,25 +154,54 @@ def cuda_on_cpu() -> Iterator[None]:
             kwargs["device"] = _on_cpu(kwargs["device"])
         return to(self, *args, **kwargs)
 
+    synchronize = torch.cuda.synchronize
     torch.Tensor.to = patched_to  # type: ignore[method-assign]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.cuda.synchronize = lambda *a, **k: None  # its GPTQ synchronizes after each weight
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.cuda = to, cuda  # type: ignore[method-assign]
+        torch.cuda.synchronize = synchronize
 
 
 def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:
-    """SpinQuant's integer weight and activation quantizers replaced by MXFP4 (module doc)."""
+    """SpinQuant's integer weight and activation quantizers replaced by MXFP4 (module doc).
+
+    The weight quantizer serves its three callers: training (``quantize`` of the whole
+    rotated weight), its RTN (``fake_quantize`` of the whole weight) and its GPTQ
+    (``find_params`` on each block of 32 columns as the column loop reaches it, then
+    ``fake_quantize`` of one column ``[rows, 1]`` at a time with that block's scales).
+    """
+    from torq.formats.packing import exact_pow2
+    from torq.formats.reference import mx_scale_exponent, round_to_e2m1
+
+    block = fmt.block_size
 
     def weight_find_params(self: Any, x: torch.Tensor) -> None:
-        # MXFP4's block scales come from the weight itself; nothing to fit (RTN).
+        # A block of columns (its GPTQ): each row's E8M0 scale under the format's rule.
+        # The whole weight (training, RTN): nothing to fit, fake_quantize finds its scales.
         self.scale = torch.ones(1)
+        if x.shape[-1] == block:
+            amax = x.abs().amax(dim=-1, keepdim=True).float()
+            self.scale = exact_pow2(mx_scale_exponent(amax, fmt), torch.float32).to(x.dtype)
 
     def weight_quantize(self: Any, x: torch.Tensor) -> torch.Tensor:
         if self.bits < 16:
             return mxfp4_ste(x, fmt).to(x.dtype)
         return x
+
+    def weight_fake_quantize(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(dequantized, E2M1 values, scales): its RTN reads the first; its GPTQ all three
+        (the last two are for its ExecuTorch export)."""
+        if self.bits >= 16:
+            return x, x, torch.ones_like(x)
+        if x.shape[-1] == 1:  # one column of its GPTQ, on the current block's scales
+            scale = self.scale.to(x.dtype)
+            codes = round_to_e2m1(x / scale)
+            return codes * scale, codes, scale.expand_as(x)
+        deq = weight_quantize(self, x)
+        return deq, deq, torch.ones_like(x)
 
     def act_find_params(self: Any, x: torch.Tensor) -> None:
         return None
@@ -178,11 +211,6 @@ def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:
             return x
         return mxfp4_ste(x, fmt).to(x.dtype)
 
-    def weight_fake_quantize(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        # Its PTQ step's RTN (eval_utils.gptq_utils.rtn_fwrd) reads the first of the three;
-        # the integer codes and scales are for its ExecuTorch export only.
-        return weight_quantize(self, x), None, None
-
     quant_utils.WeightQuantizer.find_params = weight_find_params
     quant_utils.WeightQuantizer.fake_quantize = weight_fake_quantize
     quant_utils.WeightQuantizer.quantize = weight_quantize
@@ -191,13 +219,21 @@ def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:
     quant_utils.ActQuantizer.forward = act_forward
 
 
-def spinquant_args(w_bits: int, a_bits: int, seed: int, rotation: str | None) -> Any:
+def spinquant_args(
+    w_bits: int, a_bits: int, seed: int, rotation: str | None, gptq_samples: int = 0
+) -> Any:
     """SpinQuant's own PTQ arguments (``utils.process_args.parser_gen``, its defaults) for
-    its scripts' W4A4 recipe: RTN weights, symmetric (MXFP4 has no zero point), KV in float."""
+    its scripts' W4A4 recipe, symmetric (MXFP4 has no zero point), KV in float: RTN weights
+    (``--w_rtn``), or its GPTQ on ``gptq_samples`` windows with one block scale per 32
+    columns (``--w_groupsize 32``: its column loop fits the scales at each block's start)."""
     from utils.process_args import parser_gen
 
     argv = ["spinquant", "--w_bits", str(w_bits), "--a_bits", str(a_bits), "--k_bits", "16",
-            "--v_bits", "16", "--w_rtn", "--rotate", "--seed", str(seed)]  # fmt: skip
+            "--v_bits", "16", "--rotate", "--seed", str(seed)]  # fmt: skip
+    if gptq_samples:
+        argv += ["--w_groupsize", "32", "--nsamples", str(gptq_samples)]
+    else:
+        argv += ["--w_rtn"]
     saved = sys.argv
     sys.argv = argv
     try:
@@ -287,13 +323,32 @@ def train_rotations(args: argparse.Namespace, data: dict[str, Any], out_dir: str
     return {"rotation_file": str(path), "losses": losses}
 
 
-def ptq(data: dict[str, Any], w_bits: int, a_bits: int, seed: int, rotation: str) -> Any:
-    """SpinQuant's PTQ step (``eval_utils.main.ptq_model``) with the learned rotations."""
-    from eval_utils.main import ptq_model
+def ptq(
+    data: dict[str, Any],
+    w_bits: int,
+    a_bits: int,
+    seed: int,
+    rotation: str,
+    gptq_windows: torch.Tensor | None = None,
+) -> Any:
+    """SpinQuant's PTQ step (``eval_utils.main.ptq_model``) with the learned rotations;
+    its GPTQ, when ``gptq_windows`` are given, reads them where it would download
+    WikiText-2 (``utils.data_utils.get_wikitext2``)."""
+    import eval_utils.main as ptq_main
     from eval_utils.modeling_llama import LlamaForCausalLM
 
+    n = 0 if gptq_windows is None else int(gptq_windows.shape[0])
+    if gptq_windows is not None:
+        loader = [(w[None], w[None]) for w in gptq_windows]
+        ptq_main.data_utils.get_wikitext2 = lambda *a, **k: loader
+        if not torch.cuda.is_available():
+            # its caller passes "cuda", which its buffers are allocated on
+            gptq_fwrd = ptq_main.gptq_utils.gptq_fwrd
+            ptq_main.gptq_utils.gptq_fwrd = lambda m, d, dev, a: gptq_fwrd(m, d, "cpu", a)
     model = load_untied(data["model_folder"], LlamaForCausalLM)
-    return ptq_model(spinquant_args(w_bits, a_bits, seed, rotation), model).eval()
+    ptq_args = spinquant_args(w_bits, a_bits, seed, rotation, n)
+    model_args = types.SimpleNamespace(input_model=data["model_folder"])
+    return ptq_main.ptq_model(ptq_args, model, model_args).eval()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,7 +425,8 @@ def run(args: argparse.Namespace) -> int:
         }
         del rotated
         ptq_start = time.perf_counter()
-        model = ptq(data, 4, 4, args.seed, training["rotation_file"])
+        gptq_windows = data["calib"][: args.nsamples] if args.w_quantizer == "gptq" else None
+        model = ptq(data, 4, 4, args.seed, training["rotation_file"], gptq_windows)
         ptq_seconds = time.perf_counter() - ptq_start
     record["quantize_seconds"] = trained - start + ptq_seconds
     record["training_seconds"] = trained - start
@@ -383,7 +439,8 @@ def run(args: argparse.Namespace) -> int:
     record["recipe"] = {
         "api": "train_utils.main.prepare_model, train_utils.optimizer.SGDG with "
         "transformers.Trainer (optimize_rotation.train), eval_utils.main.ptq_model",
-        "weights": f"MXFP4 RTN ({args.scale_mode} scales) after the learned R1, R2 and R4; "
+        "weights": f"MXFP4 {args.w_quantizer.upper()} ({args.scale_mode} scales) after the "
+        "learned R1, R2 and R4; "
         f"rotations trained against W{args.train_w_bits}A4",
         "activations": f"MXFP4 ({args.scale_mode} scales) on every linear input, R4 online "
         "before down_proj",
@@ -421,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         help="weights in the trained network: 4 (W4A4) or 16 (its note for GPTQ weights)",
     )  # fmt: skip
     go.add_argument("--scale-mode", default="ocp", choices=["ocp", "nearest"])
+    go.add_argument(
+        "--w-quantizer", default="rtn", choices=["rtn", "gptq"],
+        help="its PTQ step's weights: RTN (--w_rtn) or its GPTQ on the --nsamples windows",
+    )  # fmt: skip
     go.add_argument("--work-dir", type=Path, default=None, help="where R.bin is written")
     go.add_argument(
         "--rotations", type=Path, default=None,
