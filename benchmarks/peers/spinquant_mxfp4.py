@@ -397,7 +397,9 @@ def run(args: argparse.Namespace) -> int:
     import transformers
 
     float_model = load_untied(data["model_folder"], transformers.LlamaForCausalLM)
-    record: dict[str, Any] = {"fp": evaluate(float_model, windows, "fp", progress)}
+    record: dict[str, Any] = {}
+    if not args.no_fp:
+        record["fp"] = evaluate(float_model, windows, "fp", progress)
     nll_float = first_window_nll(float_model, windows)
     # SpinQuant's fuse_layer_norms subtracts each embedding row's mean, which an RMSNorm
     # model does not undo: the rotated float model is compared with the float model so
@@ -452,10 +454,11 @@ def run(args: argparse.Namespace) -> int:
     }
     versions = package_versions("torch", "transformers", "accelerate", "torq-mx")
     save_run_record(args, PEER, data, record, versions, spinquant_commit=args.spinquant_commit)
-    q, fp = record["quantized"]["ppl"], record["fp"]["ppl"]
+    q = record["quantized"]["ppl"]
+    fp = f"{record['fp']['ppl']:.3f}" if "fp" in record else "not scored (--no-fp)"
     check = record["rotation_check"]
     print(
-        f"spinquant on {data['model']}: W4A4 PPL {q:.3f}  FP {fp:.3f}  "
+        f"spinquant on {data['model']}: W4A4 PPL {q:.3f}  FP {fp}  "
         f"(training {record['training_seconds']:.0f} s; the rotations alone keep the "
         f"centred float model's first window: {check['equivalent']}, "
         f"|dNLL| {check['abs_diff']:.2e})"
@@ -483,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         help="its PTQ step's weights: RTN (--w_rtn) or its GPTQ on the --nsamples windows",
     )  # fmt: skip
     go.add_argument("--work-dir", type=Path, default=None, help="where R.bin is written")
+    go.add_argument(
+        "--no-fp", action="store_true",
+        help="skip the float model's perplexity (a former run of the same windows has it)",
+    )  # fmt: skip
     go.add_argument(
         "--rotations", type=Path, default=None,
         help="an R.bin a former run trained: no training, its PTQ step and the score only",
