@@ -68,6 +68,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+from peer_common import mxfp4_ste
 
 PEER = "flatquant"
 
@@ -77,14 +78,6 @@ def prepare(args: argparse.Namespace) -> int:
     from peer_common import write_windows
 
     return write_windows(args, "flatquant_mxfp4")
-
-
-def mxfp4_ste(x: torch.Tensor, fmt: Any) -> torch.Tensor:
-    """MXFP4 quantize-dequantize along the last dim, with the straight-through gradient
-    (FlatQuant's ``round_ste``: forward the quantized value, backward the identity)."""
-    from torq.formats.fake_quant import fake_quantize
-
-    return x + (fake_quantize(x, fmt) - x).detach()
 
 
 def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:

@@ -316,6 +316,15 @@ def write_windows(args: argparse.Namespace, script: str) -> int:
     return 0
 
 
+def mxfp4_ste(x: torch.Tensor, fmt: Any) -> torch.Tensor:
+    """MXFP4 quantize-dequantize along the last dim with the straight-through gradient that
+    the peers' integer quantizers use (FlatQuant's ``round_ste``, SpinQuant's
+    ``STEQuantize``): forward the quantized value, backward the identity."""
+    from torq.formats.fake_quant import fake_quantize
+
+    return x + (fake_quantize(x, fmt) - x).detach()
+
+
 def legacy_llama_config(folder: str | Path) -> Any:
     """torq's float folder's Llama config as an older transformers (4.4x) reads it, with the
     RoPE base carried over from the newer ``rope_parameters`` into ``rope_theta`` (without

@@ -72,17 +72,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from peer_common import mxfp4_ste
 
 PEER = "spinquant"
 PAPER = {"windows": 800, "steps": 100, "batch": 8, "learning_rate": 1.5}
-
-
-def mxfp4_ste(x: torch.Tensor, fmt: Any) -> torch.Tensor:
-    """MXFP4 quantize-dequantize along the last dim with the straight-through gradient
-    (SpinQuant's ``STEQuantize``: forward the quantized value, backward the identity)."""
-    from torq.formats.fake_quant import fake_quantize
-
-    return x + (fake_quantize(x, fmt) - x).detach()
 
 
 def sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
