@@ -7,7 +7,9 @@ then ``ModelQuantizer.freeze(model)`` so the weights are fake-quantized once. Th
 scheme is ``OCP_MXFP4Spec``: FP4 E2M1 in groups of 32 with an E8M0 scale
 (``scale_calculation_mode="even"``), weights static, activations dynamic; everything is
 data-free, so no calibration loader is given. ``lm_head`` stays in float (the template
-excludes it).
+excludes it). Quark's ``even`` rule is torq's ``nearest`` (the OCP exponent, raised by one
+when the block maximum's mantissa would round past E2M1's 6); ``--scale-calculation-mode
+floor`` sets every tensor's spec to Quark's ``floor``, OCP's own rule (torq's ``ocp``).
 
 Rotations: Quark's built-in ``rotation`` config for ``llama`` turns on R1 only; this script
 sets ``--rotations`` (default r1,r2,r4, the QuaRot set without the KV-cache R3) on a copy of
@@ -76,6 +78,25 @@ def build_config(model: torch.nn.Module, args: argparse.Namespace) -> tuple[Any,
     return config, info
 
 
+def set_scale_rule(config: Any, mode: str) -> int:
+    """Set ``scale_calculation_mode`` on every tensor spec of a Quark ``Config`` (the global
+    layer config and any per-type or per-name ones); returns how many specs were set."""
+    layers = [
+        config.global_quant_config,
+        *config.layer_type_quant_config.values(),
+        *config.layer_quant_config.values(),
+    ]
+    count = 0
+    for layer in layers:
+        for field in ("input_tensors", "output_tensors", "weight", "bias"):
+            specs = getattr(layer, field, None)
+            for spec in specs if isinstance(specs, list) else [specs]:
+                if spec is not None and hasattr(spec, "scale_calculation_mode"):
+                    spec.scale_calculation_mode = mode
+                    count += 1
+    return count
+
+
 def fake_quantizers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "disable_fake_quant")]
 
@@ -95,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-r1", action="store_true", help="random-sign Hadamard for R1")
     parser.add_argument("--scheme", default="mxfp4", help="LLMTemplate scheme name")
     parser.add_argument(
+        "--scale-calculation-mode",
+        choices=["even", "floor", "ceil"],
+        default="even",
+        help="the E8M0 scale rule of every tensor spec: even (Quark's default, torq's "
+        "nearest) or floor (OCP's, torq's ocp)",
+    )
+    parser.add_argument(
         "--no-rotation-check", action="store_true", help="skip the first-window float check"
     )
     args = parser.parse_args(argv)
@@ -105,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     model, windows, progress = subject.model, subject.windows, not args.no_progress
 
     config, info = build_config(model, args)
+    if args.scale_calculation_mode != "even":
+        info["scale_specs_set"] = set_scale_rule(config, args.scale_calculation_mode)
+    info["scale_calculation_mode"] = args.scale_calculation_mode
     with timed() as t:
         model = ModelQuantizer(config).quantize_model(model, None)
     quantize_seconds = t["seconds"]
