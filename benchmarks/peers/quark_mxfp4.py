@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["even", "floor", "ceil"],
         default="even",
         help="the E8M0 scale rule of every tensor spec: even (Quark's default, torq's "
-        "nearest) or floor (OCP's, torq's ocp)",
+        "nearest), floor (OCP's, torq's ocp) or ceil",
     )
     parser.add_argument(
         "--no-rotation-check", action="store_true", help="skip the first-window float check"
