@@ -36,6 +36,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--calib-arithmetic", "bf16"], "invalid choice: 'bf16'"),
         (["run", "--torq-calibrate", "o_proj,1x"], "linear layer names such as o_proj"),
         (["run", "--methods", "torq-perm", "--balance", "none"], "needs the balancing"),
+        (["run", "--methods", "torq-perm", "--balance-check"], "use one or the other"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
         (["run", "--device", "banana", "--methods", "fp"], "unknown device 'banana'"),

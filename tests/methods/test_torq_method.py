@@ -172,6 +172,77 @@ def test_guard_runs_as_a_method_and_stays_out_of_the_other_keys(corpus, tiny_tok
     assert _key("torq", TorqSettings(guard=0.5)) != _key("torq")
 
 
+def test_balance_check_keeps_the_power_with_the_lowest_output_error(corpus) -> None:
+    """``--balance-check``: each group's balancing scales ``s^β`` (``β`` 0, ½, 1) are
+    probed with ``H₃₂`` on the sampled tokens; the group keeps the power with the lowest
+    W4A4 output error, which the record names with every error. A channel of activations
+    100× the others is the balancing's own case (it must keep some); with ``β = 0`` the
+    transform carries no scales (nothing is folded)."""
+    from torq.calibration.capture import BlockStatistics
+    from torq.formats import get_format
+    from torq.methods.torq_rotation import build_group_transform, output_error
+    from torq.rotations.balance import balance_scales, channel_energy
+
+    fmt = get_format("mxfp4")
+    had = hadamard_matrix(32, dtype=torch.float64)
+    for seed, outlier in ((0, 100.0), (1, 1.0), (2, 1.0)):
+        gen = torch.Generator().manual_seed(seed)
+        stats = BlockStatistics(64, 32, reservoir=96, seed=seed)
+        x = torch.randn(96, 64, generator=gen) * torch.exp(torch.randn(1, 64, generator=gen))
+        x[:, 5] *= outlier
+        stats.update(x)
+        weight = torch.randn(48, 64, generator=gen) * 0.1
+        settings = _settings(corpus, balance_check=True)["settings"].fixed_hadamard()
+        t, rec = build_group_transform(stats, settings, fmt, weight, fmt)
+        check = rec["balance"]["check"]
+        errors = {float(p): e for p, e in check["error"].items()}
+        assert set(errors) == {0.0, 0.5, 1.0} and check["tokens"] == 96
+        power = check["chosen_power"]
+        assert errors[power] == min(errors.values())
+        full = balance_scales(channel_energy(stats.covariance()), weight, 0.5)
+        if power == 0.0:
+            assert t.channel_scale is None
+        else:
+            assert torch.allclose(t.channel_scale.double(), full.pow(power), rtol=1e-6)
+        probe = BlockRotation(32, None, had, dtype=torch.float32, channel_scale=t.channel_scale)
+        assert output_error(stats.sample, weight, probe, fmt, fmt) == errors[power]
+        if outlier > 1.0:
+            assert power > 0.0 and errors[power] < 0.5 * errors[0.0]
+    with pytest.raises(ValueError, match="permutation"):
+        TorqSettings(balance_check=True, use_inter=False, permute=True)
+    assert "balance_check" not in _key("torq-had32")
+    assert _key("torq-had32", TorqSettings(balance_check=True)) != _key("torq-had32")
+    assert TorqSettings(balance_check=True).paper().balance_check is False
+
+
+def test_balance_check_runs_folded_and_exports(corpus, tiny_tokenizer) -> None:
+    """The `default`'s transform with the balancing check, folded: every group's record
+    names its chosen power, the quantized model's transforms carry no scales (each group's
+    chosen ones are in the float weights, none where β = 0), and the recipe stays servable."""
+    from torq.methods.recipes import get_recipe
+
+    model = tiny_model("llama")
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    settings = _settings(corpus, balance_check=True, fold=True)
+    rec = _apply(model, "torq-had32", qconfig, settings, tiny_tokenizer)
+    json.dumps(rec)
+    groups = [g for layer in rec["layers"] for k, g in layer.items() if isinstance(g, dict)]
+    checks = [g["balance"]["check"] for g in groups if "balance" in g]
+    assert len(checks) == 4 * model.config.num_hidden_layers
+    assert all(c["chosen_power"] in (0.0, 0.5, 1.0) for c in checks)
+    folded = sum("fold" in g for g in groups)
+    assert folded == sum(c["chosen_power"] > 0 for c in checks)
+    qlinears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert qlinears and all(m.input_transform.channel_scale is None for m in qlinears)
+    recipe = get_recipe("default")
+    spec = recipe.spec(TorqSettings(balance_check=True))
+    assert spec.settings.balance_check and spec.settings.fold
+    reason = spec.method.transform.compressed_tensors(
+        recipe.quant_config("mxfp4"), spec.context(recipe.capture())
+    )
+    assert reason is None
+
+
 def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None:
     """``calibrate=("o_proj",)``: o_proj's input group gets ``torq``'s calibrated transform
     and every other group ``torq-had32``'s, each bit for bit; names are checked; the setting

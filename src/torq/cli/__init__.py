@@ -59,6 +59,7 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
         ),
         block_size=args.rotation_block,
         balance=args.balance,
+        balance_check=args.balance_check,
         guard=args.torq_guard,
         fold=args.fold_balance,
         calibrate=args.torq_calibrate,

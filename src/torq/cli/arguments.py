@@ -486,6 +486,13 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "balanced 32-block Hadamard (torq-guard uses 0.25)",
     )
     t.add_argument(
+        "--balance-check",
+        action="store_true",
+        help="choose each group's balancing strength (the scales to the power 0, 1/2 or 1; "
+        "0: none) by its W4A4 output error on the sampled tokens, RTN weights and the "
+        "32-block Hadamard as probe (default: every group balanced in full)",
+    )
+    t.add_argument(
         "--torq-calibrate",
         type=_linear_names,
         default=None,

@@ -24,6 +24,10 @@ LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")
 
+# the powers ``β`` of the balancing scales ``s`` the balancing check chooses from, per group
+# (``s^β``: 0 no balancing, 1 the full strength ``α``)
+BALANCE_POWERS: tuple[float, ...] = (0.0, 0.5, 1.0)
+
 
 @dataclass(frozen=True)
 class TorqSettings:
@@ -44,6 +48,11 @@ class TorqSettings:
     # the fraction of each group's sampled tokens held back to check the calibrated
     # transform against the balanced Hadamard (module doc); ``None``: no check
     guard: float | None = None
+    # choose each group's balancing strength: the scales ``s^β`` with ``β`` in
+    # :data:`BALANCE_POWERS` (``β = 0``: no balancing), the one with the lowest W4A4 output
+    # error of the group on its sampled tokens (RTN weights, the 32-block Hadamard as probe);
+    # ``False``: every group balanced in full (``β = 1``)
+    balance_check: bool = False
     # do the balancing's ``x ⊘ s`` in the module that produces each group's input (the norm,
     # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
     # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
@@ -83,6 +92,11 @@ class TorqSettings:
                     f"rotations (e.g. o_proj), got {self.calibrate!r}"
                 )
             object.__setattr__(self, "calibrate", names)
+        if self.balance_check and self.permute:
+            raise ValueError(
+                "the balancing check may drop a group's balancing, which the block-mass "
+                "permutation needs: use one or the other"
+            )
         if self.permute and (self.use_inter or self.balance is None):
             raise ValueError(
                 "the block-mass permutation needs the balancing and no inter-block rotation "
@@ -118,6 +132,7 @@ class TorqSettings:
         return replace(
             self,
             balance=None,
+            balance_check=False,
             guard=None,
             fold=False,
             calibrate=None,
@@ -146,6 +161,7 @@ def _same(value: Any, default: Any) -> bool:
 # settings added after keys were kept, at their defaults
 _LATER: dict[str, Any] = {
     "guard": None,
+    "balance_check": False,
     "fold": False,
     "calibrate": None,
     "permute": False,

@@ -12,6 +12,10 @@ torq's addition (``balance``, on by default; ``balance=None`` is the paper's met
 per-channel scale that balances activation and weight energy runs first
 (:mod:`torq.rotations.balance`), and both rotations are fitted to the balanced statistics.
 
+``balance_check`` (``--balance-check``): each group's balancing strength chosen from the
+scales' powers ``s^β``, ``β ∈ {0, ½, 1}`` (0: none), by the group's W4A4 output error on its
+sampled tokens with RTN weights and ``H₃₂`` as probe (:func:`choose_balance_power`).
+
 ``guard`` (``torq-guard``): the intra-block rotation is fitted on part of each group's sampled
 tokens, and the calibrated transform is kept only where it lowers the group's W4A4 output
 error ``‖X Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖X Wᵀ‖²`` on the tokens held back; elsewhere the
@@ -38,7 +42,7 @@ from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.errors import TorqError
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
-from torq.methods.settings import TorqSettings, torq_key
+from torq.methods.settings import BALANCE_POWERS, TorqSettings, torq_key
 from torq.rotations.balance import (
     balance_covariance,
     balance_scales,
@@ -90,12 +94,17 @@ def build_group_transform(
         if ties is not None:
             energy, balance_weight = tied_energies(energy, weight, ties)
         scales = balance_scales(energy, balance_weight, settings.balance)
-        covariance = balance_covariance(covariance, scales)
         record["balance"] = {
             "alpha": settings.balance,
             "scale_min": float(scales.min()),
             "scale_max": float(scales.max()),
         }
+        if settings.balance_check:
+            scales, record["balance"]["check"] = choose_balance_power(
+                stats.sample, weight, scales, k, fmt, weight_fmt
+            )
+        if scales is not None:
+            covariance = balance_covariance(covariance, scales)
     if not (settings.use_inter or settings.use_intra or scales is not None):
         raise ValueError("TORQ settings select no transform (no inter, intra or balancing)")
     perm = None
@@ -169,6 +178,43 @@ def build_group_transform(
             "transformed": relative_quant_error(transform(x), fmt),
         }
     return transform, record
+
+
+@torch.no_grad()
+def choose_balance_power(
+    sample: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    fmt: FormatSpec | None,
+    weight_fmt: FormatSpec | None,
+) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """The balancing check (torq's, per group): of the scales ``s^β``, ``β`` in
+    :data:`~torq.methods.settings.BALANCE_POWERS`, the one whose W4A4 output error
+    (:func:`output_error`, RTN weights) on the group's sampled tokens ``sample`` is lowest,
+    each probed with ``H_K`` after the scales. Returns the chosen scales (``None`` for
+    ``β = 0``, no balancing) and a record of every error. The scales come from
+    ``E[x_j²]`` over every calibration token, so nothing is fitted to ``sample`` alone; the
+    probe stands in for the calibrated rotations too, and RTN for GPTQ's weights."""
+    if sample.shape[0] == 0:
+        return scales, {"chosen_power": 1.0, "reason": "no sampled tokens"}
+    errors: dict[str, float] = {}
+    best: tuple[float, float, torch.Tensor | None] | None = None
+    for power in BALANCE_POWERS:
+        s = None if power == 0.0 else scales.pow(power)
+        probe = BlockRotation(
+            block_size,
+            None,
+            hadamard_matrix(block_size, dtype=torch.float64),
+            dtype=torch.float32,
+            channel_scale=None if s is None else s.to(torch.float32),
+        )
+        err = output_error(sample, weight, probe, fmt, weight_fmt)
+        errors[str(power)] = err
+        if best is None or err < best[0]:
+            best = (err, power, s)
+    assert best is not None
+    return best[2], {"chosen_power": best[1], "error": errors, "tokens": sample.shape[0]}
 
 
 @torch.no_grad()
