@@ -517,9 +517,9 @@ def test_hidden_states_on_disk_are_exact_and_bf16_close(
 
 def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
-    torq adds, at its default, does not rename it (TORQ's guard and fold, GPTQ's scale
-    search, the groups TORQ calibrates, the block-mass permutation, the experts' shared
-    down_proj transform, where TORQ's solvers run)."""
+    torq adds, at its default, does not rename it (TORQ's guard, balancing check and fold,
+    GPTQ's scale search, the groups TORQ calibrates, the block-mass permutation, the experts'
+    shared down_proj transform, where TORQ's solvers run)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -527,7 +527,15 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     from torq.surgery.gptq import GPTQConfig
 
     settings = asdict(TorqSettings())
-    later = ("guard", "fold", "calibrate", "permute", "expert_down_shared", "solver_device")
+    later = (
+        "guard",
+        "balance_check",
+        "fold",
+        "calibrate",
+        "permute",
+        "expert_down_shared",
+        "solver_device",
+    )
     before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}
     gptq = GPTQConfig().__dict__
@@ -540,6 +548,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     assert changed["settings"]["guard"] == 0.25 and changed["settings"]["fold"] is True
     assert changed["settings"]["calibrate"] == ("o_proj",)
     assert _stable_record({"settings": {**settings, "permute": True}})["settings"]["permute"]
+    checked = {**settings, "balance_check": True}
+    assert _stable_record({"settings": checked})["settings"]["balance_check"] is True
     moved = {**settings, "solver_device": "cpu"}
     assert _stable_record({"settings": moved})["settings"]["solver_device"] == "cpu"
 
