@@ -215,6 +215,26 @@ def test_balance_check_keeps_the_power_with_the_lowest_output_error(corpus) -> N
     assert TorqSettings(balance_check=True).paper().balance_check is False
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])  # folded models
+def test_balance_check_folded_is_exact_in_float(arch, corpus, tiny_tokenizer) -> None:
+    """Whatever power each group keeps (float formats: the probe's errors are rounding
+    noise, so the choices fall anywhere; here they mix 0, ½ and 1), the folded model
+    computes the float model's logits."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    q = copy.deepcopy(model)
+    settings = _settings(corpus, balance_check=True, fold=True)
+    rec = _apply(q, "torq-had32", QuantConfig(None, None), settings, tiny_tokenizer)
+    with torch.no_grad():
+        out = q(input_ids=ids).logits
+    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    groups = [g for layer in rec["layers"] for k, g in layer.items() if isinstance(g, dict)]
+    powers = [g["balance"]["check"]["chosen_power"] for g in groups if "balance" in g]
+    assert len(powers) == 4 * model.config.num_hidden_layers
+
+
 def test_balance_check_runs_folded_and_exports(corpus, tiny_tokenizer) -> None:
     """The `default`'s transform with the balancing check, folded: every group's record
     names its chosen power, the quantized model's transforms carry no scales (each group's
