@@ -200,12 +200,13 @@ def choose_balance_power(
         return scales, {"chosen_power": 1.0, "reason": "no sampled tokens"}
     errors: dict[str, float] = {}
     best: tuple[float, float, torch.Tensor | None] | None = None
+    h = hadamard_matrix(block_size, dtype=torch.float64)
     for power in BALANCE_POWERS:
         s = None if power == 0.0 else scales.pow(power)
         probe = BlockRotation(
             block_size,
             None,
-            hadamard_matrix(block_size, dtype=torch.float64),
+            h,
             dtype=torch.float32,
             channel_scale=None if s is None else s.to(torch.float32),
         )
