@@ -37,6 +37,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--torq-calibrate", "o_proj,1x"], "linear layer names such as o_proj"),
         (["run", "--methods", "torq-perm", "--balance", "none"], "needs the balancing"),
         (["run", "--methods", "torq-perm", "--balance-check"], "use one or the other"),
+        (["run", "--balance-check", "gptaq"], "invalid choice: 'gptaq'"),
         (["run", "--methods", "nope", "--model", "x"], "unknown method 'nope'"),
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
         (["run", "--device", "banana", "--methods", "fp"], "unknown device 'banana'"),
@@ -362,6 +363,22 @@ def test_partial_results_are_saved_after_each_method(tiny_checkpoint, tiny_data_
     assert [len(r["rows"]) for r in seen] == [1, 2]
     assert not any(r["complete"] for r in seen) and final["complete"]
     assert [r["method"] for r in final["rows"]] == ["fp", "rtn", "had32"]
+
+
+def test_balance_check_takes_the_weights_it_scores_with() -> None:
+    """``--balance-check`` alone scores with RTN's weights, ``--balance-check gptq`` with
+    GPTQ's; without it no group is checked."""
+    from torq.cli import build_parser, torq_settings_from_args
+
+    parser = build_parser(show_all=True)
+    for extra, check, probe in (
+        ([], False, "rtn"),
+        (["--balance-check"], True, "rtn"),
+        (["--balance-check", "gptq"], True, "gptq"),
+        (["--balance-check", "--fold-balance"], True, "rtn"),
+    ):
+        settings = torq_settings_from_args(parser.parse_args(["run", *extra]))
+        assert (settings.balance_check, settings.balance_probe) == (check, probe)
 
 
 @pytest.mark.parametrize("paper", [False, True])

@@ -530,6 +530,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     later = (
         "guard",
         "balance_check",
+        "balance_probe",
         "fold",
         "calibrate",
         "permute",

@@ -215,6 +215,72 @@ def test_balance_check_keeps_the_power_with_the_lowest_output_error(corpus) -> N
     assert TorqSettings(balance_check=True).paper().balance_check is False
 
 
+def test_balance_check_with_gptq_weights_scores_each_power_with_gptq(
+    corpus, tiny_tokenizer
+) -> None:
+    """``--balance-check gptq``: each power's weights are GPTQ's on the probe's Hessian
+    ``T Σ Tᵀ`` (not RTN's); the group keeps the power with the lowest of those errors,
+    each equal to the output error of GPTQ's weights computed here on their own. A group
+    captured without ``Σ x xᵀ`` is refused; through the driver the Hessian is captured even
+    for RTN's weights; the setting is in the key only when it is not RTN's."""
+    from torq.calibration.capture import BlockStatistics
+    from torq.formats import get_format
+    from torq.methods.torq_rotation import build_group_transform, output_error
+    from torq.rotations.balance import balance_scales, channel_energy
+    from torq.surgery.gptq import gptq_quantize
+
+    fmt = get_format("mxfp4")
+    had = hadamard_matrix(32, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    stats = BlockStatistics(64, 32, reservoir=128, seed=3, hessian=True)
+    x = torch.randn(128, 64, generator=gen) * torch.exp(torch.randn(1, 64, generator=gen))
+    x[:, 7] *= 30.0
+    stats.update(x)
+    weight = torch.randn(40, 64, generator=gen) * 0.1
+    settings = _settings(corpus, balance_check=True, balance_probe="gptq")["settings"]
+    t, rec = build_group_transform(stats, settings.fixed_hadamard(), fmt, weight, fmt)
+    check = rec["balance"]["check"]
+    assert check["weights"] == "gptq"
+    errors = {float(p): e for p, e in check["error"].items()}
+    assert errors[check["chosen_power"]] == min(errors.values())
+    full = balance_scales(channel_energy(stats.covariance()), weight, 0.5)
+    if check["chosen_power"] == 0.0:
+        assert t.channel_scale is None
+    else:
+        kept = full.pow(check["chosen_power"])
+        assert torch.allclose(t.channel_scale.double(), kept, rtol=1e-6)
+    rtn = {}
+    for power, err in errors.items():
+        scale = None if power == 0.0 else full.pow(power).to(torch.float32)
+        probe = BlockRotation(32, None, had, dtype=torch.float32, channel_scale=scale)
+        hessian = probe.conjugate_hessian(stats.hessian())
+        q, _ = gptq_quantize(probe.fuse_inverse(weight), hessian, fmt)
+        assert output_error(stats.sample, weight, probe, fmt, fmt, quantized=q) == pytest.approx(
+            err, rel=1e-9
+        )
+        rtn[power] = output_error(stats.sample, weight, probe, fmt, fmt)
+    assert rtn != errors  # RTN's weights score differently
+    without = BlockStatistics(64, 32, reservoir=128, seed=3)
+    without.update(x)
+    with pytest.raises(ValueError, match="without the Hessian"):
+        build_group_transform(without, settings.fixed_hadamard(), fmt, weight, fmt)
+    with pytest.raises(ValueError, match="balance_probe"):
+        TorqSettings(balance_check=True, balance_probe="gptaq")
+    assert "balance_probe" not in _key("torq-had32", TorqSettings(balance_check=True))
+    assert _key("torq-had32", settings) != _key("torq-had32", TorqSettings(balance_check=True))
+    assert settings.paper().balance_probe == "rtn"
+    model = tiny_model("llama")
+    run = _apply(
+        model, "torq-had32", QuantConfig.from_names("mxfp4", "mxfp4"), _settings(
+            corpus, balance_check=True, balance_probe="gptq", fold=True
+        ), tiny_tokenizer,
+    )  # fmt: skip
+    groups = [g for layer in run["layers"] for g in layer.values() if isinstance(g, dict)]
+    checks = [g["balance"]["check"] for g in groups if "balance" in g]
+    assert len(checks) == 4 * model.config.num_hidden_layers
+    assert all(c["weights"] == "gptq" for c in checks)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])  # folded models
 def test_balance_check_folded_is_exact_in_float(arch, corpus, tiny_tokenizer) -> None:
     """Whatever power each group keeps (float formats: the probe's errors are rounding

@@ -274,7 +274,7 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     """Arguments shared by ``torq run`` and ``torq eval``."""
     from torq.calibration.data import ARITHMETICS
     from torq.formats import SCALE_MODES
-    from torq.methods.settings import SOLVER_DEVICES
+    from torq.methods.settings import BALANCE_PROBES, SOLVER_DEVICES
 
     run.add_argument(
         "--help-all", action="store_true", help="show every option (research knobs included)"
@@ -487,10 +487,15 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--balance-check",
-        action="store_true",
+        nargs="?",
+        const="rtn",
+        default=None,
+        choices=BALANCE_PROBES,
+        metavar="WEIGHTS",
         help="choose each group's balancing strength (the scales to the power 0, 1/2 or 1; "
-        "0: none) by its W4A4 output error on the sampled tokens, RTN weights and the "
-        "32-block Hadamard as probe (default: every group balanced in full)",
+        "0: none) by its W4A4 output error on the sampled tokens, the 32-block Hadamard as "
+        "probe and WEIGHTS: rtn (the default) or gptq, GPTQ's on the group's Hessian "
+        "(default: every group balanced in full)",
     )
     t.add_argument(
         "--torq-calibrate",

@@ -389,7 +389,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         block_size=builder.capture_block(ctx),
         reservoir=capture.reservoir_tokens,
         sequential=capture.sequential or asymmetric,
-        hessian=gptq is not None or builder.reads_hessian,
+        hessian=gptq is not None or builder.needs_hessian(ctx),
         record=record,
         parts=parts,
         observe_activations=static,

@@ -197,6 +197,11 @@ class TransformBuilder:
         """The block width of the statistics a calibrating transform reads."""
         return 32
 
+    def needs_hessian(self, ctx: MethodContext) -> bool:
+        """Whether :meth:`for_group` reads each group's ``Σ x xᵀ`` with these settings
+        (:attr:`reads_hessian`: always)."""
+        return self.reads_hessian
+
     def expert_down_shared(self, ctx: MethodContext) -> bool:
         """Fused MoE experts: whether one ``down_proj`` transform is fitted on every
         expert's inputs pooled, instead of one per expert."""

@@ -27,6 +27,9 @@ SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")
 # the powers ``β`` of the balancing scales ``s`` the balancing check chooses from, per group
 # (``s^β``: 0 no balancing, 1 the full strength ``α``)
 BALANCE_POWERS: tuple[float, ...] = (0.0, 0.5, 1.0)
+# the weights the balancing check scores each power with: RTN's, or GPTQ's on the group's
+# Hessian after the probe transform (what the weight quantizers that follow do)
+BALANCE_PROBES: tuple[str, ...] = ("rtn", "gptq")
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,12 @@ class TorqSettings:
     guard: float | None = None
     # choose each group's balancing strength: the scales ``s^β`` with ``β`` in
     # :data:`BALANCE_POWERS` (``β = 0``: no balancing), the one with the lowest W4A4 output
-    # error of the group on its sampled tokens (RTN weights, the 32-block Hadamard as probe);
-    # ``False``: every group balanced in full (``β = 1``)
+    # error of the group on its sampled tokens (the 32-block Hadamard as probe, the weights
+    # ``balance_probe``'s); ``False``: every group balanced in full (``β = 1``)
     balance_check: bool = False
+    # the balancing check's weights (:data:`BALANCE_PROBES`): "rtn", or "gptq", GPTQ's on the
+    # group's Hessian after the probe transform
+    balance_probe: str = "rtn"
     # do the balancing's ``x ⊘ s`` in the module that produces each group's input (the norm,
     # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
     # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
@@ -81,6 +87,11 @@ class TorqSettings:
             raise ValueError(
                 f"solver_device must be one of {', '.join(SOLVER_DEVICES)}, "
                 f"got {self.solver_device!r}"
+            )
+        if self.balance_probe not in BALANCE_PROBES:
+            raise ValueError(
+                f"balance_probe must be one of {', '.join(BALANCE_PROBES)}, "
+                f"got {self.balance_probe!r}"
             )
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
@@ -133,6 +144,7 @@ class TorqSettings:
             self,
             balance=None,
             balance_check=False,
+            balance_probe="rtn",
             guard=None,
             fold=False,
             calibrate=None,
@@ -162,6 +174,7 @@ def _same(value: Any, default: Any) -> bool:
 _LATER: dict[str, Any] = {
     "guard": None,
     "balance_check": False,
+    "balance_probe": "rtn",
     "fold": False,
     "calibrate": None,
     "permute": False,

@@ -14,7 +14,8 @@ per-channel scale that balances activation and weight energy runs first
 
 ``balance_check`` (``--balance-check``): each group's balancing strength chosen from the
 scales' powers ``s^β``, ``β ∈ {0, ½, 1}`` (0: none), by the group's W4A4 output error on its
-sampled tokens with RTN weights and ``H₃₂`` as probe (:func:`choose_balance_power`).
+sampled tokens with ``H₃₂`` as probe and RTN weights, or with ``balance_probe="gptq"``
+(``--balance-check gptq``) GPTQ's weights on the group's Hessian (:func:`choose_balance_power`).
 
 ``guard`` (``torq-guard``): the intra-block rotation is fitted on part of each group's sampled
 tokens, and the calibrated transform is kept only where it lowers the group's W4A4 output
@@ -55,6 +56,7 @@ from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import inter_block_rotations
 from torq.rotations.intra_block import fit_intra_block_rotation
 from torq.rotations.transform import BlockRotation
+from torq.surgery.gptq import gptq_quantize
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -100,8 +102,9 @@ def build_group_transform(
             "scale_max": float(scales.max()),
         }
         if settings.balance_check:
+            hessian = stats.hessian() if settings.balance_probe == "gptq" else None
             scales, record["balance"]["check"] = choose_balance_power(
-                stats.sample, weight, scales, k, fmt, weight_fmt
+                stats.sample, weight, scales, k, fmt, weight_fmt, hessian=hessian
             )
         if scales is not None:
             covariance = balance_covariance(covariance, scales)
@@ -188,14 +191,19 @@ def choose_balance_power(
     block_size: int,
     fmt: FormatSpec | None,
     weight_fmt: FormatSpec | None,
+    hessian: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """The balancing check (torq's, per group): of the scales ``s^β``, ``β`` in
     :data:`~torq.methods.settings.BALANCE_POWERS`, the one whose W4A4 output error
-    (:func:`output_error`, RTN weights) on the group's sampled tokens ``sample`` is lowest,
-    each probed with ``H_K`` after the scales. Returns the chosen scales (``None`` for
-    ``β = 0``, no balancing) and a record of every error. The scales come from
-    ``E[x_j²]`` over every calibration token, so nothing is fitted to ``sample`` alone; the
-    probe stands in for the calibrated rotations too, and RTN for GPTQ's weights."""
+    (:func:`output_error`) on the group's sampled tokens ``sample`` is lowest, each probed
+    with ``H_K`` after the scales. The weights are RTN's, or with ``hessian`` (``Σ x xᵀ``
+    over every calibration token of the group) GPTQ's on the probe's Hessian ``T Σ Tᵀ``
+    (:func:`torq.surgery.gptq.gptq_quantize`, its default settings): GPTQ absorbs part of
+    what the balancing moves into the weights, so RTN's error can prefer a balancing that
+    GPTQ's does not. Returns the chosen scales (``None`` for ``β = 0``, no balancing) and a
+    record of every error. The scales come from ``E[x_j²]`` over every calibration token,
+    so nothing is fitted to ``sample`` alone; the probe stands in for the calibrated
+    rotations too."""
     if sample.shape[0] == 0:
         return scales, {"chosen_power": 1.0, "reason": "no sampled tokens"}
     errors: dict[str, float] = {}
@@ -210,12 +218,23 @@ def choose_balance_power(
             dtype=torch.float32,
             channel_scale=None if s is None else s.to(torch.float32),
         )
-        err = output_error(sample, weight, probe, fmt, weight_fmt)
+        quantized = None
+        if hessian is not None and weight_fmt is not None:
+            h_t = probe.conjugate_hessian(hessian.to(torch.float64))
+            fused = probe.fuse_inverse(weight.detach().to(torch.float32)).to(h_t.device)
+            quantized = gptq_quantize(fused, h_t, weight_fmt)[0].to(weight.device)
+        err = output_error(sample, weight, probe, fmt, weight_fmt, quantized=quantized)
         errors[str(power)] = err
         if best is None or err < best[0]:
             best = (err, power, s)
     assert best is not None
-    return best[2], {"chosen_power": best[1], "error": errors, "tokens": sample.shape[0]}
+    record = {
+        "chosen_power": best[1],
+        "error": errors,
+        "tokens": sample.shape[0],
+        "weights": "rtn" if hessian is None or weight_fmt is None else "gptq",
+    }
+    return best[2], record
 
 
 @torch.no_grad()
@@ -226,18 +245,23 @@ def output_error(
     fmt: FormatSpec | None,
     weight_fmt: FormatSpec | None,
     rows: int = 4096,
+    quantized: torch.Tensor | None = None,
 ) -> float:
     """The W4A4 output error of a group with ``transform`` on inputs ``x [n, width]``:
-    ``‖x Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖x Wᵀ‖²`` (Algorithm 3, option B, RTN weights), in
-    float64, ``rows`` of the stacked ``weight`` at a time (an 8B gate/up group is 28672)."""
+    ``‖x Wᵀ − Q_a(T x) Q_w(W T⁻¹)ᵀ‖² / ‖x Wᵀ‖²`` (Algorithm 3, option B, RTN weights, or
+    ``quantized``, the fused weight already quantized, e.g. by GPTQ), in float64, ``rows``
+    of the stacked ``weight`` at a time (an 8B gate/up group is 28672)."""
     xt = transform(x.to(torch.float32))
     xq = (xt if fmt is None else fake_quantize(xt, fmt)).to(torch.float64)
     x64 = x.to(torch.float64)
     err = ref = 0.0
     for r in range(0, weight.shape[0], rows):
         w = weight[r : r + rows].to(torch.float32)
-        fused = transform.fuse_inverse(w)
-        wq = fused if weight_fmt is None else fake_quantize(fused, weight_fmt)
+        if quantized is not None:
+            wq = quantized[r : r + rows]
+        else:
+            fused = transform.fuse_inverse(w)
+            wq = fused if weight_fmt is None else fake_quantize(fused, weight_fmt)
         y = x64 @ w.to(torch.float64).T
         err += float((y - xq @ wq.to(torch.float64).T).pow(2).sum())
         ref += float(y.pow(2).sum())
@@ -378,6 +402,10 @@ class TorqTransform(TransformBuilder):
 
     def capture_block(self, ctx: MethodContext) -> int:
         return (ctx.settings or TorqSettings()).block_size
+
+    def needs_hessian(self, ctx: MethodContext) -> bool:
+        settings = ctx.settings or TorqSettings()
+        return settings.balance_check and settings.balance_probe == "gptq"
 
     def expert_down_shared(self, ctx: MethodContext) -> bool:
         return (ctx.settings or TorqSettings()).expert_down_shared
