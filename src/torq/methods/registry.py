@@ -135,8 +135,6 @@ class TransformBuilder:
     # the frozen type of this transform's own settings (a :class:`MethodSpec` holds a value
     # of it, made from its defaults when the run gives none); None: it has none
     settings_type: type | None = None
-    # whether :meth:`for_group` reads each group's ``Σ x xᵀ`` (captured as GPTQ's is)
-    reads_hessian: bool = False
 
     def fixed(self, width: int, qconfig: QuantConfig, ctx: MethodContext) -> nn.Module | None:
         """The transform for an input of ``width`` channels (``None``: none)."""
@@ -198,9 +196,9 @@ class TransformBuilder:
         return 32
 
     def needs_hessian(self, ctx: MethodContext) -> bool:
-        """Whether :meth:`for_group` reads each group's ``Σ x xᵀ`` with these settings
-        (:attr:`reads_hessian`: always)."""
-        return self.reads_hessian
+        """Whether :meth:`for_group` reads each group's ``Σ x xᵀ`` (captured as GPTQ's is)
+        with these settings."""
+        return False
 
     def expert_down_shared(self, ctx: MethodContext) -> bool:
         """Fused MoE experts: whether one ``down_proj`` transform is fitted on every

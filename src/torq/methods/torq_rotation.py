@@ -209,6 +209,7 @@ def choose_balance_power(
     errors: dict[str, float] = {}
     best: tuple[float, float, torch.Tensor | None] | None = None
     h = hadamard_matrix(block_size, dtype=torch.float64)
+    w32 = weight.detach().to(torch.float32)
     for power in BALANCE_POWERS:
         s = None if power == 0.0 else scales.pow(power)
         probe = BlockRotation(
@@ -221,7 +222,7 @@ def choose_balance_power(
         quantized = None
         if hessian is not None and weight_fmt is not None:
             h_t = probe.conjugate_hessian(hessian.to(torch.float64))
-            fused = probe.fuse_inverse(weight.detach().to(torch.float32)).to(h_t.device)
+            fused = probe.fuse_inverse(w32).to(h_t.device)
             quantized = gptq_quantize(fused, h_t, weight_fmt)[0].to(weight.device)
         err = output_error(sample, weight, probe, fmt, weight_fmt, quantized=quantized)
         errors[str(power)] = err
@@ -232,7 +233,7 @@ def choose_balance_power(
         "chosen_power": best[1],
         "error": errors,
         "tokens": sample.shape[0],
-        "weights": "rtn" if hessian is None or weight_fmt is None else "gptq",
+        "weights": "rtn" if quantized is None else "gptq",
     }
     return best[2], record
 

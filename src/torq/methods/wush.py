@@ -25,7 +25,9 @@ class WushTransform(TransformBuilder):
     capture's ``Σ x xᵀ``) and its members' weights."""
 
     calibrates = True
-    reads_hessian = True
+
+    def needs_hessian(self, ctx: MethodContext) -> bool:
+        return True  # WUSH's transform is built from the second moment itself
 
     def for_group(
         self,
