@@ -2,10 +2,12 @@
 
 python benchmarks/ppl_paired.py A.json B.json --reference fp --out results/paired.json
 
-Each record is a ``torq run --window-sample N`` (or a run over the whole test): every row
-keeps each window's NLL. The rows of all the records are compared with the ``--reference``
-row (a method name, or ``record-stem:method`` when several records hold it): the whole
-test's PPL ratio estimated from the per-window differences, with its 95 % interval
+Each record is a ``torq run --window-sample N`` (or a run over the whole test) or a peer
+script's record with the same ``--window-sample N`` (``benchmarks/peers/``; its rows are
+``fp`` when it has one and the peer's name): every row keeps each window's NLL. The rows of
+all the records are compared with the ``--reference`` row (a method name, or
+``record-stem:method`` when several records hold it): the whole test's PPL ratio estimated
+from the per-window differences, with its 95 % interval
 (:func:`torq.eval.perplexity.paired_log_ratio`). Records on other windows are refused.
 """
 
@@ -33,10 +35,29 @@ def windows_of(record: dict[str, Any]) -> dict[str, Any]:
     return {
         "dataset": ev["dataset"],
         "seqlen": ev["seqlen"],
-        "model": record["model"].get("name"),
+        # a torq run names its model in its config, a peer record in its model
+        "model": (record.get("config") or {}).get("model") or record["model"].get("name"),
         "ids": sample["ids"] if sample else list(range(ev["n_windows"])),
         "population": sample["of"] if sample else None,
     }
+
+
+def peer_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A peer script's record as rows: its float model's (``fp``) when scored, and the
+    quantized model's under the peer's name."""
+    if "peer" not in record:
+        raise TorqError("neither a torq run record nor a peer script's record")
+    rows = []
+    for method, key in (("fp", "fp"), (record["peer"], "quantized")):
+        if key in record:
+            rows.append(
+                {
+                    "method": method,
+                    "ppl": record[key]["ppl"],
+                    "details": {"perplexity": record[key]},
+                }
+            )
+    return rows
 
 
 def load_rows(paths: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -49,7 +70,7 @@ def load_rows(paths: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, An
         if windows is not None and this != windows:
             raise TorqError(f"{p} scored other windows than {paths[0]}")
         windows = this
-        for r in record["rows"]:
+        for r in record.get("rows") or peer_rows(record):
             nll = ((r.get("details") or {}).get("perplexity") or {}).get("window_nll")
             if not nll:
                 raise TorqError(f"{p}: row {r['method']} keeps no per-window NLL (rerun it)")

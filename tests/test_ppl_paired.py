@@ -65,3 +65,28 @@ def test_records_on_other_windows_are_refused(tmp_path: Path) -> None:
     done = _run(str(a), str(b), "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2
     assert "scored other windows" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_peer_scripts_record_pairs_with_a_torq_run(tmp_path: Path) -> None:
+    ids = [2, 5, 6]
+    fp = [20.0, 30.0, 25.0]
+    torq_run = _record(tmp_path / "torq.json", ids, {"fp": fp})
+    record = json.loads(torq_run.read_text())
+    # a torq run names its model in its config; a peer script's record in its model
+    record["model"] = {"source": "embedded:tiny"}
+    record["config"] = {"model": "tiny"}
+    torq_run.write_text(json.dumps(record))
+    peer = {
+        "peer": "wush",
+        "model": {"name": "tiny"},
+        "eval": record["eval"],
+        "quantized": {"ppl": 9.0, "window_nll": [x + 2.0 for x in fp]},
+    }
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    out = tmp_path / "paired.json"
+    done = _run(
+        str(torq_run), str(tmp_path / "peer.json"), "--reference", "torq:fp", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["peer:wush"]["ratio"] == math.exp(2.0 / 10)

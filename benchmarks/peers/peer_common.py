@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
+from torq.eval.perplexity import sample_windows
 from torq.results import command_line, machine_info, now_iso, versions, write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,8 @@ class Subject:
     describe: dict[str, Any]
     tiny: bool
     tokenizer: Any = None
+    # which of the test's windows a seeded sample took (torq run's ``eval.window_sample``)
+    window_sample: dict[str, Any] | None = None
 
 
 def add_common_args(parser: argparse.ArgumentParser, peer: str) -> None:
@@ -73,9 +76,18 @@ def add_common_args(parser: argparse.ArgumentParser, peer: str) -> None:
     parser.add_argument(
         "--max-windows",
         type=int,
-        default=16,
-        help="evaluate the first N WikiText-2 windows (0: the full test)",
+        default=None,
+        help="evaluate the first N WikiText-2 windows (0: the full test; default 16)",
     )
+    parser.add_argument(
+        "--window-sample",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluate a seeded random sample of N of the whole test's windows, as torq run "
+        "--window-sample draws them (pairs with its rows in benchmarks/ppl_paired.py)",
+    )
+    parser.add_argument("--window-sample-seed", type=int, default=0)
     parser.add_argument("--seqlen", type=int, default=2048, help="perplexity window length")
     parser.add_argument(
         "--data-dir",
@@ -128,6 +140,26 @@ def _tiny_model(name: str) -> nn.Module:
     return model
 
 
+def eval_windows(
+    args: argparse.Namespace, text: str, tokenizer: Any
+) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    """The WikiText-2 windows a peer is scored on: the first ``--max-windows`` (16 unless
+    given; 0 the full test), or ``--window-sample`` windows drawn from the whole test with
+    torq's :func:`~torq.eval.perplexity.sample_windows`, so that the rows pair with a
+    ``torq run --window-sample`` record window by window."""
+    if args.window_sample is None:
+        limit = 16 if args.max_windows is None else args.max_windows
+        return windows_from_text(text, tokenizer, args.seqlen, limit or None), None
+    if args.max_windows is not None:
+        raise SystemExit("--window-sample draws from the whole test: drop --max-windows")
+    if args.window_sample < 2:
+        raise SystemExit(f"--window-sample needs at least 2 windows: {args.window_sample}")
+    windows = windows_from_text(text, tokenizer, args.seqlen, None)
+    total = int(windows.shape[0])
+    windows, ids = sample_windows(windows, args.window_sample, args.window_sample_seed)
+    return windows, {"n": len(ids), "seed": args.window_sample_seed, "of": total, "ids": ids}
+
+
 def load_subject(args: argparse.Namespace) -> Subject:
     """The float model and its windows (WikiText-2 test, or random ids for a tiny model)."""
     if args.threads:
@@ -136,6 +168,8 @@ def load_subject(args: argparse.Namespace) -> Subject:
     if args.model in TINY_MODELS:
         model = _tiny_model(args.model)
         gen = torch.Generator().manual_seed(args.seed)
+        if args.window_sample is not None:
+            raise SystemExit("--window-sample needs a real model's test, not random windows")
         n_windows = args.max_windows or 16  # a random model has no test to run in full
         windows = torch.randint(0, TINY_VOCAB, (n_windows, args.seqlen), generator=gen)
         describe = {
@@ -150,9 +184,14 @@ def load_subject(args: argparse.Namespace) -> Subject:
 
     lm = load(args.model)
     text = load_wikitext2_test(resolve_data_dir(args.data_dir))
-    windows = windows_from_text(text, lm.tokenizer, args.seqlen, args.max_windows or None)
+    windows, sample = eval_windows(args, text, lm.tokenizer)
     return Subject(
-        lm.model.to(args.device), windows, lm.describe(), tiny=False, tokenizer=lm.tokenizer
+        lm.model.to(args.device),
+        windows,
+        lm.describe(),
+        tiny=False,
+        tokenizer=lm.tokenizer,
+        window_sample=sample,
     )
 
 
@@ -247,6 +286,7 @@ def save_record(
             "dataset": "random token ids" if subject.tiny else "wikitext-2-raw test",
             "seqlen": args.seqlen,
             "n_windows": int(subject.windows.shape[0]),
+            "window_sample": subject.window_sample,
             "harness": "torq.eval.perplexity",
         },
         **record,
