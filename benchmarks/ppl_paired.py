@@ -35,8 +35,11 @@ def windows_of(record: dict[str, Any]) -> dict[str, Any]:
     return {
         "dataset": ev["dataset"],
         "seqlen": ev["seqlen"],
-        # a torq run names its model in its config, a peer record in its model
-        "model": (record.get("config") or {}).get("model") or record["model"].get("name"),
+        # the model's shape: a run, an eval of its saved folder and a peer name it differently
+        "model": [
+            record["model"].get(k)
+            for k in ("model_type", "num_hidden_layers", "hidden_size", "num_parameters")
+        ],
         "ids": sample["ids"] if sample else list(range(ev["n_windows"])),
         "population": sample["of"] if sample else None,
     }

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _record(path: Path, ids: list[int], rows: dict[str, list[float]]) -> Path:
     seqlen = 11
     record = {
-        "model": {"name": "tiny"},
+        "model": {"model_type": "llama", "num_hidden_layers": 2, "num_parameters": 99},
         "eval": {
             "dataset": "wikitext-2-raw test",
             "seqlen": seqlen,
@@ -72,13 +72,9 @@ def test_a_peer_scripts_record_pairs_with_a_torq_run(tmp_path: Path) -> None:
     fp = [20.0, 30.0, 25.0]
     torq_run = _record(tmp_path / "torq.json", ids, {"fp": fp})
     record = json.loads(torq_run.read_text())
-    # a torq run names its model in its config; a peer script's record in its model
-    record["model"] = {"source": "embedded:tiny"}
-    record["config"] = {"model": "tiny"}
-    torq_run.write_text(json.dumps(record))
     peer = {
         "peer": "wush",
-        "model": {"name": "tiny"},
+        "model": {"name": "tiny", **record["model"]},
         "eval": record["eval"],
         "quantized": {"ppl": 9.0, "window_nll": [x + 2.0 for x in fp]},
     }
@@ -90,3 +86,8 @@ def test_a_peer_scripts_record_pairs_with_a_torq_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["peer:wush"]["ratio"] == math.exp(2.0 / 10)
+    # another model's record on the same window ids is refused
+    peer["model"]["num_parameters"] = 100
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    done = _run(str(torq_run), str(tmp_path / "peer.json"), "--out", str(out))
+    assert done.returncode == 2 and "scored other windows" in done.stderr
