@@ -63,6 +63,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,12 @@ def graphed_decode_speed(
     forward = model
     if compiled:
         torch._dynamo.reset()  # each model and batch compiled afresh
+        # after each of torq's layers (a graph break) the rest of a decoder layer is
+        # compiled once per layer (its index is a constant of the key-value cache's
+        # update): past dynamo's limit of 8 the later layers would run uncompiled
+        layers = model.config.num_hidden_layers
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * layers + 8)
         forward = torch.compile(model, dynamic=False)
 
     prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
@@ -350,21 +357,28 @@ def all_speeds(
     label: str,
     out: dict,
     compiled: bool = False,
+    save: Callable[[], None] = lambda: None,
 ) -> None:
     """Eager ``generate`` and the graphed step, batch 1 and 16 (``compiled``: also the
     compiled graphed step at batch 1, whose speed is the goal; a compilation takes a while),
-    into ``out``."""
+    into ``out``, calling ``save`` after each row (a run cut short keeps the rows it has)."""
     for b in (1, 16):
         out["tokens_per_s"][f"{label} batch {b}"] = decode_speed(model, b, new_tokens, device)
+        save()
         if device.type != "cuda":
             continue
         for how in ("graphed", "compiled graphed") if compiled and b == 1 else ("graphed",):
+            t0 = time.perf_counter()
             try:
                 tps = graphed_decode_speed(model, b, new_tokens, device, how != "graphed")
             except Exception as exc:  # recorded: the eager rows still stand
                 out.setdefault("graph_errors", {})[f"{label} {how} batch {b}"] = repr(exc)[:300]
+                save()
                 continue
             out["tokens_per_s"][f"{label} {how} batch {b}"] = tps
+            # a compiled row's seconds are mostly its compilation
+            out.setdefault("row_seconds", {})[f"{label} {how} batch {b}"] = time.perf_counter() - t0
+            save()
 
 
 @torch.no_grad()
@@ -383,8 +397,11 @@ def decode(
     new_tokens: int,
     share: bool = True,
     compiled: bool = False,
+    out: dict[str, Any] | None = None,
+    save: Callable[[], None] = lambda: None,
 ) -> dict:
-    """bf16 against torq's kernels on one random model (module doc, part 3)."""
+    """bf16 against torq's kernels on one random model (module doc, part 3), into ``out``
+    (``save`` called after each row)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import torq
@@ -396,8 +413,9 @@ def decode(
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    out: dict[str, Any] = {"layers": layers, "new_tokens": new_tokens, "tokens_per_s": {}}
-    all_speeds(model, new_tokens, device, "bf16", out, compiled)
+    out = {} if out is None else out
+    out.update({"layers": layers, "new_tokens": new_tokens, "tokens_per_s": {}})
+    all_speeds(model, new_tokens, device, "bf16", out, compiled, save)
     t0 = sync(device)
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
     apply_method(get_method("had32"), model, qconfig, MethodContext(options={"progress": False}))
@@ -412,7 +430,8 @@ def decode(
     out["nll_relative_difference"] = abs(out["nll_accelerated"] - out["nll_fake_quant"]) / abs(
         out["nll_fake_quant"]
     )
-    all_speeds(model, new_tokens, device, "torq W4A4", out, compiled)
+    save()
+    all_speeds(model, new_tokens, device, "torq W4A4", out, compiled, save)
     tps = out["tokens_per_s"]
     for b in (1, 16):
         for how in ("", "graphed ", "compiled graphed "):
@@ -422,8 +441,15 @@ def decode(
     return out
 
 
-def checkpoint(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
-    """A real model through the product's path, on ``device`` (module doc, part 6)."""
+def checkpoint(
+    args: argparse.Namespace,
+    device: torch.device,
+    root: Path,
+    out: dict[str, Any],
+    save: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """A real model through the product's path, on ``device`` (module doc, part 6), into
+    ``out`` (``save`` called after each step)."""
     import torq
     from torq.export.loading import load_model
 
@@ -431,7 +457,7 @@ def checkpoint(args: argparse.Namespace, device: torch.device, root: Path) -> di
         raise SystemExit("the checkpoint part needs --model (and --data-dir for WikiText-2)")
     loaded = load_model(args.model)
     model, tokenizer = loaded.model.to(device).eval(), loaded.tokenizer
-    out: dict[str, Any] = {"model": args.model, "calib_samples": args.calib_samples}
+    out.update({"model": args.model, "calib_samples": args.calib_samples})
     t0 = sync(device)
     torq.quantize(
         model,
@@ -449,33 +475,45 @@ def checkpoint(args: argparse.Namespace, device: torch.device, root: Path) -> di
         )["ppl"]
 
     out["ppl_torq"] = ppl(model)
+    save()
     folder = root / "checkpoint-ct"
     torq.save(model, folder, overwrite=True)
     del model
     served = torq.load(folder).to(device)
     out["ppl_served"] = ppl(served)
+    save()
     del served
     packed = torq.load(folder, packed=True).to(device)
     out["ppl_packed"] = ppl(packed)
     out["tokens_per_s"] = {}
-    all_speeds(packed, args.new_tokens, device, "torq W4A4", out)
+    save()
+    all_speeds(packed, args.new_tokens, device, "torq W4A4", out, save=save)
     del packed
     float_model = load_model(args.model).model.to(device, torch.bfloat16).eval()
-    all_speeds(float_model, args.new_tokens, device, "bf16", out)
+    all_speeds(float_model, args.new_tokens, device, "bf16", out, save=save)
     return out
 
 
-def arithmetic(args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
-    """The default recipe on a real model with exact and TF32 calibration (module doc, 7)."""
+def arithmetic(
+    args: argparse.Namespace,
+    device: torch.device,
+    root: Path,
+    out: dict[str, Any],
+    save: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """The default recipe on a real model with exact and TF32 calibration (module doc, 7),
+    into ``out`` (``save`` called after each)."""
     import torq
 
     if not args.model or not args.data_dir:
         raise SystemExit("the arithmetic part needs --model and --data-dir")
-    out: dict[str, Any] = {
-        "model": args.model,
-        "calib_samples": args.calib_samples,
-        "eval_windows": args.eval_windows,
-    }
+    out.update(
+        {
+            "model": args.model,
+            "calib_samples": args.calib_samples,
+            "eval_windows": args.eval_windows,
+        }
+    )
     for how in ("exact", "tf32"):
         folder = root / f"arithmetic-{how}"
         t0 = sync(device)
@@ -501,6 +539,7 @@ def arithmetic(args: argparse.Namespace, device: torch.device, root: Path) -> di
         )
         out[how] = {"seconds": seconds, "ppl": score["ppl"], "windows": score["windows"]}
         del model
+        save()
     out["ppl_ratio_tf32_to_exact"] = out["tf32"]["ppl"] / out["exact"]["ppl"]
     out["speedup_tf32"] = out["exact"]["seconds"] / out["tf32"]["seconds"]
     return out
@@ -587,19 +626,21 @@ def markdown(rec: dict[str, Any]) -> str:
         tps = dec["tokens_per_s"]
         lines += [
             f"Decode through transformers' generate ({dec['layers']} layers, "
-            f"{dec['new_tokens']} new tokens): {dec['accelerate']}",
+            f"{dec['new_tokens']} new tokens): "
+            + dec.get("accelerate", "the W4A4 model not reached (the run was cut short)"),
             "",
             *speed_rows(tps),
         ]
         for k, v in (dec.get("graph_errors") or {}).items():
             lines.append(f"\nNo CUDA graph for {k}: {v}")
-        lines += [
-            "",
-            f"Mean token NLL on 2 windows of 512: fake-quant {dec['nll_fake_quant']:.6f}, "
-            f"accelerated {dec['nll_accelerated']:.6f} "
-            f"(relative difference {dec['nll_relative_difference']:.2e})",
-            "",
-        ]
+        if "nll_accelerated" in dec:
+            lines += [
+                "",
+                f"Mean token NLL on 2 windows of 512: fake-quant {dec['nll_fake_quant']:.6f}, "
+                f"accelerated {dec['nll_accelerated']:.6f} "
+                f"(relative difference {dec['nll_relative_difference']:.2e})",
+            ]
+        lines.append("")
     ana = rec.get("anatomy")
     if ana:
         lines.append(
@@ -611,17 +652,21 @@ def markdown(rec: dict[str, Any]) -> str:
         lines.append("")
     ck = rec.get("checkpoint")
     if ck:
-        tps = ck["tokens_per_s"]
+
+        def num(key: str, spec: str) -> str:
+            return format(ck[key], spec) if key in ck else "(not reached)"
+
         lines += [
             f"{ck['model']}, the default recipe on {ck['calib_samples']} calibration windows "
-            f"({ck['quantize_seconds']:.0f} s): perplexity torq {ck['ppl_torq']:.3f}, through "
-            f"transformers {ck['ppl_served']:.3f}, on torq's kernels {ck['ppl_packed']:.3f}",
+            f"({num('quantize_seconds', '.0f')} s): perplexity torq {num('ppl_torq', '.3f')}, "
+            f"through transformers {num('ppl_served', '.3f')}, on torq's kernels "
+            f"{num('ppl_packed', '.3f')}",
             "",
-            *speed_rows(tps),
+            *speed_rows(ck.get("tokens_per_s", {})),
             "",
         ]
     ar = rec.get("arithmetic")
-    if ar:
+    if ar and "tf32" in ar:
         lines += [
             f"{ar['model']}, the default recipe through `torq quantize`'s path on "
             f"{ar['calib_samples']} calibration windows, the saved folder loaded through "
@@ -724,17 +769,22 @@ def main(argv: list[str] | None = None) -> None:
             folder = write_random(root / f"{args.shape}-1l", dims, 1)
             rec["anatomy"] = anatomy(folder, args.windows, device)
         elif part == "checkpoint":
-            rec["checkpoint"] = checkpoint(args, device, root)
+            rec["checkpoint"] = {}
+            checkpoint(args, device, root, rec["checkpoint"], save)
         elif part == "arithmetic":
-            rec["arithmetic"] = arithmetic(args, device, root)
+            rec["arithmetic"] = {}
+            arithmetic(args, device, root, rec["arithmetic"], save)
         elif part == "decode":
-            rec["decode"] = decode(
+            rec["decode"] = {}
+            decode(
                 dims,
                 args.decode_layers or full,
                 device,
                 args.new_tokens,
                 not args.no_share,
                 args.compiled,
+                rec["decode"],
+                save,
             )
         else:
             raise SystemExit(f"unknown part '{part}'")

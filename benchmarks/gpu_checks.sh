@@ -13,6 +13,9 @@
 #   DEADLINE_S=560 ...                                    # the whole run ends by then
 #   MODEL=m.gguf DATA_DIR=data ...     # also a real model: its checkpoint on the kernels, and
 #                                       # the default recipe in exact and TF32 arithmetic
+#   STEPS=decode,gpu-tests ...          # only these steps (default: all, in this order:
+#                                       # decode, checkpoint, arithmetic, gpu-tests,
+#                                       # kernel-tests, calibration, intra)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to a folder for the records}"
@@ -25,47 +28,78 @@ mkdir -p "$R"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || exit 2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 
+STEPS="${STEPS:-decode,checkpoint,arithmetic,gpu-tests,kernel-tests,calibration,intra}"
 step() { echo "[$(date +%T), ${SECONDS} s] $*"; }
-# left SLACK: the seconds before the deadline, less SLACK (floored at 1)
-left() { local l=$((DEADLINE_S - SECONDS - ${1:-0})); echo $((l > 1 ? l : 1)); }
+# wants STEP: whether STEPS names it
+wants() { [[ ",$STEPS," == *",$1,"* ]]; }
+# runs STEP: whether it will run (the real model's steps need MODEL)
+runs() { wants "$1" && { [ -n "${MODEL:-}" ] || [[ "$1" != checkpoint && "$1" != arithmetic ]]; }; }
+ORDER=(decode checkpoint arithmetic gpu-tests kernel-tests calibration intra)
+# the seconds each step is kept at least, out of the time of the steps before it
+declare -A RESERVE=([decode]=0 [checkpoint]=60 [arithmetic]=70 [gpu-tests]=70
+    [kernel-tests]=30 [calibration]=80 [intra]=10)
+# left STEP: the seconds STEP may run: those before the deadline, less what the wanted steps
+# after it keep (floored at 1)
+left() {
+    local after=0 seen=0 s
+    for s in "${ORDER[@]}"; do
+        if [ "$seen" = 1 ] && runs "$s"; then after=$((after + RESERVE[$s])); fi
+        [ "$s" = "$1" ] && seen=1
+    done
+    local l=$((DEADLINE_S - SECONDS - after)); echo $((l > 1 ? l : 1))
+}
 
+if wants decode; then
 step "benchmarks/gpu.py: decoding, eager, graphed, compiled and graphed"
-timeout "$(left 330)" "$PY" benchmarks/gpu.py --out "$R/gpu-decode" --parts decode --compiled \
-    > "$R/gpu-decode.log" 2>&1
+timeout "$(left decode)" "$PY" benchmarks/gpu.py --out "$R/gpu-decode" --parts decode \
+    --compiled > "$R/gpu-decode.log" 2>&1
 tail -2 "$R/gpu-decode.log"
+fi
 
-if [ -n "${MODEL:-}" ]; then
+if runs checkpoint; then
     step "benchmarks/gpu.py: $MODEL saved, served and decoded on the kernels"
-    timeout "$(left 270)" "$PY" benchmarks/gpu.py --out "$R/gpu-checkpoint" --parts checkpoint \
+    timeout "$(left checkpoint)" "$PY" benchmarks/gpu.py --out "$R/gpu-checkpoint" \
+        --parts checkpoint \
         --model "$MODEL" --data-dir "${DATA_DIR:?set DATA_DIR with MODEL}" \
         > "$R/gpu-checkpoint.log" 2>&1
     tail -1 "$R/gpu-checkpoint.log"
+fi
+if runs arithmetic; then
     step "benchmarks/gpu.py: the default recipe on $MODEL, exact and TF32 calibration"
-    timeout "$(left 200)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" --parts arithmetic \
+    timeout "$(left arithmetic)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" \
+        --parts arithmetic \
         --model "$MODEL" --data-dir "$DATA_DIR" --calib-samples 128 --eval-windows 1000 \
         > "$R/gpu-arithmetic.log" 2>&1
     tail -1 "$R/gpu-arithmetic.log"
 fi
 
-step "GPU tests"
-# the kernels' whole suite on the GPU (elsewhere it runs in Triton's interpreter), then the
-# tests that skip without a GPU: CPU against GPU runs, GPTQ's graphed loop, formats on CUDA
-timeout "$(left 170)" "$PY" -m pytest -q -rs tests/kernels > "$R/pytest-kernels-gpu.txt" 2>&1
-tail -1 "$R/pytest-kernels-gpu.txt"
-timeout "$(left 100)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
+if wants gpu-tests; then
+# the tests that skip without a GPU: CPU against GPU runs, GPTQ's graphed loop, formats on CUDA
+step "GPU-only tests"
+timeout "$(left gpu-tests)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
     tests/test_api.py tests/surgery/test_gptq.py tests/formats/test_formats_fake_quant.py \
     tests/calibration/test_capture.py > "$R/pytest-gpu.txt" 2>&1
 tail -1 "$R/pytest-gpu.txt"
+fi
+if wants kernel-tests; then
+# the kernels' whole suite on the GPU (elsewhere it runs in Triton's interpreter)
+step "the kernels' tests on the GPU"
+timeout "$(left kernel-tests)" "$PY" -m pytest -q -rs tests/kernels \
+    > "$R/pytest-kernels-gpu.txt" 2>&1
+tail -1 "$R/pytest-kernels-gpu.txt"
+fi
 
+if wants calibration; then
 step "benchmarks/gpu.py: calibration (TF32, exact), TORQ's solvers on the GPU and the CPU"
-timeout "$(left 20)" "$PY" benchmarks/gpu.py --out "$R/gpu-calibration" --layers 2 \
+timeout "$(left calibration)" "$PY" benchmarks/gpu.py --out "$R/gpu-calibration" --layers 2 \
     --budget-s 200 --parts calibration-tf32,calibration,torq+gptq-device-solvers,torq+gptq \
     > "$R/gpu-calibration.log" 2>&1
 tail -2 "$R/gpu-calibration.log"
+fi
 
-if [ "$(left)" -gt 60 ]; then
+if wants intra && [ "$(left intra)" -gt 60 ]; then
     step "benchmarks/intra_speed.py --cuda"
-    timeout "$(left 10)" "$PY" benchmarks/intra_speed.py --cuda --threads "$(nproc)" \
+    timeout "$(left intra)" "$PY" benchmarks/intra_speed.py --cuda --threads "$(nproc)" \
         --repeats 1 --max-iter 5 --large --out "$R/intra-cuda.json" > "$R/intra-cuda.log" 2>&1
     tail -2 "$R/intra-cuda.log"
 fi

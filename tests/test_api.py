@@ -56,6 +56,24 @@ def test_the_default_recipe_quantizes_saves_and_loads_through_transformers(
     assert theirs["ppl"] == pytest.approx(bf16["ppl"], rel=0.01)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_loaded_checkpoint_moves_with_to_after_it_has_run(
+    packed, tiny_checkpoint, tiny_calibration_data_dir, tmp_path
+) -> None:
+    """compressed-tensors decompresses a loaded model at its first call and then holds every
+    module on the device it was on (``.to`` raised, or moved nothing: a packed SmolLM2 moved
+    to a GPU ran on the CPU). ``torq.load`` decompresses on load: the model moves after it
+    has run, served or packed (the meta device stands in for a GPU)."""
+    data = str(tiny_calibration_data_dir)
+    model = torq.quantize(str(tiny_checkpoint), "fast", data_dir=data, progress=False, **CALIB)
+    loaded = torq.load(torq.save(model, tmp_path / "served"), packed=packed)
+    with torch.no_grad():
+        loaded(input_ids=torch.arange(2, 10).view(1, 8))
+    loaded.to("meta")
+    tensors = [*loaded.parameters(), *loaded.buffers()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+
 def test_a_recipe_that_cannot_be_served_says_why_and_saves_in_torqs_format(
     tiny_checkpoint, tiny_calibration_data_dir, tmp_path
 ) -> None:

@@ -440,12 +440,14 @@ def test_a_rotation_block_of_16_for_nvfp4(tiny_checkpoint, tiny_data_dir, tmp_pa
         assert blocks == {16}, (method, blocks)
 
 
-def test_cuda_asked_for_without_cuda_is_an_error(monkeypatch, capsys) -> None:
-    """``--device cuda`` never falls back to a silent CPU run; ``auto`` does."""
+def test_cuda_asked_for_without_cuda_is_an_error(tiny_checkpoint, monkeypatch, capsys) -> None:
+    """``--device cuda`` never falls back to a silent CPU run; ``auto`` does. (A model of its
+    own: where the default model's package is missing, that is said first.)"""
     from torq.runs.config import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, _, err = _run(["run", "--device", "cuda", "--methods", "fp"], capsys)
+    argv = ["run", "--model", str(tiny_checkpoint), "--device", "cuda", "--methods", "fp"]
+    code, _, err = _run(argv, capsys)
     assert code == 2
     assert "torch sees no CUDA device" in err and "Traceback" not in err
     assert resolve_device("auto") == torch.device("cpu")

@@ -476,6 +476,22 @@ def compressed_tensors_manifest(folder: str | Path) -> dict[str, Any]:
     return {"method": method, "modules": {}, "format": "compressed-tensors"}
 
 
+def _decompress(model: nn.Module) -> None:
+    """Decompress a model transformers loaded from a compressed-tensors folder, now.
+
+    compressed-tensors decompresses such a model at its first forward call, and in doing so
+    puts every module under its own offloading, each fixed to load onto the device the
+    model was on then; ``model.to(device)`` afterwards moves nothing (a model moved to a GPU
+    after one call ran on the CPU). Done here, with the offloading removed again, the model
+    is an ordinary module that ``.to()`` moves."""
+    from compressed_tensors.offload import remove_dispatch
+
+    if hasattr(model, "ct_decompress_hook"):  # the first call fires it and removes it
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long))
+    remove_dispatch(model)
+
+
 def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """A compressed-tensors folder through transformers, with the online transforms of its
     ``transform_config`` attached again (compressed-tensors' ``apply_transform_config``,
@@ -490,6 +506,7 @@ def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloa
     except (OSError, KeyError, json.JSONDecodeError):
         raise TorqError(f"{folder} is not a compressed-tensors checkpoint") from None
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    _decompress(model)
     data = qconfig.get("transform_config") or {}
     if not data.get("config_groups"):
         return model.eval()
