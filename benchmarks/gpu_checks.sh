@@ -13,6 +13,7 @@
 #   DEADLINE_S=560 ...                                    # the whole run ends by then
 #   MODEL=m.gguf DATA_DIR=data ...     # also a real model: its checkpoint on the kernels, and
 #                                       # the default recipe in exact and TF32 arithmetic
+#   ARITHMETICS=tf32 ...                # the real model's calibrations (default exact,tf32)
 #   STEPS=decode,gpu-tests ...          # only these steps (default: all, in this order:
 #                                       # decode, checkpoint, arithmetic, gpu-tests,
 #                                       # kernel-tests, calibration, intra)
@@ -69,7 +70,7 @@ if runs arithmetic; then
     timeout "$(left arithmetic)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" \
         --parts arithmetic \
         --model "$MODEL" --data-dir "$DATA_DIR" --calib-samples 128 --eval-windows 1000 \
-        > "$R/gpu-arithmetic.log" 2>&1
+        --arithmetics "${ARITHMETICS:-exact,tf32}" > "$R/gpu-arithmetic.log" 2>&1
     tail -1 "$R/gpu-arithmetic.log"
 fi
 

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +59,35 @@ def test_float_model_layer_by_layer_is_the_whole_model(arch, tmp_path, tiny_toke
     assert streamed.perplexity.ppl == whole
     assert in_memory.perplexity.ppl == whole
     assert streamed.perplexity.window_nll == perplexity(model, windows, progress=False).window_nll
+
+
+def test_a_prefetched_layer_is_the_layer_read_when_asked(tmp_path, tiny_tokenizer) -> None:
+    """With ``prefetch`` (a GPU's default) each layer is read on a background thread while
+    the one before is worked on: every layer's parameters and the walk's perplexity are
+    those of the plain read, bit for bit, and each layer after the first comes from the
+    background thread."""
+    folder = _save("llama", tmp_path / "m", tiny_tokenizer, torch.bfloat16)
+    plain, ahead = LayerStream(folder), LayerStream(folder, prefetch=True)
+    assert not plain.prefetch and ahead.prefetch
+    threads: list[str] = []
+    read = ahead._read
+
+    def spy(names: list[str], host: bool = False) -> dict[str, torch.Tensor]:
+        threads.append(threading.current_thread().name)
+        return read(names, host)
+
+    ahead._read = spy  # type: ignore[method-assign]
+    for i in range(plain.num_layers):
+        a, b = plain.load_layer(i).state_dict(), ahead.load_layer(i).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(v.dtype == torch.float32 for v in b.values())
+    assert threads[0] == "MainThread" and len(threads) == plain.num_layers
+    assert all(t.startswith("torq-prefetch") for t in threads[1:])
+    windows = torch.randint(0, 300, (2, 32))
+    one = run_layerwise(LayerStream(folder), LayerPlan(None), None, windows, progress=False)
+    two = run_layerwise(ahead, LayerPlan(None), None, windows, progress=False)
+    assert one.perplexity is not None and two.perplexity is not None
+    assert one.perplexity.ppl == two.perplexity.ppl
 
 
 def test_batches_of_windows_give_the_same_perplexity(tmp_path, tiny_tokenizer) -> None:

@@ -8,7 +8,9 @@ and lm_head (with Gemma's logit soft-capping, whatever the architecture's head d
 score them. Each part goes back to ``meta`` when its step is done, so the peak is one
 layer (or the larger of embedding and lm_head), never the model. The files are read
 lazily (``safetensors.safe_open``: one tensor at a time, memory-mapped), in the dtype they
-are stored in (bf16, fp16, fp32).
+are stored in (bf16, fp16, fp32). On a GPU the next decoder layer is read while the current
+one is calibrated (``prefetch``: a background thread reads it into pinned host memory), so
+loading a layer there is one copy to the device rather than the file's read and the copy.
 
 Hidden states move between the steps as tensors, one per batch of windows; the layers see
 the same keyword arguments (rotary tables, masks) as in the model's own forward, captured
@@ -28,6 +30,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -300,12 +303,20 @@ def _checkpoint_files(folder: Path) -> dict[str, Path]:
 class LayerStream(LayerSource):
     """A safetensors checkpoint folder read one part at a time (module docstring)."""
 
-    def __init__(self, folder: str | Path, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, folder: str | Path, device: torch.device | str = "cpu", prefetch: bool | None = None
+    ) -> None:
+        """``prefetch``: read the next decoder layer in the background while the current one
+        is worked on (module docstring); by default on a GPU only, since on a CPU it would
+        hold a second layer in memory for no gain in transfer."""
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.folder = Path(folder)
         self.device = torch.device(device)
+        self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
+        self._reader: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future[dict[str, torch.Tensor]]] = {}
         self.files = _checkpoint_files(self.folder)
         config = AutoConfig.from_pretrained(str(self.folder))
         # parameters on meta (no memory), buffers real (rotary tables, embedding scales)
@@ -340,7 +351,10 @@ class LayerStream(LayerSource):
                     counts[dtype] = counts.get(dtype, 0) + 1
         return counts
 
-    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def _read(self, names: list[str], host: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` in float32 on the device, each converted as it is read (one
+        tensor's copy at a time in host memory); ``host``: all of them as stored, in host
+        memory (pinned for a GPU), for :meth:`_to_device` later."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
@@ -359,10 +373,30 @@ class LayerStream(LayerSource):
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in group:
-                    out[name] = f.get_tensor(name).to(device=self.device, dtype=torch.float32)
+                    t = f.get_tensor(name)
+                    out[name] = t if host else t.to(device=self.device, dtype=torch.float32)
         for name, parts in fused.items():
             out[name] = torch.stack([torch.cat([out.pop(p) for p in e]) for e in parts])
+        if host and self.device.type == "cuda":
+            out = {k: v.pin_memory() for k, v in out.items()}
         return out
+
+    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # blocking copies (from pinned memory at the bus's speed): the time of a layer's
+        # load is then the copy's, not moved into the forward pass that would wait for it
+        return {k: v.to(device=self.device, dtype=torch.float32) for k, v in host.items()}
+
+    def _layer_names(self, index: int) -> list[str]:
+        params = self._skeletons[index].named_parameters(remove_duplicate=False)
+        return [f"{self._layers_prefix}.{index}.{n}" for n, _ in params]
+
+    def _prefetch_layer(self, index: int) -> None:
+        """Start reading decoder layer ``index`` on the background thread."""
+        if not self.prefetch or index >= self.num_layers or index in self._pending:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="torq-prefetch")
+        self._pending[index] = self._reader.submit(self._read, self._layer_names(index), True)
 
     def _expert_parts(self, name: str) -> list[list[str]] | None:
         """A fused MoE experts tensor (``experts.gate_up_proj`` ``[E, 2I, H]``,
@@ -377,10 +411,16 @@ class LayerStream(LayerSource):
             parts.append([f"{prefix}.{len(parts)}.{m}.weight" for m in members])
         return parts or None
 
-    def _materialize(self, module: nn.Module, prefix: str) -> None:
-        """Read ``module``'s parameters (checkpoint names ``prefix + name``) in float32."""
+    def _materialize(
+        self, module: nn.Module, prefix: str, read: Future[dict[str, torch.Tensor]] | None = None
+    ) -> None:
+        """Read ``module``'s parameters (checkpoint names ``prefix + name``) in float32, or
+        take them from ``read``, the background thread's read of them."""
         params = dict(module.named_parameters(remove_duplicate=False))
-        values = self._read([prefix + n for n in params])
+        if read is not None:
+            values = self._to_device(read.result())  # its error, if any, is raised here
+        else:
+            values = self._read([prefix + n for n in params])
         for name in params:
             owner, _, attr = name.rpartition(".")
             sub = module.get_submodule(owner) if owner else module
@@ -430,7 +470,8 @@ class LayerStream(LayerSource):
     def load_layer(self, index: int) -> nn.Module:
         layers = decoder_layers(self.model)
         layer = copy.deepcopy(self._skeletons[index])
-        self._materialize(layer, f"{self._layers_prefix}.{index}.")
+        self._materialize(layer, f"{self._layers_prefix}.{index}.", self._pending.pop(index, None))
+        self._prefetch_layer(index + 1)  # read while this layer is worked on
         if self.parts is not None:
             self.parts.layer(index, layer)
         layers[index] = layer
