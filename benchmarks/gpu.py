@@ -220,6 +220,22 @@ def streamed_calibration(
     return out
 
 
+def next_layer_load(folder: Path, device: torch.device) -> float:
+    """Seconds to load the second decoder layer of ``folder`` once the first is loaded, as
+    the driver does: on a GPU the stream reads it in the background meanwhile (waited for
+    here, where a calibration's layer would take seconds), so this is the copy alone."""
+    from torq.models.streaming import LayerStream
+
+    source = LayerStream(folder, device)
+    source.load_layer(0)
+    ahead = source._pending.get(1)
+    if ahead is not None:
+        ahead.result()
+    t0 = sync(device)
+    source.load_layer(1)
+    return sync(device) - t0
+
+
 @torch.no_grad()
 def anatomy(folder: Path, windows: int, device: torch.device) -> dict[str, Any]:
     """What one layer's capture step is made of, each timed alone over ``windows`` windows
@@ -622,6 +638,13 @@ def markdown(rec: dict[str, Any]) -> str:
         for k in ("load_seconds", "forward_seconds", "solve_seconds"):
             c, g = steps["cpu"]["per_layer"][0][k], steps["gpu"]["per_layer"][0][k]
             lines.append(f"| {k.removesuffix('_seconds')} | {c:.2f} | {g:.2f} | {c / g:.1f}× |")
+        nxt = steps.get("next_layer_load_seconds")
+        if nxt:
+            c, g = nxt["cpu"], nxt["gpu"]
+            lines.append(
+                f"| load, a layer after the first (on the GPU read ahead) | {c:.2f} | {g:.2f} "
+                f"| {c / g:.1f}× |"
+            )
         lines.append("")
     dec = rec.get("decode")
     if dec:
@@ -768,10 +791,15 @@ def main(argv: list[str] | None = None) -> None:
         elif part == "steps":
             folder = write_random(root / f"{args.shape}-1l", dims, 1)
             windows = random_windows(args.step_windows, args.seqlen, dims["vocab_size"])
+            two = write_random(root / f"{args.shape}-2l", dims, 2)
             rec["steps"] = {
                 "windows": args.step_windows,
                 "gpu": streamed_calibration(folder, "default", windows, device),
                 "cpu": streamed_calibration(folder, "default", windows, torch.device("cpu")),
+                "next_layer_load_seconds": {
+                    "gpu": next_layer_load(two, device),
+                    "cpu": next_layer_load(two, torch.device("cpu")),
+                },
             }
         elif part == "anatomy":
             folder = write_random(root / f"{args.shape}-1l", dims, 1)

@@ -5,7 +5,8 @@
 # real model's checkpoint served and decoded on the kernels and its default recipe in exact
 # and TF32 arithmetic; the kernels' suite compiled for the GPU and the tests that skip
 # without one; the default recipe's calibration (TF32 and exact) and TORQ's solvers on the
-# GPU against the CPU; then the intra-block solver both ways.
+# GPU against the CPU; one layer's steps (loading, capture, solving) on both; then the
+# intra-block solver both ways.
 # Each step writes under OUT/records as it finishes; at the end everything is packed into
 # OUT/records.tgz (a lent machine returns few files), so a run cut short keeps what it did.
 #
@@ -16,7 +17,7 @@
 #   ARITHMETICS=tf32 ...                # the real model's calibrations (default exact,tf32)
 #   STEPS=decode,gpu-tests ...          # only these steps (default: all, in this order:
 #                                       # decode, checkpoint, arithmetic, gpu-tests,
-#                                       # kernel-tests, calibration, intra)
+#                                       # kernel-tests, calibration, steps, intra)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to a folder for the records}"
@@ -29,16 +30,16 @@ mkdir -p "$R"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || exit 2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 
-STEPS="${STEPS:-decode,checkpoint,arithmetic,gpu-tests,kernel-tests,calibration,intra}"
+STEPS="${STEPS:-decode,checkpoint,arithmetic,gpu-tests,kernel-tests,calibration,steps,intra}"
 step() { echo "[$(date +%T), ${SECONDS} s] $*"; }
 # wants STEP: whether STEPS names it
 wants() { [[ ",$STEPS," == *",$1,"* ]]; }
 # runs STEP: whether it will run (the real model's steps need MODEL)
 runs() { wants "$1" && { [ -n "${MODEL:-}" ] || [[ "$1" != checkpoint && "$1" != arithmetic ]]; }; }
-ORDER=(decode checkpoint arithmetic gpu-tests kernel-tests calibration intra)
+ORDER=(decode checkpoint arithmetic gpu-tests kernel-tests calibration steps intra)
 # the seconds each step is kept at least, out of the time of the steps before it
 declare -A RESERVE=([decode]=0 [checkpoint]=60 [arithmetic]=70 [gpu-tests]=70
-    [kernel-tests]=30 [calibration]=80 [intra]=10)
+    [kernel-tests]=30 [calibration]=80 [steps]=0 [intra]=10)
 # left STEP: the seconds STEP may run: those before the deadline, less what the wanted steps
 # after it keep (floored at 1)
 left() {
@@ -96,6 +97,13 @@ timeout "$(left calibration)" "$PY" benchmarks/gpu.py --out "$R/gpu-calibration"
     --budget-s 200 --parts calibration-tf32,calibration,torq+gptq-device-solvers,torq+gptq \
     > "$R/gpu-calibration.log" 2>&1
 tail -2 "$R/gpu-calibration.log"
+fi
+
+if wants steps && [ "$(left steps)" -gt 120 ]; then
+    step "benchmarks/gpu.py: one layer's steps on the GPU and the CPU"
+    timeout "$(left steps)" "$PY" benchmarks/gpu.py --out "$R/gpu-steps" --parts steps \
+        > "$R/gpu-steps.log" 2>&1
+    tail -2 "$R/gpu-steps.log"
 fi
 
 if wants intra && [ "$(left intra)" -gt 60 ]; then

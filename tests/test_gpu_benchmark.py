@@ -11,7 +11,7 @@ from benchmarks.gpu import main
 def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     out = tmp_path / "out"
     args = ["--shape", "tiny", "--device", "cpu", "--windows", "2", "--seqlen", "32"]
-    parts = "calibration,calibration-tf32,decode,torq+gptq,torq+gptq-device-solvers"
+    parts = "calibration,calibration-tf32,decode,torq+gptq,torq+gptq-device-solvers,steps"
     args += ["--layers", "2", "--new-tokens", "2", "--parts", parts]
     main([*args, "--dir", str(tmp_path / "ck"), "--out", str(out)])
     rec = json.loads((out / "gpu.json").read_text())
@@ -33,6 +33,10 @@ def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     assert "28 layers on torq's MXFP4 W4A4 kernels" in dec["accelerate"]
     assert {"bf16 batch 1", "torq W4A4 batch 16", "ratio batch 1"} <= set(dec["tokens_per_s"])
     assert "| generate, batch 1 |" in (out / "gpu.md").read_text()
+    steps = rec["steps"]
+    assert steps["cpu"]["per_layer"][0]["solve_seconds"] > 0
+    assert set(steps["next_layer_load_seconds"]) == {"cpu", "gpu"}
+    assert "| load, a layer after the first" in (out / "gpu.md").read_text()
 
 
 def test_the_arithmetic_part_quantizes_a_checkpoint_both_ways(
