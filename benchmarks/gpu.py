@@ -41,8 +41,9 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    compressed-tensors and loaded back through transformers, then on torq's kernels
    (``packed=True``): the perplexity of the first ``--eval-windows`` windows of WikiText-2's
    test for torq's own model, the served one and the packed one, and decoding tokens per
-   second of the float model in bf16 against the packed one (real weights: these
-   perplexities mean something).
+   second of the float model in bf16 against the packed one, as part 3 measures them and
+   through ``torq generate --cuda-graph``'s loop (real weights: these perplexities mean
+   something).
 7. ``arithmetic`` (with ``--model`` and ``--data-dir``): the real model through ``torq
    quantize``'s path (:func:`torq.quantize_checkpoint`, the default recipe,
    ``--calib-samples`` windows of ``--seqlen`` tokens, on the device) once with exact and
@@ -316,13 +317,14 @@ def graphed_decode_speed(
     model: Any, batch: int, new_tokens: int, device: torch.device, compiled: bool = False
 ) -> float:
     """Tokens per second of greedy decoding with one decode step captured as a CUDA graph
-    (transformers' static cache; what a serving engine does): the GPU's time per token
+    (:func:`torq.models.decoding.greedy_decode`, ``torq generate --cuda-graph``'s loop, over
+    transformers' static cache; what a serving engine does): the GPU's time per token
     without Python's launch overhead. ``compiled``: the step through ``torch.compile``
     first (its norms, rotary embeddings and attention fused; torq's layers are graph
     breaks, run as they are), then captured. Raises where the step cannot be captured."""
-    from transformers import StaticCache
+    from torq.models.decoding import greedy_decode
 
-    forward = model
+    forward = None
     if compiled:
         torch._dynamo.reset()  # each model and batch compiled afresh
         # after each of torq's layers (a graph break) the rest of a decoder layer is
@@ -334,37 +336,16 @@ def graphed_decode_speed(
         forward = torch.compile(model, dynamic=False)
 
     prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
-    n = prompt.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=n + new_tokens + 8)
-    logits = model(
-        input_ids=prompt,
-        past_key_values=cache,
-        cache_position=torch.arange(n, device=device),
-        use_cache=True,
-    ).logits
-    token = logits[:, -1:].argmax(-1)
-    position = torch.tensor([n], device=device)
+    start: list[float] = []
 
-    def step() -> torch.Tensor:
-        return forward(
-            input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
-        ).logits
+    def first_token() -> None:  # the clock starts once the step is captured
+        if not start:
+            start.append(sync(device))
 
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up before the capture (kernels compiled)
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    t0 = sync(device)
-    for _ in range(new_tokens):
-        graph.replay()
-        token.copy_(out[:, -1:].argmax(-1))
-        position.add_(1)
-    return batch * new_tokens / (sync(device) - t0)
+    greedy_decode(
+        model, prompt, new_tokens + 1, cuda_graph=True, on_token=first_token, step_forward=forward
+    )
+    return batch * new_tokens / (sync(device) - start[0])
 
 
 def all_speeds(
@@ -505,10 +486,42 @@ def checkpoint(
     out["tokens_per_s"] = {}
     save()
     all_speeds(packed, args.new_tokens, device, "torq W4A4", out, save=save)
+    product_speed(packed, tokenizer, args.new_tokens, device, "torq W4A4", out, save)
     del packed
     float_model = load_model(args.model).model.to(device, torch.bfloat16).eval()
     all_speeds(float_model, args.new_tokens, device, "bf16", out, save=save)
+    product_speed(float_model, tokenizer, args.new_tokens, device, "bf16", out, save)
     return out
+
+
+def product_speed(
+    model: Any,
+    tokenizer: Any,
+    new_tokens: int,
+    device: torch.device,
+    label: str,
+    out: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """The decoding speed a user gets from ``torq generate --cuda-graph`` (a GPU only): one
+    step captured as a CUDA graph and replayed per token, checked for the end of text."""
+    import torq
+
+    if device.type != "cuda":
+        return
+    key = f"{label} torq generate --cuda-graph batch 1"
+    try:
+        prompt = "The capital of France is"
+        torq.generate(model, prompt, max_new_tokens=4, tokenizer=tokenizer, cuda_graph=True)
+        done = torq.generate(
+            model, prompt, max_new_tokens=new_tokens, tokenizer=tokenizer, cuda_graph=True
+        )
+    except Exception as exc:  # recorded: the other rows still stand
+        out.setdefault("graph_errors", {})[key] = repr(exc)[:300]
+    else:
+        if done["decode_tokens_per_s"] is not None:
+            out["tokens_per_s"][key] = done["decode_tokens_per_s"]
+    save()
 
 
 def arithmetic(
@@ -582,7 +595,7 @@ def speed_rows(tps: dict[str, float]) -> list[str]:
         "| decode | bf16 tokens/s | torq W4A4 tokens/s | ratio |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for how in ("", "graphed ", "compiled graphed "):
+    for how in ("", "graphed ", "compiled graphed ", "torq generate --cuda-graph "):
         for b in (1, 16):
             bf16, fast = tps.get(f"bf16 {how}batch {b}"), tps.get(f"torq W4A4 {how}batch {b}")
             if bf16 and fast:

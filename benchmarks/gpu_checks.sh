@@ -80,7 +80,8 @@ if wants gpu-tests; then
 step "GPU-only tests"
 timeout "$(left gpu-tests)" "$PY" -m pytest -q -rs -k "gpu or cuda" tests/test_cli.py \
     tests/test_api.py tests/surgery/test_gptq.py tests/formats/test_formats_fake_quant.py \
-    tests/calibration/test_capture.py > "$R/pytest-gpu.txt" 2>&1
+    tests/calibration/test_capture.py tests/models/test_decoding.py \
+    tests/kernels/test_accelerate.py > "$R/pytest-gpu.txt" 2>&1
 tail -1 "$R/pytest-gpu.txt"
 fi
 if wants kernel-tests; then

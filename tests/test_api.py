@@ -319,3 +319,5 @@ def test_generate_times_the_prompt_and_the_decoding_apart(tiny_checkpoint) -> No
     assert (done["new_tokens"] - 1) / decode + done["prefill_seconds"] <= done["seconds"] * 1.001
     with pytest.raises(TorqError, match="at least 1"):
         torq.generate(model, "the", max_new_tokens=0)
+    with pytest.raises(TorqError, match="needs the model on a CUDA device; it is on cpu"):
+        torq.generate(model, "the", cuda_graph=True)

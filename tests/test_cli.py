@@ -42,6 +42,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["run", "--model", "no-such-model", "--methods", "fp"], "Known defaults: qwen2"),
         (["run", "--device", "banana", "--methods", "fp"], "unknown device 'banana'"),
         (["run", "--device", "meta", "--methods", "fp"], "device 'meta' is not supported"),
+        (["generate", "--model", "x", "--device", "cpu", "--cuda-graph"], "needs a CUDA device"),
     ],
 )
 def test_bad_arguments_give_one_line(argv, needle, capsys) -> None:

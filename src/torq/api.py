@@ -157,18 +157,26 @@ def generate(
     *,
     max_new_tokens: int = 64,
     tokenizer: Any = None,
+    cuda_graph: bool = False,
 ) -> dict[str, Any]:
     """Greedy text from ``model`` (on its device) after ``prompt``, with transformers'
-    ``generate``: ``{"text", "new_tokens", "seconds", "tokens_per_s", "prefill_seconds",
+    ``generate``, or with ``cuda_graph`` one decoding step captured as a CUDA graph over a
+    static cache and replayed for each token (:func:`torq.models.decoding.greedy_decode`;
+    a GPU only): ``{"text", "new_tokens", "seconds", "tokens_per_s", "prefill_seconds",
     "decode_tokens_per_s"}``. ``seconds`` is the whole call; ``prefill_seconds`` runs until
-    the first new token (the prompt's forward), and ``decode_tokens_per_s`` counts the tokens
-    after it over the time after it (``None`` with fewer than two new tokens)."""
+    the first new token (the prompt's forward, and the capture with ``cuda_graph``), and
+    ``decode_tokens_per_s`` counts the tokens after it over the time after it (``None``
+    with fewer than two new tokens)."""
     import torch
+
+    from torq.models.decoding import GraphCaptureError, greedy_decode
 
     if max_new_tokens < 1:
         raise TorqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    tokenizer = tokenizer or _tokenizer_of(model)
     device = next(model.parameters()).device
+    if cuda_graph and device.type != "cuda":
+        raise TorqError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
+    tokenizer = tokenizer or _tokenizer_of(model)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     if ids.shape[1] == 0:
         raise TorqError("the prompt is empty")
@@ -191,17 +199,33 @@ def generate(
 
     clock = Clock()
     t0 = now()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            streamer=clock,
-        )
+    if cuda_graph:
+        clock.put(ids)  # as generate's streamer: the prompt first
+        try:
+            new = greedy_decode(
+                model,
+                ids,
+                max_new_tokens,
+                cuda_graph=True,
+                eos_token_id=tokenizer.eos_token_id,
+                on_token=lambda: clock.put(None),
+            )[0]
+        except GraphCaptureError as exc:
+            raise TorqError(
+                f"the decoding step could not be captured as a CUDA graph: {exc}"
+            ) from None
+    else:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                streamer=clock,
+            )
+        new = out[0, ids.shape[1] :]
     seconds = now() - t0
-    new = out[0, ids.shape[1] :]
     tokens = clock.times[1:]  # the first put is the prompt
     decode = None
     if len(tokens) >= 2 and tokens[-1] > tokens[0]:

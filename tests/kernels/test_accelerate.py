@@ -192,6 +192,19 @@ def test_compiled_accelerated_step_captures_as_a_cuda_graph() -> None:
     assert rel < 2e-2, rel
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decoding_on_the_kernels_gives_the_eager_tokens() -> None:
+    """``torq generate --packed --cuda-graph``'s loop on a GPU: the accelerated model's
+    step captured once and replayed gives the tokens of the same step run eagerly."""
+    from torq.models.decoding import greedy_decode
+
+    model = _quantized("had32").to("cuda", torch.bfloat16)
+    accelerate(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), device="cuda")
+    eager = greedy_decode(model, ids, 12)
+    assert torch.equal(greedy_decode(model, ids, 12, cuda_graph=True), eager)
+
+
 def test_a_saved_default_recipe_checkpoint_runs_on_the_kernels(tmp_path, tiny_tokenizer) -> None:
     """A torq checkpoint of the default recipe's method (nearest-rule activations): loaded
     with its weights kept packed, or loaded unpacked and accelerated, every linear runs on

@@ -213,6 +213,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.packed and saved_manifest(args.model) is None:  # before the model is loaded
         raise TorqError(f"--packed: {args.model} is not a quantized checkpoint (a float model)")
+    if args.cuda_graph and device.type != "cuda":
+        raise TorqError(f"--cuda-graph needs a CUDA device; this run is on {device}")
     model = load(args.model).to(device)
     note = ""
     if args.packed:
@@ -220,13 +222,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not report.swapped:
             raise TorqError(f"--packed: {args.model} has no layer torq's kernels run")
         note = f"; {report.summary()}"
-    done = generate(model, args.prompt, max_new_tokens=args.max_new_tokens)
+    done = generate(
+        model, args.prompt, max_new_tokens=args.max_new_tokens, cuda_graph=args.cuda_graph
+    )
     print(args.prompt + done["text"])
     decode = done["decode_tokens_per_s"]
     speed = "" if decode is None else f", then {decode:.1f} tokens/s"
     print(
         f"torq: {done['new_tokens']} tokens in {done['seconds']:.2f} s (the prompt and first "
-        f"token {done['prefill_seconds']:.2f} s{speed}) on {device}{note}",
+        f"token {done['prefill_seconds']:.2f} s{speed}) on {device}{note}"
+        + ("; the step as a CUDA graph" if args.cuda_graph else ""),
         file=sys.stderr,
     )
     return 0

@@ -191,6 +191,12 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
         help="its MXFP4 W4A4 layers on torq's packed kernels (the Triton kernels on a GPU)",
     )
     gen.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode with one step captured as a CUDA graph over a static cache, as a serving "
+        "engine does (a GPU only)",
+    )
+    gen.add_argument(
         "--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there)"
     )
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")
