@@ -12,6 +12,7 @@ the captured graph stays valid from one token to the next.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +46,11 @@ def greedy_decode(
 
     n = ids.shape[1]
     device = ids.device
-    cache = StaticCache(config=model.config, max_cache_len=n + max_new_tokens)
+    # newer transformers name the cache argument ``cache`` (``past_key_values`` deprecated)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {key: StaticCache(config=model.config, max_cache_len=n + max_new_tokens)}
     logits = model(
-        input_ids=ids,
-        past_key_values=cache,
-        cache_position=torch.arange(n, device=device),
-        use_cache=True,
+        input_ids=ids, cache_position=torch.arange(n, device=device), use_cache=True, **cache
     ).logits
     token = logits[:, -1:].argmax(-1)
     position = torch.tensor([n], device=device)
@@ -59,9 +59,7 @@ def greedy_decode(
     forward = model if step_forward is None else step_forward
 
     def step() -> torch.Tensor:
-        return forward(
-            input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
-        ).logits
+        return forward(input_ids=token, cache_position=position, use_cache=True, **cache).logits
 
     replay: Callable[[], torch.Tensor] = step
     if cuda_graph and max_new_tokens > 1:
