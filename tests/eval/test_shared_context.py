@@ -161,7 +161,8 @@ def test_the_cache_goes_by_the_name_the_model_takes(tiny_tokenizer) -> None:
     import warnings
     from types import SimpleNamespace
 
-    from torq.eval.shared_context import _cache_argument, _returned_cache
+    from torq.eval.shared_context import _returned_cache
+    from torq.models.architecture import cache_argument
 
     class Old(torch.nn.Module):
         def forward(
@@ -170,9 +171,9 @@ def test_the_cache_goes_by_the_name_the_model_takes(tiny_tokenizer) -> None:
             return SimpleNamespace(past_key_values="old")
 
     model = tiny_model("llama").eval()
-    assert _cache_argument(Old()) == "past_key_values"
+    assert cache_argument(Old()) == "past_key_values"
     assert _returned_cache(Old()(input_ids=None)) == "old"
-    assert _cache_argument(model) in ("cache", "past_key_values")
+    assert cache_argument(model) in ("cache", "past_key_values")
     _, shared = _wrappers(model, tiny_tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -21,7 +21,6 @@ thrown away.
 from __future__ import annotations
 
 import copy
-import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -30,6 +29,8 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator
 from tqdm import tqdm
+
+from torq.models.architecture import cache_argument
 
 Request = tuple[tuple[str, str], list[int], list[int]]
 
@@ -209,7 +210,7 @@ class SharedContextHFLM(HFLM):
         # pass 2 in batches of similar length (as lm-eval sorts its own), each on its own
         # selection of the cache rows it needs
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
-        cache_argument = _cache_argument(model)  # the forward's own name for the cache
+        cache_name = cache_argument(model)  # the forward's own name for the cache
         per_batch = 2 * (self.batch_size if isinstance(self.batch_size, int) else 8)
         scored: dict[int, tuple[float, bool]] = {}
         for start in range(0, len(order), per_batch):
@@ -230,7 +231,7 @@ class SharedContextHFLM(HFLM):
                     attention_mask=torch.cat([mask[index], q_mask.to(dev)], dim=1),
                     position_ids=positions.to(dev),
                     use_cache=True,
-                    **{cache_argument: rows_cache},
+                    **{cache_name: rows_cache},
                 ).logits
             for b, r in enumerate(batch):
                 cont = targets[r]
@@ -253,14 +254,6 @@ def _select_rows(cache: Any, index: torch.Tensor) -> Any:
     rows.layers = [copy.copy(layer) for layer in cache.layers]
     rows.batch_select_indices(index)
     return rows
-
-
-def _cache_argument(model: Any) -> str:
-    """The name under which ``model``'s forward takes a key/value cache: ``cache`` since
-    transformers 5.x renamed it (``past_key_values`` is deprecated there, to be removed in
-    5.40), ``past_key_values`` before."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _returned_cache(output: Any) -> Any:

@@ -7,6 +7,9 @@ inside it, and everything outside it (embeddings, final norm, lm_head) stays in 
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,3 +45,11 @@ def is_fused_experts(module: nn.Module) -> bool:
         and down.dim() == 3
         and hasattr(module, "act_fn")
     )
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model``'s forward takes a key/value cache: ``cache`` since
+    transformers 5.x renamed it (``past_key_values`` is deprecated there, to be removed in
+    5.40), ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

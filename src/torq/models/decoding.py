@@ -12,11 +12,12 @@ the captured graph stays valid from one token to the next.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from torq.models.architecture import cache_argument
 
 
 class GraphCaptureError(RuntimeError):
@@ -46,9 +47,9 @@ def greedy_decode(
 
     n = ids.shape[1]
     device = ids.device
-    # newer transformers name the cache argument ``cache`` (``past_key_values`` deprecated)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = {key: StaticCache(config=model.config, max_cache_len=n + max_new_tokens)}
+    cache = {
+        cache_argument(model): StaticCache(config=model.config, max_cache_len=n + max_new_tokens)
+    }
     logits = model(
         input_ids=ids, cache_position=torch.arange(n, device=device), use_cache=True, **cache
     ).logits
