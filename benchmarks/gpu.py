@@ -393,11 +393,11 @@ def decode(
     layers: int,
     device: torch.device,
     new_tokens: int,
-    share: bool = True,
-    compiled: bool = False,
-    out: dict[str, Any] | None = None,
-    save: Callable[[], None] = lambda: None,
-) -> dict:
+    share: bool,
+    compiled: bool,
+    out: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
     """bf16 against torq's kernels on one random model (module doc, part 3), into ``out``
     (``save`` called after each row)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -411,7 +411,6 @@ def decode(
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    out = {} if out is None else out
     out.update({"layers": layers, "new_tokens": new_tokens, "tokens_per_s": {}})
     all_speeds(model, new_tokens, device, "bf16", out, compiled, save)
     t0 = sync(device)
@@ -436,20 +435,15 @@ def decode(
             if f"torq W4A4 {how}batch {b}" in tps and f"bf16 {how}batch {b}" in tps:
                 ratio = tps[f"torq W4A4 {how}batch {b}"] / tps[f"bf16 {how}batch {b}"]
                 tps[f"ratio {how}batch {b}"] = ratio
-    return out
 
 
-def checkpoint(
-    args: argparse.Namespace,
-    device: torch.device,
-    root: Path,
-    out: dict[str, Any],
-    save: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
-    """A real model through the product's path, on ``device`` (module doc, part 6), into
+def checkpoint(args: argparse.Namespace, out: dict[str, Any], save: Callable[[], None]) -> None:
+    """A real model through the product's path, on ``--device`` (module doc, part 6), into
     ``out`` (``save`` called after each step)."""
     import torq
     from torq.export.loading import load_model
+
+    device, root = torch.device(args.device), Path(args.dir)
 
     if not args.model:
         raise SystemExit("the checkpoint part needs --model (and --data-dir for WikiText-2)")
@@ -491,7 +485,6 @@ def checkpoint(
     float_model = load_model(args.model).model.to(device, torch.bfloat16).eval()
     all_speeds(float_model, args.new_tokens, device, "bf16", out, save=save)
     product_speed(float_model, tokenizer, args.new_tokens, device, "bf16", out, save)
-    return out
 
 
 def product_speed(
@@ -524,16 +517,12 @@ def product_speed(
     save()
 
 
-def arithmetic(
-    args: argparse.Namespace,
-    device: torch.device,
-    root: Path,
-    out: dict[str, Any],
-    save: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
+def arithmetic(args: argparse.Namespace, out: dict[str, Any], save: Callable[[], None]) -> None:
     """The default recipe on a real model with exact and TF32 calibration (module doc, 7),
-    into ``out`` (``save`` called after each)."""
+    on ``--device``, into ``out`` (``save`` called after each)."""
     import torq
+
+    device, root = torch.device(args.device), Path(args.dir)
 
     if not args.model or not args.data_dir:
         raise SystemExit("the arithmetic part needs --model and --data-dir")
@@ -573,7 +562,6 @@ def arithmetic(
     if "exact" in out and "tf32" in out:
         out["ppl_ratio_tf32_to_exact"] = out["tf32"]["ppl"] / out["exact"]["ppl"]
         out["speedup_tf32"] = out["exact"]["seconds"] / out["tf32"]["seconds"]
-    return out
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -819,10 +807,10 @@ def main(argv: list[str] | None = None) -> None:
             rec["anatomy"] = anatomy(folder, args.windows, device)
         elif part == "checkpoint":
             rec["checkpoint"] = {}
-            checkpoint(args, device, root, rec["checkpoint"], save)
+            checkpoint(args, rec["checkpoint"], save)
         elif part == "arithmetic":
             rec["arithmetic"] = {}
-            arithmetic(args, device, root, rec["arithmetic"], save)
+            arithmetic(args, rec["arithmetic"], save)
         elif part == "decode":
             rec["decode"] = {}
             decode(
