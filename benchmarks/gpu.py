@@ -21,9 +21,9 @@ done (no part starts after ``--budget-s``; a run stopped keeps what finished):
    mean token NLL of the fake-quant model and of the accelerated one on the same windows.
    Each model decodes through eager ``generate`` and with one step captured as a CUDA
    graph; with ``--compiled`` also, at batch 1, with the step through ``torch.compile``
-   (norms, rotary embeddings and attention fused; torq's layers are graph breaks) and then
-   captured: transformers' eager code is most of a graphed step's kernels besides the
-   products.
+   as one graph (norms, rotary embeddings and attention fused around torq's products, each
+   one operator) and then captured: transformers' eager code is most of a graphed step's
+   kernels besides the products.
 4. ``anatomy``: one layer's capture step taken apart: a float forward pass over the
    windows, and the statistics of one input group of each width, each timed alone.
 1b. ``calibration-tf32``: the same with the capture's products in TF32
@@ -320,20 +320,15 @@ def graphed_decode_speed(
     (:func:`torq.models.decoding.greedy_decode`, ``torq generate --cuda-graph``'s loop, over
     transformers' static cache; what a serving engine does): the GPU's time per token
     without Python's launch overhead. ``compiled``: the step through ``torch.compile``
-    first (its norms, rotary embeddings and attention fused; torq's layers are graph
-    breaks, run as they are), then captured. Raises where the step cannot be captured."""
+    first, as one graph (``fullgraph``: its norms, rotary embeddings and attention fused
+    around torq's products, each one operator, :mod:`torq.kernels.ops`), then captured.
+    Raises where the step cannot be compiled or captured."""
     from torq.models.decoding import greedy_decode
 
     forward = None
     if compiled:
         torch._dynamo.reset()  # each model and batch compiled afresh
-        # after each of torq's layers (a graph break) the rest of a decoder layer is
-        # compiled once per layer (its index is a constant of the key-value cache's
-        # update): past dynamo's limit of 8 the later layers would run uncompiled
-        layers = model.config.num_hidden_layers
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * layers + 8)
-        forward = torch.compile(model, dynamic=False)
+        forward = torch.compile(model, dynamic=False, fullgraph=True)
 
     prompt = random_windows(batch, 64, model.config.vocab_size, seed=batch).to(device)
     start: list[float] = []

@@ -321,3 +321,21 @@ def test_generate_times_the_prompt_and_the_decoding_apart(tiny_checkpoint) -> No
         torq.generate(model, "the", max_new_tokens=0)
     with pytest.raises(TorqError, match="needs the model on a CUDA device; it is on cpu"):
         torq.generate(model, "the", cuda_graph=True)
+
+
+def test_a_step_torch_compile_cannot_compile_is_one_line(tiny_checkpoint, monkeypatch) -> None:
+    """``torq.generate(..., compiled=True)`` where dynamo fails (a graph break, say): one
+    line naming torch.compile and the first line of dynamo's reason."""
+    import torch
+    from torch._dynamo.exc import TorchDynamoException
+
+    def refuses(*_args, **_kwargs):
+        raise TorchDynamoException("a graph break in the step\nthe rest of dynamo's story")
+
+    monkeypatch.setattr(torch, "compile", lambda *_a, **_k: refuses)
+    model = torq.load(str(tiny_checkpoint))
+    with pytest.raises(TorqError) as err:
+        torq.generate(model, "the", max_new_tokens=4, compiled=True)
+    assert str(err.value) == (
+        "torch.compile could not compile the decoding step: a graph break in the step"
+    )

@@ -158,16 +158,20 @@ def generate(
     max_new_tokens: int = 64,
     tokenizer: Any = None,
     cuda_graph: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Greedy text from ``model`` (on its device) after ``prompt``, with transformers'
-    ``generate``, or with ``cuda_graph`` one decoding step captured as a CUDA graph over a
-    static cache and replayed for each token (:func:`torq.models.decoding.greedy_decode`;
-    a GPU only): ``{"text", "new_tokens", "seconds", "tokens_per_s", "prefill_seconds",
-    "decode_tokens_per_s"}``. ``seconds`` is the whole call; ``prefill_seconds`` runs until
-    the first new token (the prompt's forward, and the capture with ``cuda_graph``), and
-    ``decode_tokens_per_s`` counts the tokens after it over the time after it (``None``
-    with fewer than two new tokens)."""
+    ``generate``, or step by step over a static cache
+    (:func:`torq.models.decoding.greedy_decode`): with ``cuda_graph`` one decoding step
+    captured as a CUDA graph and replayed for each token (a GPU only), with ``compiled`` the
+    step through ``torch.compile`` as one graph (torq's products as operators,
+    :mod:`torq.kernels.ops`), or both: ``{"text", "new_tokens", "seconds", "tokens_per_s",
+    "prefill_seconds", "decode_tokens_per_s"}``. ``seconds`` is the whole call;
+    ``prefill_seconds`` runs until the first new token (the prompt's forward, and the
+    compilation and the capture), and ``decode_tokens_per_s`` counts the tokens after it
+    over the time after it (``None`` with fewer than two new tokens)."""
     import torch
+    from torch._dynamo.exc import TorchDynamoException
 
     from torq.models.decoding import GraphCaptureError, greedy_decode
 
@@ -199,21 +203,28 @@ def generate(
 
     clock = Clock()
     t0 = now()
-    if cuda_graph:
+    if cuda_graph or compiled:
         clock.put(ids)  # as generate's streamer: the prompt first
+        step = None
+        if compiled:  # (compiled once: a later call on the same model reuses it)
+            step = torch.compile(model, fullgraph=True, dynamic=False)
         try:
             new = greedy_decode(
                 model,
                 ids,
                 max_new_tokens,
-                cuda_graph=True,
+                cuda_graph=cuda_graph,
                 eos_token_id=tokenizer.eos_token_id,
                 on_token=lambda: clock.put(None),
+                step_forward=step,
             )[0]
         except GraphCaptureError as exc:
             raise TorqError(
                 f"the decoding step could not be captured as a CUDA graph: {exc}"
             ) from None
+        except TorchDynamoException as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TorqError(f"torch.compile could not compile the decoding step: {first}") from None
     else:
         with torch.no_grad():
             out = model.generate(

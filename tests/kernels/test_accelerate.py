@@ -152,33 +152,74 @@ def test_accelerated_model_on_a_gpu_runs_the_kernels_as_the_fake_quant_model(
         assert rel_fast <= 2 * rel_bf16 + 1e-3, (tokens.shape, rel_fast, rel_bf16)
 
 
-def test_torch_compile_compiles_around_the_kernels() -> None:
-    """``torch.compile`` of an accelerated model (q/k/v and gate/up shared) compiles the
-    model's own code and runs torq's layers as graph breaks: the eager model's logits."""
-    model = _quantized("had32")
+@pytest.mark.parametrize("method", ["rtn", "had32", "torq", "torq-perm"])
+def test_torch_compile_traces_the_whole_model_with_the_kernels_as_operators(
+    method, tmp_path, tiny_tokenizer, monkeypatch
+) -> None:
+    """``torch.compile(fullgraph=True)`` of an accelerated model: one graph, with every
+    packed product one ``torq::mxfp4_linear`` node (the transform inside it, or before it as
+    its module for ``torq-perm``'s permutation), a shared q/k/v or gate/up product computed
+    once, and the eager model's logits."""
+    import torq.kernels.ops as ops
+
+    if method in ("rtn", "had32"):
+        model = _quantized(method, "nearest")
+    else:
+        model = _calibrated(method, tmp_path, tiny_tokenizer, "nearest")
     accelerate(model)
+    transforms = [m.input_transform for m in model.modules() if isinstance(m, PackedMXFP4Linear)]
+    forms = [t.kernel_form() for t in transforms if t is not None]
+    assert set(forms) == {"rtn": set(), "had32": {"block_matrix"}, "torq": {"prepass"}}.get(
+        method, {"module", "prepass"}  # the permutation where the balancing found one
+    )
+    calls = []
+    run = ops.mxfp4_linear
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["rotation"] is not None)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "mxfp4_linear", counted)
     ids = torch.randint(
         0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)
     )
     torch._dynamo.reset()
     with torch.no_grad():
         eager = model(input_ids=ids).logits
-        explained = torch._dynamo.explain(model)(input_ids=ids)
-        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
-    assert explained.graph_break_count > 0 and explained.graph_count > 1
-    assert torch.equal(compiled, eager)
+        assert not calls  # eager: the layers call the kernels, not the operator
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids)
+    # per decoder layer: q/k/v (shared), o, gate/up (shared), down; each transform the
+    # kernels run goes into the operator
+    assert len(calls) == len(transforms) == 8
+    assert sum(calls) == sum(form != "module" for form in forms)
+    assert torch.equal(compiled.logits, eager)
+
+
+def test_a_compiled_decoding_step_gives_the_eager_tokens() -> None:
+    """``torch.compile(fullgraph=True)`` of the decoding step over transformers' static
+    cache, as ``benchmarks/gpu.py --compiled`` decodes: one graph, the eager loop's tokens."""
+    from torq.models.decoding import greedy_decode
+
+    model = _quantized("had32", "nearest")
+    accelerate(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator())
+    eager = greedy_decode(model, ids, 6)
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    assert torch.equal(greedy_decode(model, ids, 6, step_forward=step), eager)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_accelerated_step_captures_as_a_cuda_graph() -> None:
-    """On a GPU: the accelerated model through ``torch.compile`` (Inductor) and captured as
-    a CUDA graph, as ``benchmarks/gpu.py --compiled`` decodes, gives the eager kernels'
-    logits to bf16's rounding of the fused code around them."""
+    """On a GPU: the accelerated model through ``torch.compile`` (Inductor, one graph with
+    torq's products as operators) and captured as a CUDA graph, as ``benchmarks/gpu.py
+    --compiled`` decodes, gives the eager kernels' logits to bf16's rounding of the fused
+    code around them."""
     model = _quantized("had32").to("cuda", torch.bfloat16)
     accelerate(model)
     ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")
     torch._dynamo.reset()
-    forward = torch.compile(model, dynamic=False)
+    forward = torch.compile(model, dynamic=False, fullgraph=True)
     with torch.no_grad():
         eager = model(input_ids=ids).logits.float()
         for _ in range(3):
@@ -266,8 +307,9 @@ def test_generate_command_runs_a_saved_checkpoint_on_the_kernels(
     tmp_path, tiny_tokenizer, tiny_checkpoint, capsys
 ) -> None:
     """``torq generate --packed``: the saved model's greedy text, the same as without the
-    kernels (the reference arithmetic on a CPU), and one line on stderr with the speed and
-    what ran on the kernels; a float model with --packed is refused in one line."""
+    kernels (the reference arithmetic on a CPU) and with ``--compile`` too, and one line on
+    stderr with the speed and what ran on the kernels; a float model with --packed is
+    refused in one line."""
     from torq.cli import main
     from torq.export import save_quantized
 
@@ -280,6 +322,10 @@ def test_generate_command_runs_a_saved_checkpoint_on_the_kernels(
     assert fast.out == plain.out and fast.out.startswith("the")
     assert "6 tokens in" in fast.err and "14 layers on torq's MXFP4 W4A4 kernels" in fast.err
     assert "the prompt and first token" in fast.err and "tokens/s" in fast.err
+    # the step through torch.compile (Inductor on the CPU): one graph, the same text
+    assert main([*base, "--device", "cpu", "--packed", "--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == plain.out and "the step through torch.compile" in compiled.err
     assert main(["generate", "--model", str(tiny_checkpoint), "--packed"]) == 2
     err = capsys.readouterr().err
     assert "is not a quantized checkpoint" in err and len(err.strip().splitlines()) == 1

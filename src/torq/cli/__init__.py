@@ -223,7 +223,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise TorqError(f"--packed: {args.model} has no layer torq's kernels run")
         note = f"; {report.summary()}"
     done = generate(
-        model, args.prompt, max_new_tokens=args.max_new_tokens, cuda_graph=args.cuda_graph
+        model,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        cuda_graph=args.cuda_graph,
+        compiled=args.compile,
     )
     print(args.prompt + done["text"])
     decode = done["decode_tokens_per_s"]
@@ -231,6 +235,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"torq: {done['new_tokens']} tokens in {done['seconds']:.2f} s (the prompt and first "
         f"token {done['prefill_seconds']:.2f} s{speed}) on {device}{note}"
+        + ("; the step through torch.compile" if args.compile else "")
         + ("; the step as a CUDA graph" if args.cuda_graph else ""),
         file=sys.stderr,
     )

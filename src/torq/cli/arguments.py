@@ -197,6 +197,12 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
         "engine does (a GPU only)",
     )
     gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with the step through torch.compile, one graph with torq's kernels in it "
+        "(a first token that takes a while; the fastest with --cuda-graph)",
+    )
+    gen.add_argument(
         "--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there)"
     )
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads")

@@ -198,6 +198,8 @@ class SharedInputLinears(nn.Module):
         self.bounds = bounds
         self._last: tuple[Any, int, torch.Tensor] | None = None
         self._pending = 0
+        # torch.compile's form of the same (traced_output): [input, product, reads left]
+        self._traced: list[Any] = []
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Layer ``index``'s output for the input ``x``: its columns of the product."""
@@ -213,6 +215,22 @@ class SharedInputLinears(nn.Module):
             self._last = None  # every layer has read it: not held on
         return y[..., self.bounds[index] : self.bounds[index + 1]]
 
+    def traced_output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """:meth:`output` as ``torch.compile`` traces it: the product computed for the first
+        layer that reads ``x`` and taken by the others from a list (dynamo follows a list,
+        not a weak reference or a version counter). The compiler would not merge the
+        layers' calls of the operator itself: it never merges custom operators."""
+        held = self._traced
+        if held and held[0] is x:
+            y = held[1]
+            held[2] -= 1
+        else:
+            y = self.linear(x)
+            held[:] = [x, y, len(self.bounds) - 2]
+        if held[2] <= 0:
+            held.clear()  # every layer has read it: not held on
+        return y[..., self.bounds[index] : self.bounds[index + 1]]
+
 
 class SharedInputSlice(nn.Module):
     """One layer of a :class:`SharedInputLinears` group, where the layer was."""
@@ -224,9 +242,9 @@ class SharedInputSlice(nn.Module):
         self.in_features = group.linear.in_features
         self.out_features = group.bounds[index + 1] - group.bounds[index]
 
-    # torch.compile compiles around it, as around PackedMXFP4Linear.forward
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.group.traced_output(x, self.index)
         return self.group.output(x, self.index)
 
     def extra_repr(self) -> str:

@@ -315,7 +315,8 @@ class PackedMXFP4Experts(nn.Module):
         out = (y.view(t, k, -1) * weights[..., None]).sum(dim=1)
         return out.to(hidden_states.dtype)
 
-    # torch.compile compiles around it, as around PackedMXFP4Linear.forward
+    # torch.compile compiles around it (a graph break): which experts run, and on which
+    # tokens, depends on the routing's values
     @torch.compiler.disable
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

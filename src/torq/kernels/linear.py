@@ -14,7 +14,8 @@ dequantized weight, which is the same arithmetic, so the same model code runs ev
 The package follows one product's path: :mod:`~torq.kernels.weight` (the packed operand),
 :mod:`~torq.kernels.config` (launch configurations and the default per token count),
 :mod:`~torq.kernels.dispatch` (Triton or the reference, and which launch),
-:mod:`~torq.kernels.launch` (pre-passes and kernel launches), and this layer over them.
+:mod:`~torq.kernels.launch` (pre-passes and kernel launches), :mod:`~torq.kernels.ops` (the
+product as a PyTorch operator, which ``torch.compile`` traces), and this layer over them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from torch import nn
 
 from torq.kernels.config import Backend
 from torq.kernels.dispatch import mxfp4_linear
-from torq.kernels.launch import check_block_transform
+from torq.kernels.launch import check_block_transform, fusable_in_prepass
+from torq.kernels.ops import mxfp4_linear_op
 from torq.kernels.weight import MXFP4Weight
 
 
@@ -107,11 +109,9 @@ class PackedMXFP4Linear(nn.Module):
             self.fp8_row_scale,
         )
 
-    # torch.compile compiles the model around this layer (a graph break here): its Triton
-    # launches and their Python dispatch by token count run as they are, between the
-    # compiled norms, rotary embeddings and attention (benchmarks/gpu.py's compiled decode)
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.as_operator(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return mxfp4_linear(
             x,
@@ -121,6 +121,31 @@ class PackedMXFP4Linear(nn.Module):
             backend=self.backend,
             rotation=self.input_transform,
             nearest=self.nearest,
+        )
+
+    def as_operator(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer as ``torch.ops.torq.mxfp4_linear`` (:mod:`torq.kernels.ops`), the form
+        ``torch.compile`` traces: one node of the graph, the same arithmetic. An online
+        transform the kernels cannot run goes before it as its module."""
+        t = self.input_transform
+        tensors: list[torch.Tensor | None] = [None, None, None]
+        if fusable_in_prepass(t):
+            tensors = [t.channel_scale, t.r_inter, t.r_intra]  # type: ignore[union-attr]
+        elif t is not None:
+            x = t(x)
+        return mxfp4_linear_op(
+            x,
+            self.codes,
+            self.scales,
+            self.in_features,
+            None if self.bias is None else self.bias.to(x.dtype),
+            self.block_transform,
+            *tensors,
+            self.fp8_row_exponents,
+            self.fp8_row_scale,
+            self.fp8_exact,
+            self.nearest,
+            self.backend,
         )
 
     def extra_repr(self) -> str:

@@ -125,6 +125,34 @@ class BlockRotation(nn.Module):
             if self.n_blocks is None:
                 self.n_blocks = channel_perm.numel() // block_size
 
+    @classmethod
+    def from_checked(
+        cls,
+        block_size: int,
+        channel_scale: torch.Tensor | None,
+        r_inter: torch.Tensor | None,
+        r_intra: torch.Tensor | None,
+    ) -> BlockRotation:
+        """The transform of a :class:`BlockRotation` made (and so checked) before, around its
+        very tensors, without a permutation or Kronecker factors: no checks, no copies. A
+        check reads a value back from the device, which a CUDA graph's capture forbids; this
+        is how :mod:`torq.kernels.ops` rebuilds a layer's transform inside an operator."""
+        t = cls.__new__(cls)
+        nn.Module.__init__(t)
+        t.block_size = block_size
+        t.n_factors = 0
+        t.n_blocks = (
+            r_inter.shape[1]
+            if r_inter is not None
+            else None
+            if channel_scale is None
+            else channel_scale.numel() // block_size
+        )
+        t.register_buffer("r_inter", r_inter)
+        t.register_buffer("r_intra", r_intra)
+        t.register_buffer("channel_scale", channel_scale)
+        return t
+
     def kernel_form(self, block: int = 32) -> KernelForm:
         """What the kernels of ``block``-element MX blocks can take ``T`` as:
 
