@@ -24,8 +24,17 @@ from torq.kernels.dispatch import mxfp4_linear
 from torq.kernels.weight import MXFP4Weight
 from torq.rotations.transform import BlockRotation
 
+# written out, not inferred from the annotations: older torch (2.4) cannot read annotations
+# that `from __future__ import annotations` leaves as strings
+SCHEMA = (
+    "(Tensor x, Tensor codes, Tensor scales, SymInt in_features, Tensor? bias, "
+    "Tensor? block_transform, Tensor? channel_scale, Tensor? r_inter, Tensor? r_intra, "
+    "Tensor? fp8_row_exponents, Tensor? fp8_row_scale, bool fp8_exact, bool nearest, "
+    "str backend) -> Tensor"
+)
 
-@torch.library.custom_op("torq::mxfp4_linear", mutates_args=())
+
+@torch.library.custom_op("torq::mxfp4_linear", mutates_args=(), schema=SCHEMA)
 def mxfp4_linear_op(
     x: torch.Tensor,
     codes: torch.Tensor,
