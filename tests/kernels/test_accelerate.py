@@ -170,7 +170,8 @@ def test_torch_compile_traces_the_whole_model_with_the_kernels_as_operators(
     transforms = [m.input_transform for m in model.modules() if isinstance(m, PackedMXFP4Linear)]
     forms = [t.kernel_form() for t in transforms if t is not None]
     assert set(forms) == {"rtn": set(), "had32": {"block_matrix"}, "torq": {"prepass"}}.get(
-        method, {"module", "prepass"}  # the permutation where the balancing found one
+        method,
+        {"module", "prepass"},  # the permutation where the balancing found one
     )
     calls = []
     run = ops.mxfp4_linear
