@@ -39,16 +39,21 @@ def test_greedy_decoding_over_a_static_cache_gives_generates_tokens(arch) -> Non
     assert torch.equal(got, _generate(model, PROMPT, 12))
     assert len(calls) == got.shape[1] == 12
     assert torch.equal(greedy_decode(model, PROMPT, 1), got[:, :1])
-    # a batch of prompts, and the steps through another callable (torch.compile's, say)
+    # a batch of prompts, and the steps through another callable (torch.compile's, say):
+    # called once before the first token's clock (a compilation is not decoding time), and
+    # the tokens are the same (that warm-up writes what the first step writes)
     two = torch.cat([PROMPT, PROMPT.flip(1)])
-    steps: list[int] = []
+    events: list[str] = []
 
     def forward(**kwargs: object) -> object:
-        steps.append(1)
+        events.append("step")
         return model(**kwargs)
 
-    batch = greedy_decode(model, two, 6, step_forward=forward)
-    assert torch.equal(batch, _generate(model, two, 6)) and len(steps) == 5
+    batch = greedy_decode(
+        model, two, 6, step_forward=forward, on_token=lambda: events.append("token")
+    )
+    assert torch.equal(batch, _generate(model, two, 6))
+    assert events == ["step", "token"] + ["step", "token"] * 5
 
 
 def test_greedy_decoding_ends_after_the_end_of_text_token() -> None:

@@ -200,7 +200,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="decode with the step through torch.compile, one graph with torq's kernels in it "
-        "(a first token that takes a while; the fastest with --cuda-graph)",
+        "(its first token takes a while; on a GPU with --cuda-graph, the fastest)",
     )
     gen.add_argument(
         "--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there)"

@@ -42,7 +42,8 @@ def greedy_decode(
     model. ``cuda_graph``: each step after the first replays one CUDA graph of
     the model's forward (CUDA only; :class:`GraphCaptureError` where it cannot be captured).
     ``on_token`` is called for the first new token once the step is ready (the prompt's
-    forward pass, and the capture, done), then after each new token."""
+    forward pass, a ``step_forward``'s first call and the capture done), then after each
+    new token."""
     from transformers import StaticCache
 
     n = ids.shape[1]
@@ -62,16 +63,23 @@ def greedy_decode(
     def step() -> torch.Tensor:
         return forward(input_ids=token, cache_position=position, use_cache=True, **cache).logits
 
+    def warm_up(steps: int) -> None:
+        """Run the step ``steps`` times, then put the cache's counters back: each run writes
+        the first step's token at its position (the same keys and values), but a cache that
+        counts what it holds (transformers' static layers write where their count says)
+        counted them."""
+        counters = _counters(cache)
+        for _ in range(steps):
+            step()
+        _restore(counters)
+
     replay: Callable[[], torch.Tensor] = step
     if cuda_graph and max_new_tokens > 1:
-        # warm-ups on a side stream before the capture (kernels compiled, allocations made);
-        # each writes the same token's keys and values at the same position as the first
-        # replay will, so they leave the cache as that replay finds it
+        # warm-ups on a side stream before the capture (kernels compiled, allocations made)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
+            warm_up(2)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -85,6 +93,8 @@ def greedy_decode(
             return out
 
         replay = replayed
+    elif step_forward is not None and max_new_tokens > 1:
+        warm_up(1)  # a compiled step compiles at its first call: not the decoding's time
     if on_token is not None:  # the first token, once the step is ready to run
         on_token()
     for _ in range(max_new_tokens - 1):
@@ -96,3 +106,29 @@ def greedy_decode(
         if on_token is not None:
             on_token()
     return torch.cat(new, dim=1)
+
+
+def _counters(cache: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """What a static cache keeps besides its keys and values (counters of what it holds), per
+    layer: ``(layer, name, a copy)``."""
+    (held,) = cache.values()
+    kept = []
+    for layer in getattr(held, "layers", []):
+        for name, value in vars(layer).items():
+            if name in ("keys", "values"):
+                continue
+            if isinstance(value, torch.Tensor):
+                kept.append((layer, name, value.clone()))
+            elif isinstance(value, int) and not isinstance(value, bool):
+                kept.append((layer, name, value))
+    return kept
+
+
+def _restore(counters: list[tuple[Any, str, Any]]) -> None:
+    """Put the counters :func:`_counters` copied back (tensors in place: a compiled or captured
+    step holds their addresses)."""
+    for layer, name, value in counters:
+        if isinstance(value, torch.Tensor):
+            getattr(layer, name).copy_(value)
+        else:
+            setattr(layer, name, value)
