@@ -171,7 +171,6 @@ def generate(
     compilation and the capture), and ``decode_tokens_per_s`` counts the tokens after it
     over the time after it (``None`` with fewer than two new tokens)."""
     import torch
-    from torch._dynamo.exc import TorchDynamoException
 
     from torq.models.decoding import GraphCaptureError, greedy_decode
 
@@ -206,7 +205,12 @@ def generate(
     if cuda_graph or compiled:
         clock.put(ids)  # as generate's streamer: the prompt first
         step = None
+        dynamo_errors: tuple[type[Exception], ...] = ()  # (none caught without compiling)
         if compiled:  # (compiled once: a later call on the same model reuses it)
+            # imported here: dynamo takes a second to import, for plain decoding
+            from torch._dynamo.exc import TorchDynamoException
+
+            dynamo_errors = (TorchDynamoException,)
             step = torch.compile(model, fullgraph=True, dynamic=False)
         try:
             new = greedy_decode(
@@ -222,7 +226,7 @@ def generate(
             raise TorqError(
                 f"the decoding step could not be captured as a CUDA graph: {exc}"
             ) from None
-        except TorchDynamoException as exc:
+        except dynamo_errors as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TorqError(f"torch.compile could not compile the decoding step: {first}") from None
     else:
