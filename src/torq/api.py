@@ -172,7 +172,7 @@ def generate(
     over the time after it (``None`` with fewer than two new tokens)."""
     import torch
 
-    from torq.models.decoding import GraphCaptureError, greedy_decode
+    from torq.models.decoding import GraphCaptureError, compiled_cache_length, greedy_decode
 
     if max_new_tokens < 1:
         raise TorqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -221,6 +221,11 @@ def generate(
                 eos_token_id=tokenizer.eos_token_id,
                 on_token=lambda: clock.put(None),
                 step_forward=step,
+                cache_length=(
+                    compiled_cache_length(ids.shape[1] + max_new_tokens, model.config)
+                    if compiled
+                    else None
+                ),
             )[0]
         except GraphCaptureError as exc:
             raise TorqError(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from torq.models.decoding import greedy_decode
+from torq.models.decoding import compiled_cache_length, greedy_decode
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9]])
 
@@ -54,6 +54,46 @@ def test_greedy_decoding_over_a_static_cache_gives_generates_tokens(arch) -> Non
     )
     assert torch.equal(batch, _generate(model, two, 6))
     assert events == ["step", "token"] + ["step", "token"] * 5
+
+
+def test_a_compiled_step_compiles_once_for_prompts_of_many_lengths() -> None:
+    """With the cache's length from :func:`compiled_cache_length`, a step compiled with
+    ``fullgraph`` and ``dynamic=False`` serves ten prompt lengths (past dynamo's recompile
+    limit of 8, where a cache sized to each prompt failed) from one compilation, with the
+    tokens of a cache sized to the prompt."""
+    model = tiny_model("llama").eval()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    torch.manual_seed(1)
+    for n in range(3, 13):
+        ids = torch.randint(0, 100, (1, n))
+        length = compiled_cache_length(n + 4, model.config)
+        got = greedy_decode(model, ids, 4, step_forward=step, cache_length=length)
+        assert torch.equal(got, greedy_decode(model, ids, 4)), n
+    assert len(graphs) == 1
+    with pytest.raises(ValueError, match="cannot hold 5 prompt and 4 new tokens"):
+        greedy_decode(model, PROMPT, 4, cache_length=8)
+
+
+def test_compiled_cache_lengths_are_powers_of_two_within_the_models_positions() -> None:
+    class Config:
+        max_position_embeddings = 3000
+
+    assert [compiled_cache_length(n) for n in (1, 256, 257, 4096, 4097)] == [
+        256,
+        256,
+        512,
+        4096,
+        8192,
+    ]
+    assert compiled_cache_length(2100, Config()) == 3000  # not past what the model holds
+    assert compiled_cache_length(3001, Config()) == 4096  # unless the tokens need it
+    assert compiled_cache_length(100, Config()) == 256
 
 
 def test_greedy_decoding_ends_after_the_end_of_text_token() -> None:

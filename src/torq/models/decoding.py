@@ -34,6 +34,7 @@ def greedy_decode(
     eos_token_id: int | None = None,
     on_token: Callable[[], None] | None = None,
     step_forward: Callable[..., Any] | None = None,
+    cache_length: int | None = None,
 ) -> torch.Tensor:
     """The greedy continuation of unpadded prompts ``ids`` (``[b, n]``, on the model's
     device): at most ``max_new_tokens`` new tokens each (``[b, m]``), ending after
@@ -43,14 +44,20 @@ def greedy_decode(
     the model's forward (CUDA only; :class:`GraphCaptureError` where it cannot be captured).
     ``on_token`` is called for the first new token once the step is ready (the prompt's
     forward pass, a ``step_forward``'s first call and the capture done), then after each
-    new token."""
+    new token. ``cache_length``: the static cache's length (at least the prompt's and the
+    new tokens' together, their sum by default; a compiled step is specialised to it:
+    :func:`compiled_cache_length`)."""
     from transformers import StaticCache
 
     n = ids.shape[1]
     device = ids.device
-    cache = {
-        cache_argument(model): StaticCache(config=model.config, max_cache_len=n + max_new_tokens)
-    }
+    length = n + max_new_tokens if cache_length is None else cache_length
+    if length < n + max_new_tokens:
+        raise ValueError(
+            f"a static cache of {length} positions cannot hold {n} prompt and "
+            f"{max_new_tokens} new tokens"
+        )
+    cache = {cache_argument(model): StaticCache(config=model.config, max_cache_len=length)}
     logits = model(
         input_ids=ids, cache_position=torch.arange(n, device=device), use_cache=True, **cache
     ).logits
@@ -106,6 +113,21 @@ def greedy_decode(
         if on_token is not None:
             on_token()
     return torch.cat(new, dim=1)
+
+
+def compiled_cache_length(needed: int, config: Any = None, smallest: int = 256) -> int:
+    """The static cache's length for a compiled step that must hold ``needed`` positions: the
+    power of two at or above it, at least ``smallest``, and no longer than the model's
+    ``max_position_embeddings`` where that holds ``needed``. ``torch.compile`` specialises
+    the step to the cache's shape, so a cache sized to each prompt recompiled the step for
+    every new prompt length, and under ``fullgraph`` failed at dynamo's recompile limit (8):
+    with these lengths 8 compilations reach 32,768 positions. The positions past the
+    tokens are masked, so they change no logit."""
+    length = max(smallest, 1 << max(needed - 1, 0).bit_length())
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and needed <= limit < length:
+        length = limit
+    return length
 
 
 def _counters(cache: dict[str, Any]) -> list[tuple[Any, str, Any]]:
