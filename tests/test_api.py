@@ -90,11 +90,12 @@ def test_a_recipe_that_cannot_be_served_says_why_and_saves_in_torqs_format(
 
 
 def test_quantize_command_streams_the_same_model_as_the_api(
-    tiny_checkpoint, tiny_calibration_data_dir, tmp_path, capsys
+    tiny_checkpoint, tiny_calibration_data_dir, tmp_path, capsys, monkeypatch
 ) -> None:
     """``torq quantize MODEL --out DIR``: the checkpoint streamed layer by layer, written as
     compressed-tensors, tensor for tensor what the API's in-memory model exports; one line
-    says what was written and how to load it; ``torq eval --model DIR`` measures it."""
+    says what was written and how to load it; ``torq eval --model DIR`` measures it, its
+    record in ``results/`` (made where the command runs) when no ``--out`` is given."""
     data = str(tiny_calibration_data_dir)
     out = tmp_path / "q"
     argv = ["quantize", str(tiny_checkpoint), "--out", str(out), "--data-dir", data]
@@ -109,9 +110,11 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     ours, theirs = _folder_tensors(out), _folder_tensors(ref)
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    res = tmp_path / "eval.json"
+    monkeypatch.chdir(tmp_path)  # a folder without results/: the README's command
     evaluated = ["eval", "--model", str(out), "--seqlen", "32", "--max-windows", "2"]
-    assert main([*evaluated, "--data-dir", data, "--no-progress", "--out", str(res)]) == 0
+    assert main([*evaluated, "--data-dir", data, "--no-progress"]) == 0
+    (res,) = (tmp_path / "results").glob("run-*.json")
+    assert res.with_suffix(".md").is_file()
     row = json.loads(res.read_text())["rows"][0]
     direct = torq.evaluate(torq.load(out), seqlen=32, max_windows=2, data_dir=data, progress=False)
     assert row["method"] == "torq-had32+gptaq" and row["ppl"] == pytest.approx(direct["ppl"])

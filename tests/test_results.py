@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from torq.paths import usual_permissions
-from torq.results import write_json_atomic
+from torq.paths import usual_permissions, write_json_atomic
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from torch import nn
 
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text
 from torq.eval.perplexity import sample_windows
-from torq.results import command_line, machine_info, now_iso, versions, write_json_atomic
+from torq.paths import write_json_atomic
+from torq.results import command_line, machine_info, now_iso, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,21 @@ def exclusive(target: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON so that a reader (or a stop) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write ``obj`` as JSON so that a reader (or a stop) never sees half a file: into a
+    temporary file of its own beside ``path`` (its folders made as needed), renamed into
+    place; a value JSON has no form for is written as its ``str``. A failure leaves what
+    was there before, and no temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=1, default=str)
+            fh.write("\n")
+        usual_permissions(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

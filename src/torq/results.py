@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torq.paths import usual_permissions
 from torq.version import __version__
 
 
@@ -73,20 +70,3 @@ def command_line(argv: list[str] | None = None) -> str:
 def now_iso() -> str:
     """The current UTC time to the second, ISO 8601, for a record's date."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def write_json_atomic(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2, default=str)
-            fh.write("\n")
-        usual_permissions(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
