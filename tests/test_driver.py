@@ -232,7 +232,7 @@ def _tied_llama(folder: Path, tokenizer) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3_moe", "gemma3_text", "granite"])
 def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
     arch, tmp_path, data_dir, tiny_tokenizer
 ) -> None:
@@ -246,7 +246,9 @@ def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
         folder = _tied_llama(tmp_path / arch, tiny_tokenizer)
     else:
         folder = _save(arch, tmp_path / arch, tiny_tokenizer)
-    methods = ["rtn", "torq+gptq"] + (["quarot"] if arch.startswith("llama") else [])
+    methods = ["rtn", "torq+gptq"] + (
+        ["quarot"] if arch in ("llama", "llama-tied", "granite") else []
+    )
     whole = whole_model_run(_config(folder, data_dir, methods, save_dir=str(tmp_path / "w")))
     cfg = _config(folder, data_dir, methods, save_dir=str(tmp_path / "s"))
     streamed = run(cfg, progress=False)

@@ -37,6 +37,7 @@ from torq.eval.perplexity import perplexity, sample_windows, windows_from_text
 from torq.eval.zeroshot import evaluate_zeroshot
 from torq.export import load_quantized
 from torq.export.checkpoint import CheckpointWriter
+from torq.export.compressed_tensors import refuse_fused_experts
 from torq.export.loading import load_model
 from torq.methods.layers import layer_plan
 from torq.methods.registry import LayerPlan, Method, MethodSpec
@@ -220,6 +221,8 @@ def _run_streamed(
     # a method whose offline rotation cannot be fused into this architecture fails now,
     # not after the methods before it have run
     skeleton = LayerStream(folder, device).model
+    if config.save_dir is not None and config.save_format == "compressed-tensors":
+        refuse_fused_experts(skeleton)
     specs = [m for m in config.methods if isinstance(m, MethodSpec)]
     plans = []
     for spec in specs:

@@ -345,7 +345,9 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
     )  # no staging folder left behind
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite"]
+)
 @pytest.mark.parametrize("activation", ["mxfp4", None])
 def test_every_architecture_round_trips_through_transformers(
     arch, activation, tmp_path, tiny_tokenizer
@@ -498,3 +500,29 @@ def test_smollm2_round_trips_through_transformers(tmp_path) -> None:
     loaded = load_compressed_tensors(out)
     gap, bf16_gap, error = _logit_gaps(reference, lm.model, loaded, lm.tokenizer)
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
+
+
+def test_fused_experts_are_refused_before_any_layer_is_quantized(
+    tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch
+) -> None:
+    """``torq quantize`` of a MoE model to compressed-tensors (the servable recipes' format):
+    one line naming the experts and the way out, before the first layer is read; with
+    ``save_format="torq"`` the same call writes the model."""
+    import torq
+    import torq.pipeline
+
+    folder = tmp_path / "moe"
+    tiny_model("qwen3_moe").save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+
+    def no_layer_work(*_a: object, **_k: object) -> None:
+        raise AssertionError("a layer was quantized before the refusal")
+
+    args = {"recipe": "fast", "data_dir": str(tiny_data_dir), "progress": False}
+    with monkeypatch.context() as patch:
+        patch.setattr(torq.pipeline, "run_layerwise", no_layer_work)
+        with pytest.raises(TorqError, match=r"experts: fused MoE .* --save-format torq"):
+            torq.quantize_checkpoint(str(folder), tmp_path / "q", **args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # nothing written
+    done = torq.quantize_checkpoint(str(folder), tmp_path / "q", save_format="torq", **args)
+    assert done["format"] == "torq" and (tmp_path / "q" / "config.json").is_file()

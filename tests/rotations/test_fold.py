@@ -41,7 +41,9 @@ def test_tied_balancing_is_one_scale_per_set_from_the_sets_statistics() -> None:
     assert not torch.allclose(untied[:4], untied[4:])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite"]
+)
 @pytest.mark.parametrize("method", ["torq-had32", "torq"])
 def test_the_folded_model_is_the_same_function_in_float(
     arch,
@@ -77,7 +79,8 @@ def test_the_folded_model_is_the_same_function_in_float(
         for g, rec in layer0.items()
         if isinstance(rec, dict) and "fold" in rec
     }
-    mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3_text" else "post_attention_layernorm"
+    gemma = arch.startswith("gemma")
+    mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
     assert folds == {
         "q_proj+k_proj+v_proj": "input_layernorm",
         "o_proj": "self_attn.v_proj",
@@ -119,7 +122,7 @@ def test_a_folded_run_differs_from_the_online_one_only_in_v_and_up_rows(
 
 def test_a_model_the_fold_does_not_know_is_refused(corpus, tiny_tokenizer) -> None:
     model = tiny_model("qwen3_moe")
-    with pytest.raises(TorqError, match="--fold-balance knows the layers of llama"):
+    with pytest.raises(TorqError, match=r"balancing folds into the layers of llama.*--recipe fast"):
         _apply(
             model,
             "torq-had32",

@@ -22,7 +22,7 @@ from torq.surgery.fusion import (
     untie_embeddings,
 )
 
-DENSE = ["llama", "qwen2", "qwen3", "mistral"]
+DENSE = ["llama", "qwen2", "qwen3", "mistral", "granite"]
 
 
 def _logits(model, ids):
@@ -81,7 +81,7 @@ def test_quarot_method_is_exact_in_float(arch) -> None:
     assert record["residual_width"] == model.config.hidden_size
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma2", "qwen3_moe"])
 def test_unsupported_architectures_are_refused(arch) -> None:
     with pytest.raises(TorqError, match="residual-stream rotation"):
         apply_quarot_rotations(tiny_model(arch))

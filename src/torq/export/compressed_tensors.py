@@ -57,6 +57,7 @@ from torq.export.reading import (
     read_manifest,
 )
 from torq.formats.packing import decode_e4m3
+from torq.models.architecture import is_fused_experts
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
@@ -68,6 +69,11 @@ CT_HOLDS = (
     "with its balancing folded, each with RTN or GPTQ weights); MXFP4 weights with MXFP4 or "
     "float activations, or NVFP4 weights with float activations or NVFP4 ones under "
     "--act-scale static"
+)
+# fused experts (one 3-D weight per projection) have no compressed-tensors scheme here
+MOE_NOT_EXPORTED = (
+    "fused MoE experts are not exported to compressed-tensors yet: write the model with "
+    "--save-format torq (format='torq')"
 )
 _HADAMARD_GROUP = "torq_had32"
 _NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported"
@@ -142,6 +148,14 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
     )
 
 
+def refuse_fused_experts(model: nn.Module) -> None:
+    """Refuse, in one line, a model with fused MoE experts (a skeleton will do: before any
+    layer is quantized, where the export would find them only once they were)."""
+    for name, module in model.named_modules():
+        if is_fused_experts(module):
+            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
+
+
 def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, str]:
     """The quantized linears, their one transform kind, whether activations are quantized
     and the compressed-tensors format; every module must agree (the format holds one scheme
@@ -150,7 +164,7 @@ def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, s
     kinds, acts, formats = set(), set(), set()
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
-            raise TorqError(f"{name}: fused MoE experts are not exported yet; {CT_HOLDS}")
+            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
         if not isinstance(module, QuantLinear):
             continue
         w, a = module.config.weight, module.config.activation
@@ -328,7 +342,7 @@ def export_saved_compressed_tensors(
     kinds, acts, formats = set(), set(), set()
     for name, entry in modules.items():
         if entry["kind"] != "linear":
-            raise TorqError(f"{name}: fused MoE experts are not exported yet; {CT_HOLDS}")
+            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
         w, a = entry["weight"], entry["activation"]
         quantizer = manifest["quantizers"][entry["quantizer"]]
         formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))

@@ -68,6 +68,8 @@ PRODUCERS: dict[str, dict[str, Producer]] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma3_text": _GEMMA3,
+    "gemma2": _GEMMA3,
+    "granite": _LLAMA,
 }
 FOLDABLE_MODEL_TYPES = tuple(PRODUCERS)
 
@@ -77,8 +79,11 @@ def check_foldable(model_config: Any) -> None:
     model_type = getattr(model_config, "model_type", None)
     if model_type not in PRODUCERS:
         raise TorqError(
-            f"--fold-balance knows the layers of {', '.join(FOLDABLE_MODEL_TYPES)} models, "
-            f"not '{model_type}'"
+            "the channel balancing folds into the layers of "
+            f"{', '.join(FOLDABLE_MODEL_TYPES)} models, not '{model_type}' (--fold-balance, "
+            "the default recipe's): --recipe fast, or torq run --methods had32+gptq "
+            "--save-format compressed-tensors --save-dir DIR, writes a servable checkpoint "
+            "without it"
         )
 
 

@@ -29,7 +29,7 @@ from torq.errors import TorqError
 from torq.models.architecture import decoder_layers
 from torq.rotations.hadamard import hadamard_matrix
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj")
 READERS_MLP = ("gate_proj", "up_proj")
 
