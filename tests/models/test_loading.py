@@ -23,6 +23,34 @@ def test_folder_without_config_is_rejected(tmp_path) -> None:
         load(str(tmp_path))
 
 
+def test_a_model_of_text_and_images_is_refused_in_one_line(
+    tmp_path, capsys, tiny_calibration_data_dir
+) -> None:
+    """A Gemma 3 checkpoint of 4B and up (its decoder's settings in ``text_config``) is
+    refused by name before anything is built, by the loader and by ``torq quantize``; a
+    text model that also carries a ``text_config`` is not."""
+    from torq.cli import main
+
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 64, "num_hidden_layers": 2},
+        "vision_config": {"hidden_size": 32},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TorqError, match="Gemma3ForConditionalGeneration, a model of text and"):
+        load(str(tmp_path))
+    with pytest.raises(TorqError, match="does not yet take the language model out"):
+        loading_mod.model_folder(str(tmp_path))
+    data = ["--data-dir", str(tiny_calibration_data_dir)]
+    assert main(["quantize", str(tmp_path), "--out", str(tmp_path / "q"), *data]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a model of text and images" in err[0]
+    config.update(hidden_size=64, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loading_mod.refuse_multimodal(tmp_path)  # a text model's own settings at the top
+
+
 def test_missing_gguf_is_rejected(tmp_path) -> None:
     with pytest.raises(TorqError, match="GGUF file not found"):
         load(str(tmp_path / "missing.gguf"))

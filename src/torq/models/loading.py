@@ -322,10 +322,32 @@ def refuse_prequantized(path: str | Path) -> None:
     raise TorqError(f"{path} is quantized already ({kind}), not a float model{hint}")
 
 
+def refuse_multimodal(path: str | Path) -> None:
+    """A folder whose ``config.json`` keeps its language model's settings in a
+    ``text_config`` (Gemma 3 from 4B up, Llava, Mistral 3: a model of text and images) has
+    no decoder of its own at the top: refused in one line, where it would fail deep in the
+    run on the first setting read."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if not isinstance(data, dict) or not isinstance(data.get("text_config"), dict):
+        return
+    if "num_hidden_layers" in data and "hidden_size" in data:
+        return  # a text model that also carries a text_config
+    kind = (data.get("architectures") or [data.get("model_type", "model")])[0]
+    raise TorqError(
+        f"{path} holds a {kind}, a model of text and images (its language model's settings "
+        "are in text_config): torq quantizes causal language models and does not yet take "
+        "the language model out of one"
+    )
+
+
 def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     refuse_prequantized(path)
+    refuse_multimodal(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -352,6 +374,7 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
                 f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
             )
         refuse_prequantized(path)
+        refuse_multimodal(path)
         return path, f"local:{path.resolve()}"
     if path.exists():
         raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
@@ -367,6 +390,7 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
                 f"could not fetch hub model '{key}' ({exc.__class__.__name__}); "
                 f"known embedded defaults: {', '.join(known_models())}"
             ) from None
+        refuse_multimodal(folder)
         return Path(folder), f"hub:{key}"
     raise TorqError(
         f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "
