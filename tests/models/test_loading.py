@@ -23,32 +23,74 @@ def test_folder_without_config_is_rejected(tmp_path) -> None:
         load(str(tmp_path))
 
 
-def test_a_model_of_text_and_images_is_refused_in_one_line(
-    tmp_path, capsys, tiny_calibration_data_dir
-) -> None:
-    """A Gemma 3 checkpoint of 4B and up (its decoder's settings in ``text_config``) is
-    refused by name before anything is built, by the loader and by ``torq quantize``; a
-    text model that also carries a ``text_config`` is not."""
-    from torq.cli import main
+def _gemma3_of_text_and_images(folder, tokenizer, newer_names: bool = False) -> torch.nn.Module:
+    """A tiny Gemma 3 of text and images (``Gemma3ForConditionalGeneration``: the decoder's
+    settings in ``text_config``), saved as the published checkpoints are (``language_model.``
+    before its causal LM's names) or, ``newer_names``, as transformers 4.52 to 4.57 saved it
+    (``model.language_model.``, the head as ``lm_head``)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText, Gemma3Config
 
-    config = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
-        "text_config": {"hidden_size": 64, "num_hidden_layers": 2},
-        "vision_config": {"hidden_size": 32},
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TorqError, match="Gemma3ForConditionalGeneration, a model of text and"):
-        load(str(tmp_path))
-    with pytest.raises(TorqError, match="does not yet take the language model out"):
-        loading_mod.model_folder(str(tmp_path))
-    data = ["--data-dir", str(tiny_calibration_data_dir)]
-    assert main(["quantize", str(tmp_path), "--out", str(tmp_path / "q"), *data]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a model of text and images" in err[0]
-    config.update(hidden_size=64, num_hidden_layers=2)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    loading_mod.refuse_multimodal(tmp_path)  # a text model's own settings at the top
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    text |= {"vocab_size": 384, "max_position_embeddings": 4096}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    vision |= {"num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=383, boi_token_index=381, eoi_token_index=382,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if newer_names:
+        file = folder / "model.safetensors"
+        tensors = load_file(str(file))
+        renamed = {
+            k.replace("language_model.model.", "model.language_model.", 1)
+            .replace("language_model.lm_head.", "lm_head.", 1)
+            .replace("vision_tower.", "model.vision_tower.", 1): v
+            for k, v in tensors.items()
+        }
+        assert any(k.startswith("model.language_model.layers.") for k in renamed)
+        save_file(renamed, str(file), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("newer_names", [False, True])
+def test_a_model_of_text_and_images_is_read_as_its_language_model(
+    newer_names, tmp_path, tiny_tokenizer, tiny_calibration_data_dir
+) -> None:
+    """A Gemma 3 checkpoint of 4B and up (text and images) is read as its language model:
+    ``torq.load`` gives the text model's causal LM with the whole model's logits for text,
+    bit for bit; streamed, its FP perplexity is that model's; ``torq quantize`` writes a
+    text model's folder (the class named in its config, as vLLM needs) that loads back."""
+    import torq
+
+    folder = tmp_path / "gemma3"
+    whole = _gemma3_of_text_and_images(folder, tiny_tokenizer, newer_names)
+    text = torq.load(folder)
+    assert type(text).__name__ == "Gemma3ForCausalLM"
+    ids = torch.randint(0, 380, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(text(input_ids=ids).logits, whole(input_ids=ids).logits)
+    data = str(tiny_calibration_data_dir)
+    windows = {"seqlen": 32, "max_windows": 2, "data_dir": data, "progress": False}
+    ppl = torq.evaluate(text, **windows)["ppl"]
+    streamed = torq.compare(str(folder), ["fp"], **windows)
+    assert streamed["rows"][0]["ppl"] == ppl
+    out = tmp_path / "q"
+    calib = {"calib_samples": 2, "calib_seqlen": 32, "data_dir": data, "progress": False}
+    torq.quantize_checkpoint(str(folder), out, **calib)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["model_type"] == "gemma3_text" and "vision_config" not in config
+    served = torq.load(out)
+    assert torq.evaluate(served, **windows)["ppl"] < 1.5 * ppl
 
 
 def test_missing_gguf_is_rejected(tmp_path) -> None:

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import torq.models.gguf as gguf_conversion
 from torq.errors import TorqError, first_line
 from torq.models.gguf import GGUF_DTYPES
+from torq.models.streaming import checkpoint_files, language_model_names
 from torq.paths import cache_dir, exclusive, usual_permissions
 
 log = logging.getLogger(__name__)
@@ -322,33 +324,47 @@ def refuse_prequantized(path: str | Path) -> None:
     raise TorqError(f"{path} is quantized already ({kind}), not a float model{hint}")
 
 
-def refuse_multimodal(path: str | Path) -> None:
-    """A folder whose ``config.json`` keeps its language model's settings in a
-    ``text_config`` (Gemma 3 from 4B up, Llava, Mistral 3: a model of text and images) has
-    no decoder of its own at the top: refused in one line, where it would fail deep in the
-    run on the first setting read."""
-    try:
-        data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return
-    if not isinstance(data, dict) or not isinstance(data.get("text_config"), dict):
-        return
-    if "num_hidden_layers" in data and "hidden_size" in data:
-        return  # a text model that also carries a text_config
-    kind = (data.get("architectures") or [data.get("model_type", "model")])[0]
-    raise TorqError(
-        f"{path} holds a {kind}, a model of text and images (its language model's settings "
-        "are in text_config): torq quantizes causal language models and does not yet take "
-        "the language model out of one"
-    )
+def _language_model(path: Path, dtype: torch.dtype) -> nn.Module | None:
+    """The language model alone of a checkpoint of text and images (its decoder's settings
+    in ``text_config``): the text model's causal LM with the language model's tensors
+    (:func:`torq.models.streaming.language_model_names`), the vision tower not read;
+    ``None`` for a text model."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    text = config.get_text_config()
+    if text is config:
+        return None
+    files = checkpoint_files(path)
+    names = language_model_names(files, path)
+    model = AutoModelForCausalLM.from_config(text, dtype=dtype)
+    model.config.architectures = [type(model).__name__]  # (a text config names none)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({files[stored] for stored in names.values()}):
+        with safe_open(str(file), framework="pt") as f:
+            for name, stored in names.items():
+                if files[stored] == file:
+                    state[name] = f.get_tensor(stored).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = bool(getattr(text, "tie_word_embeddings", False) or config.tie_word_embeddings)
+    if tied:
+        model.tie_weights()
+    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
+        raise TorqError(
+            f"{path}: its language model's tensors do not fit {type(model).__name__} "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+    return model
 
 
 def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     refuse_prequantized(path)
-    refuse_multimodal(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    folder = Path(path)
+    language = _language_model(folder, dtype) if (folder / "config.json").is_file() else None
+    model = language or AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))
@@ -374,7 +390,6 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
                 f"{path} is a folder but has no config.json: not a Hugging Face checkpoint"
             )
         refuse_prequantized(path)
-        refuse_multimodal(path)
         return path, f"local:{path.resolve()}"
     if path.exists():
         raise TorqError(f"{path} is neither a Hugging Face folder nor a .gguf file")
@@ -390,7 +405,6 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
                 f"could not fetch hub model '{key}' ({exc.__class__.__name__}); "
                 f"known embedded defaults: {', '.join(known_models())}"
             ) from None
-        refuse_multimodal(folder)
         return Path(folder), f"hub:{key}"
     raise TorqError(
         f"unknown model '{name_or_path}': not a known default, a local folder, a .gguf file "

@@ -12,6 +12,12 @@ are stored in (bf16, fp16, fp32). On a GPU the next decoder layer is read while 
 one is calibrated (``prefetch``: a background thread reads it into pinned host memory), so
 loading a layer there is one copy to the device rather than the file's read and the copy.
 
+A checkpoint of text and images (Gemma 3 from 4B up: its decoder's settings in a
+``text_config``) is read as its language model alone: the skeleton is the text model's
+causal LM, its tensors are found under the language model's prefix (``language_model.``, or
+``model.language_model.`` as newer transformers save it), and the vision tower is never
+read (:func:`language_model_names`).
+
 Hidden states move between the steps as tensors, one per batch of windows; the layers see
 the same keyword arguments (rotary tables, masks) as in the model's own forward, captured
 from it (:func:`embed_windows`). The same code walks a model that is wholly in memory
@@ -282,7 +288,31 @@ class ModelLayers(LayerSource):
         return decoder_layers(self.model)[index]
 
 
-def _checkpoint_files(folder: Path) -> dict[str, Path]:
+# where a model of text and images keeps its language model's tensors: the checkpoints
+# published for Gemma 3, Llava and Mistral 3 (and transformers 5's saves) put the causal LM
+# under ``language_model.``; transformers 4.52 to 4.57 saved its base model under
+# ``model.language_model.`` and the head as ``lm_head``
+_LANGUAGE_MODEL_PREFIXES = (("language_model.", ""), ("model.language_model.", "model."))
+
+
+def language_model_names(files: dict[str, Path], folder: Path) -> dict[str, str]:
+    """For a checkpoint of text and images, its language model's tensors under the names of
+    the text model's causal LM (``model.layers.0…``, ``lm_head.weight``): ``{name: the
+    checkpoint's name}``; one line where the checkpoint keeps none where they are looked
+    for."""
+    for prefix, base in _LANGUAGE_MODEL_PREFIXES:
+        names = {base + k[len(prefix) :]: k for k in files if k.startswith(prefix)}
+        if any(".layers." in n for n in names):
+            if base and "lm_head.weight" in files:  # the head beside the language model
+                names["lm_head.weight"] = "lm_head.weight"
+            return names
+    raise TorqError(
+        f"{folder}: a model of text and images whose language model's tensors are not under "
+        f"{' or '.join(p for p, _ in _LANGUAGE_MODEL_PREFIXES)}"
+    )
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Tensor name → safetensors file of a Hugging Face checkpoint folder."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -317,11 +347,21 @@ class LayerStream(LayerSource):
         self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
         self._reader: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future[dict[str, torch.Tensor]]] = {}
-        self.files = _checkpoint_files(self.folder)
+        self.files = checkpoint_files(self.folder)
+        # the model's tensor name -> the checkpoint's (the same but for a language model
+        # taken out of a model of text and images)
+        self.stored: dict[str, str] = {}
         config = AutoConfig.from_pretrained(str(self.folder))
+        text = config.get_text_config()
+        if text is not config:
+            config = text
+            self.stored = language_model_names(self.files, self.folder)
+            self.files = {name: self.files[stored] for name, stored in self.stored.items()}
         # parameters on meta (no memory), buffers real (rotary tables, embedding scales)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if self.stored:  # a text config names no class: what is saved must (vLLM reads it)
+            model.config.architectures = [type(model).__name__]
         self.model = model.eval()
         if self.device.type != "cpu":  # the buffers (parameters come when loaded)
             for sub in self.model.modules():
@@ -373,7 +413,7 @@ class LayerStream(LayerSource):
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in group:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(self.stored.get(name, name))
                     out[name] = t if host else t.to(device=self.device, dtype=torch.float32)
         for name, parts in fused.items():
             out[name] = torch.stack([torch.cat([out.pop(p) for p in e]) for e in parts])
