@@ -28,7 +28,9 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TINY_VOCAB = 384
 
 
-def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB):
+def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB, **widths: int):
+    """A tiny config of ``model_type``: 2 layers, hidden size 64, 4 heads of 16 (2 of keys
+    and values); ``widths`` replace those (``benchmarks/tiny_folder.py``'s heads of 64)."""
     from transformers import AutoConfig
 
     extra: dict = {}
@@ -42,18 +44,22 @@ def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB):
         }
     if model_type == "qwen2":
         extra = {"use_sliding_window": False}
-    return AutoConfig.for_model(
-        model_type,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        **extra,
-    )
+    if model_type == "phi3":
+        extra = {"pad_token_id": 0}  # (its default, 32000, is past the tiny vocabulary)
+    return AutoConfig.for_model(model_type, **_tiny_text(vocab_size, **widths), **extra)
+
+
+def _tiny_text(vocab_size: int = TINY_VOCAB, **widths: int) -> dict:
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+    } | widths
 
 
 def calibrated_context(
@@ -75,18 +81,39 @@ def calibrated_context(
     )
 
 
-def tiny_model(model_type: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
+def tiny_model(model_type: str, seed: int = 0, vocab_size: int = TINY_VOCAB, **widths: int):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
-        tiny_config(model_type, vocab_size), dtype=torch.float32
+        tiny_config(model_type, vocab_size, **widths), dtype=torch.float32
     )
     # from_config uses small init; widen it so activations have realistic spread.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def tiny_gemma3_of_text_and_images(seed: int = 0, **widths: int):
+    """A tiny Gemma 3 of text and images (``Gemma3ForConditionalGeneration``: its decoder's
+    settings in ``text_config``, a one-layer vision tower beside it), its norms' weights
+    moved off their start too."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    vision |= {"num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    config = Gemma3Config(
+        text_config=_tiny_text(**widths), vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=TINY_VOCAB - 1, boi_token_index=TINY_VOCAB - 3,
+        eoi_token_index=TINY_VOCAB - 2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
     return model.eval()
 
 
@@ -111,8 +138,7 @@ TINY_TEXT = (
 )
 
 
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tmp_path_factory):
+def build_tiny_tokenizer():
     """A byte-level BPE trained on a few sentences: offline and instant."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -127,6 +153,12 @@ def tiny_tokenizer(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     assert len(fast) <= TINY_VOCAB
     return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """:func:`build_tiny_tokenizer`'s, once for the session."""
+    return build_tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")

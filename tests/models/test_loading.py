@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import tiny_gemma3_of_text_and_images
 from torq.errors import TorqError
 from torq.models import known_models, load
 from torq.models import loading as loading_mod
@@ -24,27 +25,12 @@ def test_folder_without_config_is_rejected(tmp_path) -> None:
 
 
 def _gemma3_of_text_and_images(folder, tokenizer, newer_names: bool = False) -> torch.nn.Module:
-    """A tiny Gemma 3 of text and images (``Gemma3ForConditionalGeneration``: the decoder's
-    settings in ``text_config``), saved as the published checkpoints are (``language_model.``
-    before its causal LM's names) or, ``newer_names``, as transformers 4.52 to 4.57 saved it
-    (``model.language_model.``, the head as ``lm_head``)."""
+    """A tiny Gemma 3 of text and images saved as the published checkpoints are
+    (``language_model.`` before its causal LM's names) or, ``newer_names``, as transformers
+    4.52 to 4.57 saved it (``model.language_model.``, the head as ``lm_head``)."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForImageTextToText, Gemma3Config
 
-    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
-    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-    text |= {"vocab_size": 384, "max_position_embeddings": 4096}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
-    vision |= {"num_attention_heads": 2, "image_size": 28, "patch_size": 14}
-    config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4,
-        image_token_index=383, boi_token_index=381, eoi_token_index=382,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
+    model = tiny_gemma3_of_text_and_images()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if newer_names:

@@ -42,7 +42,7 @@ def test_tied_balancing_is_one_scale_per_set_from_the_sets_statistics() -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite"]
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite", "phi3"]
 )
 @pytest.mark.parametrize("method", ["torq-had32", "torq"])
 def test_the_folded_model_is_the_same_function_in_float(
@@ -81,12 +81,22 @@ def test_the_folded_model_is_the_same_function_in_float(
     }
     gemma = arch.startswith("gemma")
     mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
-    assert folds == {
-        "q_proj+k_proj+v_proj": "input_layernorm",
-        "o_proj": "self_attn.v_proj",
-        "gate_proj+up_proj": mlp_norm,
-        "down_proj": "mlp.up_proj",
-    }
+    if arch == "phi3":  # fused q/k/v and gate/up: their value rows and their up half
+        assert folds == {
+            "qkv_proj": "input_layernorm",
+            "o_proj": "self_attn.qkv_proj",
+            "gate_up_proj": "post_attention_layernorm",
+            "down_proj": "mlp.gate_up_proj",
+        }
+        assert layer0["o_proj"]["fold"]["part"] == "v"
+        assert layer0["down_proj"]["fold"]["part"] == "up"
+    else:
+        assert folds == {
+            "q_proj+k_proj+v_proj": "input_layernorm",
+            "o_proj": "self_attn.v_proj",
+            "gate_proj+up_proj": mlp_norm,
+            "down_proj": "mlp.up_proj",
+        }
     norm, float_norm = (
         q.model.layers[0].input_layernorm.weight,
         model.model.layers[0].input_layernorm.weight,

@@ -15,6 +15,8 @@ channel being divided, so ``⊘ s`` can be done there, offline, leaving ``R`` al
   With grouped-query attention one value channel feeds the same channel of several query
   heads, so ``o_proj``'s scales must be equal across them (:func:`o_proj_ties`; the
   balancing then works on the sets' mean statistics, :func:`balance.tied_energies`).
+* Phi-3 and Phi-4 fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the
+  divisions go into ``qkv_proj``'s value rows and ``gate_up_proj``'s second (``up``) half.
 
 Up to float rounding the folded model computes what the unfolded one does, but for the
 rows of ``v_proj`` and ``up_proj``: they are quantized after the division, and a row
@@ -43,6 +45,9 @@ class Producer:
     kind: str  # "norm" or "rows"
     module: str  # its path inside the decoder layer
     plus_one: bool = False
+    # of a fused linear's rows, the group's part: "v" (a q/k/v product's value rows), "up"
+    # (a gate/up product's second half, which ``act(gate) · up`` multiplies); None: all
+    part: str | None = None
 
 
 _ROWS = {
@@ -61,6 +66,14 @@ _GEMMA3 = {
     "mlp.gate_proj": Producer("norm", "pre_feedforward_layernorm", plus_one=True),
     **_ROWS,
 }
+# Phi-3 (and Phi-4) fuse q/k/v into one qkv_proj and gate/up into one gate_up_proj: the
+# divisions of o_proj and down_proj go into their value rows and their up half
+_PHI3 = {
+    "self_attn.qkv_proj": Producer("norm", "input_layernorm"),
+    "mlp.gate_up_proj": Producer("norm", "post_attention_layernorm"),
+    "self_attn.o_proj": Producer("rows", "self_attn.qkv_proj", part="v"),
+    "mlp.down_proj": Producer("rows", "mlp.gate_up_proj", part="up"),
+}
 # by model type, then by the group's first member, in the layer's own names
 PRODUCERS: dict[str, dict[str, Producer]] = {
     "llama": _LLAMA,
@@ -70,6 +83,7 @@ PRODUCERS: dict[str, dict[str, Producer]] = {
     "gemma3_text": _GEMMA3,
     "gemma2": _GEMMA3,
     "granite": _LLAMA,
+    "phi3": _PHI3,
 }
 FOLDABLE_MODEL_TYPES = tuple(PRODUCERS)
 
@@ -139,10 +153,30 @@ def fold_scales(
         offset = 1.0 if where.plus_one else 0.0
         weight.copy_(((weight.to(torch.float64) + offset) / s - offset).to(weight.dtype))
     else:
-        if weight.shape[0] != s.numel():
-            raise TorqError(f"{where.module} has {weight.shape[0]} rows, not {s.numel()}")
-        weight.copy_((weight.to(torch.float64) / s[:, None]).to(weight.dtype))
+        rows = _part_rows(where, weight.shape[0], model_config)
+        if rows.stop - rows.start != s.numel():
+            raise TorqError(
+                f"{where.module} has {rows.stop - rows.start} rows to divide, not {s.numel()}"
+            )
+        part = weight[rows]
+        part.copy_((part.to(torch.float64) / s[:, None]).to(weight.dtype))
         bias = getattr(target, "bias", None)
         if bias is not None:
-            bias.copy_((bias.to(torch.float64) / s).to(bias.dtype))
-    return {"into": where.module, "kind": where.kind}
+            bias[rows].copy_((bias[rows].to(torch.float64) / s).to(bias.dtype))
+    record = {"into": where.module, "kind": where.kind}
+    if where.part is not None:
+        record["part"] = where.part
+    return record
+
+
+def _part_rows(where: Producer, n_rows: int, model_config: Any) -> slice:
+    """The rows of ``where``'s linear that make the group's input (:attr:`Producer.part`)."""
+    if where.part is None:
+        return slice(0, n_rows)
+    if where.part == "up":
+        return slice(n_rows // 2, n_rows)
+    n_heads = int(model_config.num_attention_heads)
+    n_kv = int(getattr(model_config, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
+    start = (n_heads + n_kv) * int(head_dim)
+    return slice(start, start + n_kv * int(head_dim))
