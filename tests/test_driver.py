@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import tiny_model
 from tests.whole_model import whole_model_run
@@ -59,6 +60,23 @@ def test_float_model_layer_by_layer_is_the_whole_model(arch, tmp_path, tiny_toke
     assert streamed.perplexity.ppl == whole
     assert in_memory.perplexity.ppl == whole
     assert streamed.perplexity.window_nll == perplexity(model, windows, progress=False).window_nll
+
+
+def test_a_checkpoint_under_names_transformers_converts_streams_as_the_whole_model(
+    tmp_path, tiny_tokenizer
+) -> None:
+    """Mixtral's checkpoint keeps its own names (``block_sparse_moe``, each expert's ``w1``,
+    ``w2``, ``w3``), which transformers converts as it loads (the router renamed, the
+    experts stacked, ``w1`` and ``w3`` into ``gate_up_proj``): streamed, the float model's
+    perplexity is the whole model's, bit for bit."""
+    folder = _save("mixtral", tmp_path / "mixtral", tiny_tokenizer)
+    names = LayerStream(folder).files
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in names
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    windows = torch.randint(0, model.config.vocab_size, (3, 32))
+    streamed = run_layerwise(LayerStream(folder), LayerPlan(None), None, windows, progress=False)
+    assert streamed.perplexity is not None
+    assert streamed.perplexity.ppl == perplexity(model, windows, progress=False).ppl
 
 
 def test_a_prefetched_layer_is_the_layer_read_when_asked(tmp_path, tiny_tokenizer) -> None:
@@ -232,7 +250,9 @@ def _tied_llama(folder: Path, tokenizer) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen3_moe", "gemma3_text", "granite"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama-tied", "qwen3_moe", "gemma3_text", "granite", "mixtral"]
+)
 def test_streamed_save_dir_writes_the_model_that_save_quantized_writes(
     arch, tmp_path, data_dir, tiny_tokenizer
 ) -> None:

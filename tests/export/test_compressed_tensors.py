@@ -346,7 +346,8 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite", "phi3"]
+    "arch",
+    ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite", "phi3", "cohere"],
 )
 @pytest.mark.parametrize("activation", ["mxfp4", None])
 def test_every_architecture_round_trips_through_transformers(

@@ -42,7 +42,8 @@ def test_tied_balancing_is_one_scale_per_set_from_the_sets_statistics() -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite", "phi3"]
+    "arch",
+    ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma2", "granite", "phi3", "cohere"],
 )
 @pytest.mark.parametrize("method", ["torq-had32", "torq"])
 def test_the_folded_model_is_the_same_function_in_float(
@@ -90,6 +91,12 @@ def test_the_folded_model_is_the_same_function_in_float(
         }
         assert layer0["o_proj"]["fold"]["part"] == "v"
         assert layer0["down_proj"]["fold"]["part"] == "up"
+    elif arch == "cohere":  # attention and MLP side by side on one norm's output
+        assert folds == {
+            "q_proj+k_proj+v_proj+gate_proj+up_proj": "input_layernorm",
+            "o_proj": "self_attn.v_proj",
+            "down_proj": "mlp.up_proj",
+        }
     else:
         assert folds == {
             "q_proj+k_proj+v_proj": "input_layernorm",

@@ -364,7 +364,10 @@ def _from_folder(path: str, source: str, dtype: torch.dtype) -> LoadedModel:
     refuse_prequantized(path)
     folder = Path(path)
     language = _language_model(folder, dtype) if (folder / "config.json").is_file() else None
-    model = language or AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if language is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = language
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(path))

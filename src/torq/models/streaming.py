@@ -34,6 +34,7 @@ import functools
 import gc
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -312,6 +313,43 @@ def language_model_names(files: dict[str, Path], folder: Path) -> dict[str, str]
     )
 
 
+def converted_names(
+    model_type: str | None, files: dict[str, Path]
+) -> tuple[dict[str, str], dict[str, list[list[str]]]]:
+    """The names the model has for a checkpoint's tensors where transformers converts them
+    as it loads (its conversion mapping for ``model_type``): ``{model name: checkpoint
+    name}`` for a renamed tensor, and for a fused experts tensor the checkpoint's
+    per-expert tensors, ``{model name: [[expert 0's parts, in order], …]}`` (each expert's
+    parts concatenated, the experts stacked: ``gate_up_proj`` from ``w1`` and ``w3``).
+    Empty for a checkpoint stored under the model's own names."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # transformers before 5: it converted no names
+        return {}, {}
+    transforms = (get_checkpoint_conversion_mapping(model_type) if model_type else None) or []
+    renamed: dict[str, str] = {}
+    parts: dict[str, dict[int, dict[int, str]]] = {}
+    for stored in files:
+        name, merged_by = stored, None
+        for transform in transforms:
+            new, pattern = transform.rename_source_key(name)
+            if pattern is not None and isinstance(transform, WeightConverter):
+                merged_by = transform.source_patterns.index(pattern)
+            name = new
+        expert = re.search(r"\.experts\.(\d+)\.", stored)
+        if merged_by is not None and expert is not None:  # one expert's part of a stack
+            by_expert = parts.setdefault(name, {})
+            by_expert.setdefault(int(expert.group(1)), {})[merged_by] = stored
+        elif name != stored:
+            renamed[name] = stored
+    merged = {
+        name: [[e[k] for k in sorted(e)] for _, e in sorted(by_expert.items())]
+        for name, by_expert in parts.items()
+    }
+    return renamed, merged
+
+
 def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Tensor name → safetensors file of a Hugging Face checkpoint folder."""
     index = folder / "model.safetensors.index.json"
@@ -357,6 +395,14 @@ class LayerStream(LayerSource):
             config = text
             self.stored = language_model_names(self.files, self.folder)
             self.files = {name: self.files[stored] for name, stored in self.stored.items()}
+        # a checkpoint whose names transformers converts on loading (Mixtral's
+        # block_sparse_moe.experts.N.w1…): the model's names, and each fused experts
+        # tensor's per-expert parts
+        renamed, self.merged = converted_names(getattr(config, "model_type", None), self.files)
+        for name, stored in renamed.items():
+            if name not in self.files:
+                self.files[name] = self.files[stored]
+                self.stored[name] = self.stored.get(stored, stored)
         # parameters on meta (no memory), buffers real (rotary tables, embedding scales)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -401,7 +447,7 @@ class LayerStream(LayerSource):
         fused: dict[str, list[list[str]]] = {}
         for name in names:
             if name not in self.files:
-                parts = self._expert_parts(name)
+                parts = self.merged.get(name) or self._expert_parts(name)
                 if parts is None:
                     raise TorqError(f"{self.folder}: the checkpoint has no tensor '{name}'")
                 fused[name] = parts

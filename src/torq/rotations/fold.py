@@ -74,6 +74,10 @@ _PHI3 = {
     "self_attn.o_proj": Producer("rows", "self_attn.qkv_proj", part="v"),
     "mlp.down_proj": Producer("rows", "mlp.gate_up_proj", part="up"),
 }
+# Cohere (Command R, Command A) runs attention and the MLP side by side on one norm's
+# output: q/k/v and gate/up are one group, whose division goes into that norm (a LayerNorm
+# without bias: the weight multiplies after the centring, as an RMSNorm's does)
+_PARALLEL = {"self_attn.q_proj": Producer("norm", "input_layernorm"), **_ROWS}
 # by model type, then by the group's first member, in the layer's own names
 PRODUCERS: dict[str, dict[str, Producer]] = {
     "llama": _LLAMA,
@@ -84,6 +88,8 @@ PRODUCERS: dict[str, dict[str, Producer]] = {
     "gemma2": _GEMMA3,
     "granite": _LLAMA,
     "phi3": _PHI3,
+    "cohere": _PARALLEL,
+    "cohere2": _PARALLEL,
 }
 FOLDABLE_MODEL_TYPES = tuple(PRODUCERS)
 
