@@ -38,6 +38,9 @@ from torq.formats import FORMAT_NAMES
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from torq.models.architecture import is_fused_experts
+from torq.models.loading import model_folder
+from torq.models.streaming import LayerStream
 from torq.paths import check_destination, write_json_atomic
 from torq.pipeline import run
 from torq.runs.config import RunConfig
@@ -311,6 +314,15 @@ def _tokenizer_of(model: nn.Module) -> Any:
     return tokenizer
 
 
+def _fused_experts(model: str) -> str | None:
+    """Why compressed-tensors cannot hold ``model`` quantized (its fused MoE experts), read
+    from its skeleton (no weights), or ``None``."""
+    skeleton = LayerStream(model_folder(str(model))[0]).model
+    if any(is_fused_experts(m) for m in skeleton.modules()):
+        return "compressed-tensors has no form here for fused MoE experts"
+    return None
+
+
 def quantize_checkpoint(
     model: str,
     out: str | Path,
@@ -329,17 +341,20 @@ def quantize_checkpoint(
     calib_arithmetic: str = "exact",
 ) -> dict[str, Any]:
     """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
-    with ``recipe`` and write it to ``out``: compressed-tensors when the recipe and format
-    can be served, else torq's checkpoint (``save_format`` forces one; asking
-    compressed-tensors of what it cannot hold is refused before any work). ``device``: where
-    each layer calibrates (``cpu``, ``cuda``, ``cuda:N`` or ``auto``);
-    ``calib_arithmetic``: ``exact`` or ``tf32``
+    with ``recipe`` and write it to ``out``: compressed-tensors when the recipe, the format
+    and the model (fused MoE experts have no form there) can be served, else torq's
+    checkpoint (``save_format`` forces one; asking compressed-tensors of what it cannot hold
+    is refused before any work). ``device``: where each layer calibrates (``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto``); ``calib_arithmetic``: ``exact`` or ``tf32``
     (:func:`torq.calibration.capture.calibration_arithmetic`). Returns
-    ``{"path", "format", "bytes", "seconds", "recipe", "method", "record"}``."""
+    ``{"path", "format", "why_format", "bytes", "seconds", "recipe", "method", "record"}``
+    (``why_format``: why torq's format, where it was chosen for the caller)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     reason = chosen.cannot_serve(fmt)
+    chosen_for_you = save_format is None
     if save_format is None:
+        reason = reason or _fused_experts(model)
         save_format = "torq" if reason else "compressed-tensors"
     elif save_format not in SAVE_FORMATS:
         raise TorqError(
@@ -396,6 +411,8 @@ def quantize_checkpoint(
     return {
         "path": str(out),
         "format": save_format,
+        # why torq's format where compressed-tensors was not asked for and cannot hold it
+        "why_format": reason if chosen_for_you and save_format == "torq" else None,
         "bytes": size,
         "seconds": time.perf_counter() - t0,
         "recipe": chosen.name,

@@ -503,27 +503,33 @@ def test_smollm2_round_trips_through_transformers(tmp_path) -> None:
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
 
 
-def test_fused_experts_are_refused_before_any_layer_is_quantized(
-    tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch
+def test_fused_experts_go_to_torqs_format_or_are_refused_before_any_layer(
+    tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch, capsys
 ) -> None:
-    """``torq quantize`` of a MoE model to compressed-tensors (the servable recipes' format):
-    one line naming the experts and the way out, before the first layer is read; with
-    ``save_format="torq"`` the same call writes the model."""
+    """``torq quantize`` of a MoE model with a servable recipe writes torq's format and says
+    why (compressed-tensors has no form for fused experts); asked for compressed-tensors,
+    it refuses in one line naming the experts and the way out, before the first layer."""
     import torq
     import torq.pipeline
+    from torq.cli import main
 
     folder = tmp_path / "moe"
     tiny_model("qwen3_moe").save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
+    args = {"recipe": "fast", "data_dir": str(tiny_data_dir), "progress": False}
 
     def no_layer_work(*_a: object, **_k: object) -> None:
         raise AssertionError("a layer was quantized before the refusal")
 
-    args = {"recipe": "fast", "data_dir": str(tiny_data_dir), "progress": False}
     with monkeypatch.context() as patch:
         patch.setattr(torq.pipeline, "run_layerwise", no_layer_work)
         with pytest.raises(TorqError, match=r"experts: fused MoE .* --save-format torq"):
-            torq.quantize_checkpoint(str(folder), tmp_path / "q", **args)
+            torq.quantize_checkpoint(
+                str(folder), tmp_path / "q", save_format="compressed-tensors", **args
+            )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # nothing written
-    done = torq.quantize_checkpoint(str(folder), tmp_path / "q", save_format="torq", **args)
-    assert done["format"] == "torq" and (tmp_path / "q" / "config.json").is_file()
+    argv = ["quantize", str(folder), "--out", str(tmp_path / "q"), "--recipe", "fast"]
+    assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "(torq, " in said and "no form here for fused MoE experts" in said
+    assert (tmp_path / "q" / "torq_quant.json").is_file()

@@ -192,6 +192,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         f"{done['recipe']} = {done['method']}, {args.format.upper()} W4A4) in "
         f"{done['seconds']:.0f} s"
     )
+    if done.get("why_format"):
+        print(f"torq's format: {done['why_format']}")
     if done["format"] == "compressed-tensors":
         print(
             f"load it: python -c \"import torq; print(torq.load('{done['path']}'))\"  "
