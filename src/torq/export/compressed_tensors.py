@@ -12,10 +12,10 @@ Sylvester matrix the loaders build is torq's ``H₃₂`` times ``√32``, and th
 What the format cannot express is refused, naming what can be exported: TORQ's calibrated
 per-position rotations, its channel balancing done online (``--fold-balance`` folds it into
 the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
-32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, a linear
-with a bias under a transform (vLLM cannot run that combination), NVFP4 activations with
-torq's dynamic tensor scale (the format's take a static one calibrated beforehand:
-quantize with ``--act-scale static``), MXINT4.
+32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, NVFP4
+activations with torq's dynamic tensor scale (the format's take a static one calibrated
+beforehand: quantize with ``--act-scale static``), MXINT4. A linear with a bias under the
+Hadamard (Qwen2's q/k/v) is written, and said: transformers runs it, vLLM 0.32 does not.
 
 NVFP4 weights (``nvfp4-pack-quantized``: E2M1 codes as MXFP4's, ``weight_scale`` the E4M3
 block scales per 16, ``weight_global_scale`` the reciprocal of torq's FP32 tensor scale, the
@@ -40,6 +40,7 @@ transformers' compressed-tensors loader leaves them out without a word.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -70,6 +71,8 @@ CT_HOLDS = (
     "float activations, or NVFP4 weights with float activations or NVFP4 ones under "
     "--act-scale static"
 )
+log = logging.getLogger(__name__)
+
 # fused experts (one 3-D weight per projection) have no compressed-tensors scheme here
 MOE_NOT_EXPORTED = (
     "fused MoE experts are not exported to compressed-tensors yet: write the model with "
@@ -115,14 +118,26 @@ def _format_dict(spec: Any) -> dict[str, Any] | None:
     return None if spec is None else {"name": spec.name, "block_size": spec.block_size}
 
 
+def _say_biased(biased: list[str]) -> None:
+    """Say, once a folder is written, which of its linears have a bias under the Hadamard
+    (Qwen2's q/k/v): transformers runs them, vLLM 0.32 does not (its transformed linear
+    asserts that there is no bias)."""
+    if biased:
+        log.warning(
+            "%d linears (%s, …) have a bias under the online Hadamard: transformers serves "
+            "the folder; vLLM 0.32 does not (it runs no transform on a linear with a bias)",
+            len(biased),
+            biased[0],
+        )
+
+
 def _transform_kind(module: QuantLinear, name: str) -> str | None:
     """``None`` (no online transform) or ``"had32"``; anything else is refused."""
-    return _rotation_kind(module.input_quantizer.transform, module.bias is not None, name)
+    return _rotation_kind(module.input_quantizer.transform, name)
 
 
-def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None:
-    """:func:`_transform_kind` of an online transform ``t`` read by a linear with or without
-    a bias."""
+def _rotation_kind(t: nn.Module | None, name: str) -> str | None:
+    """:func:`_transform_kind` of an online transform ``t``."""
     if t is None:
         return None
     if (
@@ -130,12 +145,6 @@ def _rotation_kind(t: nn.Module | None, has_bias: bool, name: str) -> str | None
         and t.kernel_form(32) == "block_matrix"
         and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
     ):
-        if has_bias:
-            raise TorqError(
-                f"{name} has a bias under its online Hadamard: vLLM cannot run a transform on a "
-                "linear with a bias (Qwen2's q/k/v); export this model without a transform "
-                "(rtn, gptq)"
-            )
         return "had32"
     what = (
         "torq's channel balancing, done online (quantize with --fold-balance to fold it)"
@@ -156,12 +165,15 @@ def refuse_fused_experts(model: nn.Module) -> None:
             raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
 
 
-def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, str]:
+def _plan(
+    model: nn.Module,
+) -> tuple[dict[str, QuantLinear], str | None, bool, str, list[str]]:
     """The quantized linears, their one transform kind, whether activations are quantized
     and the compressed-tensors format; every module must agree (the format holds one scheme
-    for all here)."""
+    for all here); and the linears with a bias under the transform (:func:`_say_biased`)."""
     linears: dict[str, QuantLinear] = {}
     kinds, acts, formats = set(), set(), set()
+    biased: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
             raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
@@ -170,14 +182,17 @@ def _plan(model: nn.Module) -> tuple[dict[str, QuantLinear], str | None, bool, s
         w, a = module.config.weight, module.config.activation
         static = module.input_quantizer.tensor_scale is not None
         formats.add(_scheme(_format_dict(w), _format_dict(a), name, static))
-        kinds.add(_transform_kind(module, name))
+        kind = _transform_kind(module, name)
+        kinds.add(kind)
+        if kind is not None and module.bias is not None:
+            biased.append(name)
         acts.add(a is not None)
         linears[name] = module
     if not linears:
         raise TorqError("the model has no quantized linears: quantize it first (torq.methods)")
     if len(kinds) > 1 or len(acts) > 1 or len(formats) > 1:
         raise TorqError("the quantized linears differ in transform or format")
-    return linears, kinds.pop(), acts.pop(), formats.pop()
+    return linears, kinds.pop(), acts.pop(), formats.pop(), biased
 
 
 @torch.no_grad()
@@ -190,7 +205,7 @@ def export_compressed_tensors(
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM
 
-    linears, kind, activations, fmt = _plan(model)
+    linears, kind, activations, fmt, biased = _plan(model)
     config = model.config
     # the plain Hugging Face model with torq's values: each quantized linear's weight is
     # its fused, quantized one; everything else as torq holds it
@@ -264,6 +279,7 @@ def export_compressed_tensors(
         compressor.update_config(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+    _say_biased(biased)
     return out
 
 
@@ -340,6 +356,7 @@ def export_saved_compressed_tensors(
     transforms = _built_transforms(manifest, tensors)
     modules: dict[str, dict[str, Any]] = manifest["modules"]
     kinds, acts, formats = set(), set(), set()
+    biased: list[str] = []
     for name, entry in modules.items():
         if entry["kind"] != "linear":
             raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
@@ -353,7 +370,10 @@ def export_saved_compressed_tensors(
             )
         t_index = manifest["quantizers"][entry["quantizer"]]["transform"]
         t = None if t_index is None else transforms[t_index]
-        kinds.add(_rotation_kind(t, entry["bias"], name))
+        kind = _rotation_kind(t, name)
+        kinds.add(kind)
+        if kind is not None and entry["bias"]:
+            biased.append(name)
         acts.add(a is not None)
     if not modules:
         raise TorqError(f"{folder} has no quantized linears")
@@ -456,6 +476,7 @@ def export_saved_compressed_tensors(
         config.dtype = torch.bfloat16  # what the folder holds
         config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
+    _say_biased(biased)
     return out
 
 
