@@ -139,7 +139,7 @@ def test_a_folded_run_differs_from_the_online_one_only_in_v_and_up_rows(
 
 def test_a_model_the_fold_does_not_know_is_refused(corpus, tiny_tokenizer) -> None:
     model = tiny_model("qwen3_moe")
-    with pytest.raises(TorqError, match=r"balancing folds into the layers of llama.*--recipe fast"):
+    with pytest.raises(TorqError, match=r"folds into the layers of llama.*fast.*MoE experts"):
         _apply(
             model,
             "torq-had32",

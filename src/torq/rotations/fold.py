@@ -98,12 +98,21 @@ def check_foldable(model_config: Any) -> None:
     """Refuse, in one line, a model whose layers the fold does not know."""
     model_type = getattr(model_config, "model_type", None)
     if model_type not in PRODUCERS:
+        experts = any(
+            (getattr(model_config, k, None) or 0) > 0
+            for k in ("num_experts", "num_local_experts", "n_routed_experts")
+        )
+        way_out = (
+            "--recipe fast, or torq run --methods had32+gptq, quantizes it without it (in "
+            "torq's format: fused MoE experts have no compressed-tensors form)"
+            if experts
+            else "--recipe fast, or torq run --methods had32+gptq --save-format "
+            "compressed-tensors --save-dir DIR, writes a servable checkpoint without it"
+        )
         raise TorqError(
             "the channel balancing folds into the layers of "
             f"{', '.join(FOLDABLE_MODEL_TYPES)} models, not '{model_type}' (--fold-balance, "
-            "the default recipe's): --recipe fast, or torq run --methods had32+gptq "
-            "--save-format compressed-tensors --save-dir DIR, writes a servable checkpoint "
-            "without it"
+            f"the default recipe's): {way_out}"
         )
 
 
