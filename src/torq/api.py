@@ -32,13 +32,13 @@ from torq.export import save_quantized
 from torq.export.compressed_tensors import (
     QUANTIZE_RECORD,
     export_compressed_tensors,
+    fused_experts_in,
 )
 from torq.export.loading import load_model
 from torq.formats import FORMAT_NAMES
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from torq.models.architecture import is_fused_experts
 from torq.models.loading import model_folder
 from torq.models.streaming import LayerStream
 from torq.paths import check_destination, write_json_atomic
@@ -317,10 +317,9 @@ def _tokenizer_of(model: nn.Module) -> Any:
 def _fused_experts(model: str) -> str | None:
     """Why compressed-tensors cannot hold ``model`` quantized (its fused MoE experts), read
     from its skeleton (no weights), or ``None``."""
-    skeleton = LayerStream(model_folder(str(model))[0]).model
-    if any(is_fused_experts(m) for m in skeleton.modules()):
-        return "compressed-tensors has no form here for fused MoE experts"
-    return None
+    if fused_experts_in(LayerStream(model_folder(str(model))[0]).model) is None:
+        return None
+    return "compressed-tensors has no form here for fused MoE experts"
 
 
 def quantize_checkpoint(

@@ -157,12 +157,17 @@ def _rotation_kind(t: nn.Module | None, name: str) -> str | None:
     )
 
 
+def fused_experts_in(model: nn.Module) -> str | None:
+    """The first fused MoE experts module of ``model`` (a skeleton will do), or ``None``."""
+    return next((n for n, m in model.named_modules() if is_fused_experts(m)), None)
+
+
 def refuse_fused_experts(model: nn.Module) -> None:
     """Refuse, in one line, a model with fused MoE experts (a skeleton will do: before any
     layer is quantized, where the export would find them only once they were)."""
-    for name, module in model.named_modules():
-        if is_fused_experts(module):
-            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
+    name = fused_experts_in(model)
+    if name is not None:
+        raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
 
 
 def _plan(

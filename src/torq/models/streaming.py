@@ -328,6 +328,8 @@ def converted_names(
     except ImportError:  # transformers before 5: it converted no names
         return {}, {}
     transforms = (get_checkpoint_conversion_mapping(model_type) if model_type else None) or []
+    if not transforms:
+        return {}, {}
     renamed: dict[str, str] = {}
     parts: dict[str, dict[int, dict[int, str]]] = {}
     for stored in files:
@@ -396,8 +398,8 @@ class LayerStream(LayerSource):
             self.stored = language_model_names(self.files, self.folder)
             self.files = {name: self.files[stored] for name, stored in self.stored.items()}
         # a checkpoint whose names transformers converts on loading (Mixtral's
-        # block_sparse_moe.experts.N.w1…): the model's names, and each fused experts
-        # tensor's per-expert parts
+        # block_sparse_moe.experts.N.w1…, the per-expert tensors of every fused-experts
+        # model): the model's names, and each fused experts tensor's per-expert parts
         renamed, self.merged = converted_names(getattr(config, "model_type", None), self.files)
         for name, stored in renamed.items():
             if name not in self.files:
@@ -447,7 +449,7 @@ class LayerStream(LayerSource):
         fused: dict[str, list[list[str]]] = {}
         for name in names:
             if name not in self.files:
-                parts = self.merged.get(name) or self._expert_parts(name)
+                parts = self.merged.get(name)
                 if parts is None:
                     raise TorqError(f"{self.folder}: the checkpoint has no tensor '{name}'")
                 fused[name] = parts
@@ -483,19 +485,6 @@ class LayerStream(LayerSource):
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="torq-prefetch")
         self._pending[index] = self._reader.submit(self._read, self._layer_names(index), True)
-
-    def _expert_parts(self, name: str) -> list[list[str]] | None:
-        """A fused MoE experts tensor (``experts.gate_up_proj`` ``[E, 2I, H]``,
-        ``experts.down_proj`` ``[E, H, I]``) kept per expert in the checkpoint, as
-        transformers saves it: the per-expert names to concatenate and stack."""
-        prefix, _, attr = name.rpartition(".")
-        if not prefix.endswith("experts") or attr not in ("gate_up_proj", "down_proj"):
-            return None
-        members = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)
-        parts = []
-        while all(f"{prefix}.{len(parts)}.{m}.weight" in self.files for m in members):
-            parts.append([f"{prefix}.{len(parts)}.{m}.weight" for m in members])
-        return parts or None
 
     def _materialize(
         self, module: nn.Module, prefix: str, read: Future[dict[str, torch.Tensor]] | None = None

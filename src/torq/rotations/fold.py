@@ -134,13 +134,19 @@ def is_o_proj(group: LinearGroup) -> bool:
 def o_proj_ties(model_config: Any) -> torch.Tensor:
     """For each input channel of ``o_proj`` (query head ``h``, dimension ``d``), the value
     channel it comes from: ``(h // (H / H_kv)) · head_dim + d``."""
-    n_heads = int(model_config.num_attention_heads)
-    n_kv = int(getattr(model_config, "num_key_value_heads", None) or n_heads)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
+    n_heads, n_kv, head_dim = _heads(model_config)
     if n_heads % n_kv:
         raise TorqError(f"{n_heads} attention heads do not share {n_kv} value heads evenly")
     kv = torch.arange(n_heads) // (n_heads // n_kv)
-    return (kv[:, None] * int(head_dim) + torch.arange(int(head_dim))[None, :]).reshape(-1)
+    return (kv[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
+
+
+def _heads(model_config: Any) -> tuple[int, int, int]:
+    """Attention's query heads, key-value heads and head dimension."""
+    n_heads = int(model_config.num_attention_heads)
+    n_kv = int(getattr(model_config, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
+    return n_heads, n_kv, int(head_dim)
 
 
 @torch.no_grad()
@@ -190,8 +196,6 @@ def _part_rows(where: Producer, n_rows: int, model_config: Any) -> slice:
         return slice(0, n_rows)
     if where.part == "up":
         return slice(n_rows // 2, n_rows)
-    n_heads = int(model_config.num_attention_heads)
-    n_kv = int(getattr(model_config, "num_key_value_heads", None) or n_heads)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // n_heads
-    start = (n_heads + n_kv) * int(head_dim)
-    return slice(start, start + n_kv * int(head_dim))
+    n_heads, n_kv, head_dim = _heads(model_config)
+    start = (n_heads + n_kv) * head_dim  # after the query and key rows
+    return slice(start, start + n_kv * head_dim)
