@@ -120,6 +120,51 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     assert row["method"] == "torq-had32+gptaq" and row["ppl"] == pytest.approx(direct["ppl"])
 
 
+@pytest.mark.parametrize("recipe", ["default", "fast"])
+def test_the_servable_recipes_leave_linears_with_a_bias_unrotated(
+    recipe, tiny_tokenizer, tiny_calibration_data_dir, tmp_path, capsys
+) -> None:
+    """Qwen2's q/k/v have a bias, on which vLLM runs no transform: the ``default`` recipe
+    balances their inputs without rotating them, ``fast`` leaves them as they are
+    (``torq quantize`` says so in one line), so the folder's Hadamard leaves them out; the
+    API's in-memory model is the same, tensor for tensor. ``--rotate-biased`` rotates them.
+    A model with no bias (Llama) keeps every group rotated, and says nothing."""
+    from tests.conftest import tiny_model
+
+    data = str(tiny_calibration_data_dir)
+    folder = tmp_path / "tiny-qwen2"
+    tiny_model("qwen2").save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    out = tmp_path / "q"
+    argv = ["quantize", str(folder), "--out", str(out), "--data-dir", data, *CALIB_ARGS]
+    assert main([*argv, "--recipe", recipe]) == 0
+    said = capsys.readouterr().out
+    assert "k_proj, q_proj, v_proj have a bias: their inputs are not rotated" in said
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = config["transform_config"]["config_groups"].values()
+    assert all("model.layers.1.self_attn.k_proj" in a["ignore"] for a in group["apply"])
+    assert all("model.layers.1.self_attn.o_proj" not in a["ignore"] for a in group["apply"])
+    record = json.loads((out / "torq_quantize.json").read_text())["record"]
+    assert record["config"]["methods"][0]["settings"]["unrotated"] == ["k_proj", "q_proj", "v_proj"]
+    model = torq.quantize(str(folder), recipe, data_dir=data, progress=False, **CALIB)
+    assert model.model.layers[0].self_attn.q_proj.input_quantizer.transform is None
+    assert model.model.layers[0].self_attn.o_proj.input_quantizer.transform is not None
+    ours, theirs = _folder_tensors(out), _folder_tensors(torq.save(model, tmp_path / "api"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    rotated = ["quantize", str(folder), "--out", str(tmp_path / "r"), "--rotate-biased"]
+    assert main([*rotated, "--data-dir", data, *CALIB_ARGS, "--recipe", recipe]) == 0
+    assert "have a bias" not in capsys.readouterr().out
+    config = json.loads((tmp_path / "r" / "config.json").read_text())["quantization_config"]
+    (group,) = config["transform_config"]["config_groups"].values()
+    assert all(a["ignore"] == ["lm_head"] for a in group["apply"])
+    llama = tiny_model("llama")
+    llama.save_pretrained(tmp_path / "llama")
+    tiny_tokenizer.save_pretrained(tmp_path / "llama")
+    argv = ["quantize", str(tmp_path / "llama"), "--out", str(tmp_path / "ql"), "--data-dir", data]
+    assert main([*argv, *CALIB_ARGS, "--recipe", recipe]) == 0
+    assert "have a bias" not in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arithmetic", ["exact", "tf32"])
 def test_quantize_on_the_gpu_writes_the_cpus_model(

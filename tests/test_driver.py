@@ -571,7 +571,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
     torq adds, at its default, does not rename it (TORQ's guard, balancing check and fold,
     GPTQ's scale search, the groups TORQ calibrates, the block-mass permutation, the experts'
-    shared down_proj transform, where TORQ's solvers run)."""
+    shared down_proj transform, where TORQ's solvers run, the groups left unrotated)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -585,6 +585,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
         "balance_probe",
         "fold",
         "calibrate",
+        "unrotated",
         "permute",
         "expert_down_shared",
         "solver_device",
@@ -605,6 +606,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     assert _stable_record({"settings": checked})["settings"]["balance_check"] is True
     moved = {**settings, "solver_device": "cpu"}
     assert _stable_record({"settings": moved})["settings"]["solver_device"] == "cpu"
+    plain = {**settings, "unrotated": ("q_proj",)}
+    assert _stable_record({"settings": plain})["settings"]["unrotated"] == ("q_proj",)
 
 
 def test_a_folded_balancing_streams_and_saves_as_the_whole_model(

@@ -39,6 +39,7 @@ from torq.formats import FORMAT_NAMES
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from torq.models.architecture import biased_linears
 from torq.models.loading import model_folder
 from torq.models.streaming import LayerStream
 from torq.paths import check_destination, write_json_atomic
@@ -78,11 +79,14 @@ def quantize(
     data_dir: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    rotate_biased: bool = False,
 ) -> nn.Module:
     """Quantize ``model`` (a Hugging Face causal LM, or a name or path :func:`load` reads)
     to W4A4 ``format`` with ``recipe`` (:data:`torq.methods.recipes.RECIPES`), calibrating
     on ``calib_samples`` windows of ``calibration`` (a corpus name or a text file). The model
-    is quantized in place and returned, with ``model.torq`` (:class:`Quantized`)."""
+    is quantized in place and returned, with ``model.torq`` (:class:`Quantized`).
+    ``rotate_biased``: rotate the inputs of linears with a bias too, which the servable
+    recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     calib = CalibrationConfig(
@@ -96,7 +100,7 @@ def quantize(
         if loaded.quantized is not None:
             raise TorqError(f"{model} is already quantized: quantize the float model")
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-    spec = chosen.spec()
+    spec = chosen.spec(biased=() if rotate_biased else biased_linears(model))
     ctx = spec.context(
         chosen.capture(calib), tokenizer, data_dir=data_dir, progress=progress, seed=seed
     )
@@ -314,10 +318,15 @@ def _tokenizer_of(model: nn.Module) -> Any:
     return tokenizer
 
 
-def _fused_experts(model: str) -> str | None:
-    """Why compressed-tensors cannot hold ``model`` quantized (its fused MoE experts), read
-    from its skeleton (no weights), or ``None``."""
-    if fused_experts_in(LayerStream(model_folder(str(model))[0]).model) is None:
+def _skeleton(model: str) -> nn.Module:
+    """The float checkpoint ``model``'s modules, no weights (its layer stream's skeleton)."""
+    return LayerStream(model_folder(str(model))[0]).model
+
+
+def _fused_experts(skeleton: nn.Module) -> str | None:
+    """Why compressed-tensors cannot hold a model quantized (its fused MoE experts), read
+    from its ``skeleton``, or ``None``."""
+    if fused_experts_in(skeleton) is None:
         return None
     return "compressed-tensors has no form here for fused MoE experts"
 
@@ -338,6 +347,7 @@ def quantize_checkpoint(
     progress: bool = True,
     device: str = "cpu",
     calib_arithmetic: str = "exact",
+    rotate_biased: bool = False,
 ) -> dict[str, Any]:
     """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
     with ``recipe`` and write it to ``out``: compressed-tensors when the recipe, the format
@@ -345,15 +355,19 @@ def quantize_checkpoint(
     checkpoint (``save_format`` forces one; asking compressed-tensors of what it cannot hold
     is refused before any work). ``device``: where each layer calibrates (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``); ``calib_arithmetic``: ``exact`` or ``tf32``
-    (:func:`torq.calibration.capture.calibration_arithmetic`). Returns
-    ``{"path", "format", "why_format", "bytes", "seconds", "recipe", "method", "record"}``
-    (``why_format``: why torq's format, where it was chosen for the caller)."""
+    (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased``: as for
+    :func:`quantize`. Returns ``{"path", "format",
+    "why_format", "bytes", "seconds", "recipe", "method", "unrotated", "record"}``
+    (``why_format``: why torq's format, where it was chosen for the caller; ``unrotated``:
+    the linears, with a bias, whose group got no rotation)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     reason = chosen.cannot_serve(fmt)
     chosen_for_you = save_format is None
+    skeleton = _skeleton(model)
+    biased = biased_linears(skeleton)
     if save_format is None:
-        reason = reason or _fused_experts(model)
+        reason = reason or _fused_experts(skeleton)
         save_format = "torq" if reason else "compressed-tensors"
     elif save_format not in SAVE_FORMATS:
         raise TorqError(
@@ -365,12 +379,13 @@ def quantize_checkpoint(
     out = Path(out)
     _check_out(out, overwrite, "--out")
     qconfig = chosen.quant_config(fmt)
+    spec = chosen.spec(biased=() if rotate_biased else biased)
     # written beside ``out`` and moved into place when whole: a stop leaves no half folder
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     config = RunConfig(
         model=str(model),
-        methods=[chosen.spec()],
+        methods=[spec],
         weight_format=fmt,
         act_format=fmt,
         scale_mode=qconfig.weight.scale_mode,
@@ -416,6 +431,8 @@ def quantize_checkpoint(
         "seconds": time.perf_counter() - t0,
         "recipe": chosen.name,
         "method": chosen.method,
+        # the linears whose group the recipe left unrotated (their bias: vLLM)
+        "unrotated": getattr(spec.settings, "unrotated", None),
         "record": record,
     }
 
@@ -451,7 +468,7 @@ def compare(
         methods = [saved.get("method") or "saved"]
     elif methods is None:  # a float model: FP and the default recipe, with its settings
         recipe = get_recipe(DEFAULT_RECIPE)
-        methods = ["fp", recipe.spec(*settings)]
+        methods = ["fp", recipe.spec(*settings, biased=biased_linears(_skeleton(model)))]
         if "mxfp4" in (options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")):
             options.setdefault("scale_mode", recipe.scale_mode)
     formats = None if saved is None else saved_formats(saved)

@@ -255,6 +255,59 @@ def test_torq_had32_with_its_balancing_folded_exports(activation, tmp_path, tiny
         assert gap < 0.1 * error
 
 
+def test_unrotated_groups_export_with_no_transform_there(tmp_path, tiny_tokenizer, caplog) -> None:
+    """Qwen2 with its q/k/v group unrotated (``TorqSettings.unrotated``, its balancing
+    folded): those linears have no online transform, the others the 32-block Hadamard; in
+    float the model is the float model. The folder's Hadamard group leaves q/k/v out, so no
+    linear with a bias is under a transform (nothing said); loaded through transformers it
+    computes what torq's own model computes, and the layer-by-layer export of the saved
+    checkpoint writes the same tensors and configuration."""
+    from tests.methods.test_torq_method import _apply, _settings
+    from torq.export import save_quantized
+    from torq.export.compressed_tensors import (
+        export_compressed_tensors,
+        export_saved_compressed_tensors,
+        load_compressed_tensors,
+    )
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
+    model = tiny_model("qwen2")
+    settings = _settings(str(corpus), fold=True, unrotated=("q_proj",))
+    in_float = copy.deepcopy(model)
+    _apply(in_float, "torq-had32", QuantConfig(None, None), settings, tiny_tokenizer)
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            in_float(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
+    q = copy.deepcopy(model)
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
+    _apply(q, "torq-had32", qconfig, settings, tiny_tokenizer)
+    attention = q.model.layers[0].self_attn
+    assert all(
+        getattr(attention, n).input_quantizer.transform is None
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
+    assert attention.o_proj.input_quantizer.transform is not None
+    with caplog.at_level(logging.WARNING, logger="torq.export.compressed_tensors"):
+        whole = export_compressed_tensors(q, tmp_path / "whole", tiny_tokenizer)
+    assert not [r for r in caplog.records if "bias" in r.getMessage()]
+    config = json.loads((whole / "config.json").read_text())
+    groups = config["quantization_config"]["transform_config"]["config_groups"]
+    left_out = {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkv"}
+    for args in next(iter(groups.values()))["apply"]:
+        assert set(args["ignore"]) == left_out | {"lm_head"}
+    loaded = load_compressed_tensors(whole)
+    gap, bf16_gap, error = _logit_gaps(model, q, loaded, tiny_tokenizer)
+    assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
+    save_quantized(q, tmp_path / "saved", tiny_tokenizer, method="torq-had32")
+    parts = export_saved_compressed_tensors(tmp_path / "saved", tmp_path / "parts")
+    a, b = _folder_tensors(whole), _folder_tensors(parts)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((parts / "config.json").read_text()) == config
+
+
 @pytest.mark.parametrize(
     ("method", "activation", "arch"),
     [("had32", "mxfp4", "llama"), ("rtn", None, "qwen2"), ("torq-had32", "mxfp4", "llama-tied")],

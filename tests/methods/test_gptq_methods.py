@@ -105,3 +105,44 @@ def test_input_noise_raises_the_hessians_diagonal(monkeypatch) -> None:
     power = layers.activation_error_power(stats.sample, None, qconfig.activation)
     torch.testing.assert_close(noisy - plain, torch.diag(power))
     assert float(power.min()) > 0
+
+
+@pytest.mark.parametrize("method", ["had32", "had32+gptq"])
+def test_the_block_hadamard_leaves_unrotated_linears_without_it(
+    method, corpus, tiny_tokenizer
+) -> None:
+    """``HadamardSettings(unrotated=("k_proj", "q_proj", "v_proj"))``, as the recipes name a
+    model's linears with a bias: q/k/v have no online transform, the other linears the
+    32-block Hadamard, their weights as without the setting, bit for bit; the setting enters
+    the settings key only when given, and names are checked."""
+    from dataclasses import asdict
+
+    from torq.methods.hadamard import HadamardSettings
+    from torq.methods.registry import method_spec, record_key
+    from torq.runs.config import RunConfig
+
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    models = {}
+    biased = ("k_proj", "q_proj", "v_proj")
+    for label, settings in (("plain", HadamardSettings(unrotated=biased)), ("own", None)):
+        ctx = _ctx(corpus, tiny_tokenizer)
+        ctx.settings = settings
+        models[label] = tiny_model("qwen2")
+        apply_method(get_method(method), models[label], qconfig, ctx)
+    for plain, own in zip(models["plain"].model.layers, models["own"].model.layers, strict=True):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert getattr(plain.self_attn, name).input_quantizer.transform is None
+        for sub, name in (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")):
+            ours, theirs = getattr(getattr(plain, sub), name), getattr(getattr(own, sub), name)
+            assert ours.input_quantizer.transform is theirs.input_quantizer.transform
+            assert torch.equal(ours.weight, theirs.weight)
+
+    def key(*given: object) -> str:
+        return record_key(
+            asdict(RunConfig(model="m", methods=[method_spec(method, *given)])), method
+        )
+
+    assert "unrotated" not in key()
+    assert key(HadamardSettings(unrotated=biased)) != key()
+    with pytest.raises(ValueError, match="unrotated names"):
+        HadamardSettings(unrotated=("q proj",))

@@ -15,7 +15,7 @@ from tests.whole_model import whole_model_run
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
 from torq.methods import METHODS, Method, MethodContext, TransformBuilder, get_method, register
-from torq.methods.hadamard import block_hadamard
+from torq.methods.hadamard import HadamardSettings, block_hadamard
 from torq.methods.layers import layer_plan
 from torq.methods.registry import MethodSpec, method_spec, method_specs, record_key
 from torq.methods.settings import TorqSettings
@@ -144,7 +144,9 @@ def test_a_spec_holds_its_own_settings_only() -> None:
     any method's settings."""
     torq, gptq = TorqSettings(balance=0.3), GPTQConfig(damp=0.05)
     assert method_spec("torq", torq, gptq) == MethodSpec("torq", torq, None)
-    assert method_spec("had32+gptq", torq, gptq) == MethodSpec("had32+gptq", None, gptq)
+    had = HadamardSettings(unrotated=("q_proj",))
+    assert method_spec("had32+gptq", torq, gptq, had) == MethodSpec("had32+gptq", had, gptq)
+    assert method_spec("had32", torq).settings == HadamardSettings()
     assert method_spec("mr-gptq", gptq).gptq == GPTQConfig(
         damp=0.05, act_order=True, scale_search="mse"
     )

@@ -366,6 +366,41 @@ def test_calibrate_rotates_only_the_named_groups(corpus, tiny_tokenizer) -> None
     assert _key("torq-had32", o_only) == _key("torq-had32")
 
 
+@pytest.mark.parametrize("method", ["torq", "torq-had32"])
+def test_unrotated_groups_get_their_balancing_alone(method, corpus, tiny_tokenizer) -> None:
+    """``unrotated=("q_proj",)``: the q/k/v group's transform is its balancing alone (no
+    rotation; with the fold, nothing online), every other group's is the method's own, bit
+    for bit; without the balancing the group has no transform at all; names are checked and
+    the setting enters the key."""
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    models = {}
+    for label, kw in [
+        ("plain", {"unrotated": ("q_proj",)}),
+        ("folded", {"unrotated": ("q_proj",), "fold": True}),
+        ("paper", {"unrotated": ("q_proj",), "balance": None}),
+        ("own", {}),
+    ]:
+        models[label] = tiny_model("llama")
+        _apply(models[label], method, qconfig, _settings(corpus, **kw), tiny_tokenizer)
+    for i, layer in enumerate(models["plain"].model.layers):
+        q = layer.self_attn.q_proj.input_transform
+        assert q.r_inter is None and q.r_intra is None and q.channel_scale is not None
+        assert models["folded"].model.layers[i].self_attn.q_proj.input_transform is None
+        assert models["paper"].model.layers[i].self_attn.q_proj.input_transform is None
+        own = models["own"].model.layers[i]
+        for sub, name in (("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "down_proj")):
+            got = getattr(getattr(layer, sub), name)
+            ref = getattr(getattr(own, sub), name)
+            for key, tensor in ref.input_transform.state_dict().items():
+                assert torch.equal(got.input_transform.state_dict()[key], tensor), (i, name, key)
+            assert torch.equal(got.weight, ref.weight)
+    with pytest.raises(ValueError, match="unrotated names"):
+        _settings(corpus, unrotated=("q_proj", "not a name"))
+    assert "unrotated" not in _key(method)
+    assert _key(method, TorqSettings(unrotated=("q_proj",))) != _key(method)
+    assert TorqSettings(unrotated=("q_proj",)).paper().unrotated is None
+
+
 def test_the_solvers_on_the_calibration_device(corpus, tiny_tokenizer, monkeypatch) -> None:
     """``solver_device="calibration"`` (the default) hands both solvers their inputs on the
     device the statistics are summed on (on a CPU run, the CPU: the same transforms bit for

@@ -64,6 +64,7 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
         guard=args.torq_guard,
         fold=args.fold_balance,
         calibrate=args.torq_calibrate,
+        unrotated=args.unrotated,
         expert_down_shared=args.expert_down == "shared",
         solver_device=args.solver_device,
     )
@@ -91,6 +92,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from torq.api import compare
+    from torq.methods.hadamard import HadamardSettings
     from torq.surgery.gptq import GPTQConfig
 
     if args.threads:
@@ -130,7 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = compare(
             args.model,
             [m for m in methods if m] if methods is not None else None,
-            (torq_settings_from_args(args), gptq),
+            (torq_settings_from_args(args), gptq, HadamardSettings(unrotated=args.unrotated)),
             capture=capture_from_args(args),
             out=out,
             progress=not args.no_progress,
@@ -186,6 +188,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             device=args.device,
             calib_arithmetic=args.calib_arithmetic,
+            rotate_biased=args.rotate_biased,
         )
     print(
         f"torq: wrote {done['path']} ({done['format']}, {done['bytes'] / 1e6:.0f} MB; recipe "
@@ -194,6 +197,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     )
     if done.get("why_format"):
         print(f"torq's format: {done['why_format']}")
+    if done.get("unrotated"):
+        print(
+            f"{', '.join(done['unrotated'])} have a bias: their inputs are not rotated, so "
+            "that vLLM serves the folder (it runs no transform on a linear with a bias); "
+            "--rotate-biased rotates them, for a lower perplexity in transformers and torq"
+        )
     if done["format"] == "compressed-tensors":
         print(
             f"load it: python -c \"import torq; print(torq.load('{done['path']}'))\"  "

@@ -272,6 +272,13 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
         "docs/large-models.md)",
     )
     qz.add_argument(
+        "--rotate-biased",
+        action="store_true",
+        help="rotate the inputs of linears with a bias too (Qwen2's q/k/v), which the default "
+        "and fast recipes leave unrotated: a lower perplexity, but vLLM 0.32 cannot load the "
+        "folder (transformers and torq can)",
+    )
+    qz.add_argument(
         "--calib-seqlen", type=_positive_int, default=2048, help="calibration window length"
     )
     qz.add_argument(
@@ -517,6 +524,16 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         help="comma-separated linear layers (e.g. o_proj) whose input groups get TORQ's "
         "calibrated rotations; the other groups get the balanced 32-block Hadamard "
         "(default: every group)",
+    )
+    t.add_argument(
+        "--unrotated",
+        type=_linear_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear layers (e.g. q_proj) whose input groups get no rotation: "
+        "TORQ's methods their balancing alone (with --fold-balance: no online transform), the "
+        "block Hadamards none; vLLM runs no transform on a linear with a bias (default: every "
+        "group rotated)",
     )
     t.add_argument(
         "--expert-down",

@@ -1,4 +1,4 @@
-"""Export to compressed-tensors, the format transformers and vLLM load (issue 28, first part).
+"""Export to compressed-tensors, the format transformers and vLLM load.
 
 A model quantized by torq is written as a compressed-tensors checkpoint with the
 compressed-tensors package itself (``ModelCompressor``): each quantized linear becomes
@@ -14,8 +14,11 @@ per-position rotations, its channel balancing done online (``--fold-balance`` fo
 the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
 32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, NVFP4
 activations with torq's dynamic tensor scale (the format's take a static one calibrated
-beforehand: quantize with ``--act-scale static``), MXINT4. A linear with a bias under the
-Hadamard (Qwen2's q/k/v) is written, and said: transformers runs it, vLLM 0.32 does not.
+beforehand: quantize with ``--act-scale static``), MXINT4. Linears with no online transform
+beside ones with the Hadamard (a group left unrotated: the recipes leave a linear with a bias,
+Qwen2's q/k/v, so) are left out of the Hadamard's group. A linear with a bias under the
+Hadamard (Qwen2's q/k/v quantized with it) is written, and said: transformers runs it, vLLM
+0.32 does not.
 
 NVFP4 weights (``nvfp4-pack-quantized``: E2M1 codes as MXFP4's, ``weight_scale`` the E4M3
 block scales per 16, ``weight_global_scale`` the reciprocal of torq's FP32 tensor scale, the
@@ -120,12 +123,13 @@ def _format_dict(spec: Any) -> dict[str, Any] | None:
 
 def _say_biased(biased: list[str]) -> None:
     """Say, once a folder is written, which of its linears have a bias under the Hadamard
-    (Qwen2's q/k/v): transformers runs them, vLLM 0.32 does not (its transformed linear
-    asserts that there is no bias)."""
+    (Qwen2's q/k/v quantized with it): transformers runs them, vLLM 0.32 does not (its
+    transformed linear asserts that there is no bias); the recipes leave them unrotated."""
     if biased:
         log.warning(
             "%d linears (%s, …) have a bias under the online Hadamard: transformers serves "
-            "the folder; vLLM 0.32 does not (it runs no transform on a linear with a bias)",
+            "the folder; vLLM 0.32 does not (it runs no transform on a linear with a bias; "
+            "the default and fast recipes leave such linears unrotated)",
             len(biased),
             biased[0],
         )
@@ -172,12 +176,14 @@ def refuse_fused_experts(model: nn.Module) -> None:
 
 def _plan(
     model: nn.Module,
-) -> tuple[dict[str, QuantLinear], str | None, bool, str, list[str]]:
-    """The quantized linears, their one transform kind, whether activations are quantized
+) -> tuple[dict[str, QuantLinear], str | None, bool, str, list[str], list[str]]:
+    """The quantized linears, their transform kind, whether activations are quantized
     and the compressed-tensors format; every module must agree (the format holds one scheme
-    for all here); and the linears with a bias under the transform (:func:`_say_biased`)."""
+    for all here) but for linears with no transform (:func:`_one_kind`); the linears with a
+    bias under the transform (:func:`_say_biased`) and those with no transform."""
     linears: dict[str, QuantLinear] = {}
-    kinds, acts, formats = set(), set(), set()
+    kinds: dict[str, str | None] = {}
+    acts, formats = set(), set()
     biased: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
@@ -187,17 +193,28 @@ def _plan(
         w, a = module.config.weight, module.config.activation
         static = module.input_quantizer.tensor_scale is not None
         formats.add(_scheme(_format_dict(w), _format_dict(a), name, static))
-        kind = _transform_kind(module, name)
-        kinds.add(kind)
+        kind = kinds[name] = _transform_kind(module, name)
         if kind is not None and module.bias is not None:
             biased.append(name)
         acts.add(a is not None)
         linears[name] = module
     if not linears:
         raise TorqError("the model has no quantized linears: quantize it first (torq.methods)")
-    if len(kinds) > 1 or len(acts) > 1 or len(formats) > 1:
+    if len(acts) > 1 or len(formats) > 1:
         raise TorqError("the quantized linears differ in transform or format")
-    return linears, kinds.pop(), acts.pop(), formats.pop(), biased
+    kind, plain = _one_kind(kinds)
+    return linears, kind, acts.pop(), formats.pop(), biased, plain
+
+
+def _one_kind(kinds: dict[str, str | None]) -> tuple[str | None, list[str]]:
+    """The one transform kind of the quantized linears (``kinds``: each one's) and the
+    linears with none, which the transform group leaves out (a group calibrated unrotated,
+    ``TorqSettings.unrotated``: q/k/v with a bias, which vLLM serves only so)."""
+    present = {k for k in kinds.values() if k is not None}
+    if len(present) > 1:
+        raise TorqError("the quantized linears differ in transform or format")
+    plain = [n for n, k in kinds.items() if k is None] if present else []
+    return (present.pop() if present else None), plain
 
 
 @torch.no_grad()
@@ -210,7 +227,7 @@ def export_compressed_tensors(
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM
 
-    linears, kind, activations, fmt, biased = _plan(model)
+    linears, kind, activations, fmt, biased, plain_linears = _plan(model)
     config = model.config
     # the plain Hugging Face model with torq's values: each quantized linear's weight is
     # its fused, quantized one; everything else as torq holds it
@@ -238,7 +255,7 @@ def export_compressed_tensors(
     plain = plain.to(torch.bfloat16)
     plain.config.dtype = torch.bfloat16  # what the folder holds, whatever the source said
     ignore = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n not in linears]
-    _apply_schemes(plain, kind, activations, ignore, fmt)
+    _apply_schemes(plain, kind, activations, ignore, fmt, plain_linears)
     expected_codes: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
         target = plain.get_submodule(name)
@@ -289,12 +306,17 @@ def export_compressed_tensors(
 
 
 def _apply_schemes(
-    model: nn.Module, kind: str | None, activations: bool, ignore: list[str], fmt: str = FORMAT
+    model: nn.Module,
+    kind: str | None,
+    activations: bool,
+    ignore: list[str],
+    fmt: str = FORMAT,
+    untransformed: list[str] | None = None,
 ) -> None:
     """compressed-tensors' MXFP4 scheme (W4A4, or W4A16 without ``activations``), or its
     NVFP4A16 scheme (``fmt``), on every linear but ``ignore``, and with ``kind == "had32"``
-    the 32-block Hadamard's ``transform_config`` (the weights are fused already, torq's: the
-    config only says so)."""
+    the 32-block Hadamard's ``transform_config`` on every one but ``ignore`` and
+    ``untransformed`` (the weights are fused already, torq's: the config only says so)."""
     from compressed_tensors import TRANSFORM_CONFIG_NAME
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -318,9 +340,10 @@ def _apply_schemes(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     )
     if kind == "had32":
+        skip = ignore + list(untransformed or [])
         args = [
-            TransformArgs(targets=["Linear"], location="input", ignore=ignore),
-            TransformArgs(targets=["Linear"], location="weight_input", inverse=True, ignore=ignore),
+            TransformArgs(targets=["Linear"], location="input", ignore=skip),
+            TransformArgs(targets=["Linear"], location="weight_input", inverse=True, ignore=skip),
         ]
         transform = TransformConfig(
             config_groups={
@@ -360,7 +383,8 @@ def export_saved_compressed_tensors(
     tensors = _StoredTensors(_checkpoint_files(folder))
     transforms = _built_transforms(manifest, tensors)
     modules: dict[str, dict[str, Any]] = manifest["modules"]
-    kinds, acts, formats = set(), set(), set()
+    kinds: dict[str, str | None] = {}
+    acts, formats = set(), set()
     biased: list[str] = []
     for name, entry in modules.items():
         if entry["kind"] != "linear":
@@ -375,16 +399,15 @@ def export_saved_compressed_tensors(
             )
         t_index = manifest["quantizers"][entry["quantizer"]]["transform"]
         t = None if t_index is None else transforms[t_index]
-        kind = _rotation_kind(t, name)
-        kinds.add(kind)
+        kind = kinds[name] = _rotation_kind(t, name)
         if kind is not None and entry["bias"]:
             biased.append(name)
         acts.add(a is not None)
     if not modules:
         raise TorqError(f"{folder} has no quantized linears")
-    if len(kinds) > 1 or len(acts) > 1 or len(formats) > 1:
+    if len(acts) > 1 or len(formats) > 1:
         raise TorqError("the quantized linears differ in transform or format")
-    kind, activations, fmt = kinds.pop(), acts.pop(), formats.pop()
+    (kind, plain), activations, fmt = _one_kind(kinds), acts.pop(), formats.pop()
     parts_of = ("weight_packed", "weight_scale") + (
         ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
     )
@@ -399,7 +422,7 @@ def export_saved_compressed_tensors(
     # the compressed folder's names: a quantized linear's weight is its packed codes and scales
     expected = set(skeleton.state_dict()) - {f"{n}.weight" for n in modules}
     expected |= {f"{n}.{part}" for n in modules for part in parts_of}
-    _apply_schemes(skeleton, kind, activations, ignore, fmt)
+    _apply_schemes(skeleton, kind, activations, ignore, fmt, plain)
     compressor = ModelCompressor.from_pretrained_model(skeleton, quantization_format=fmt)
     del skeleton
     # the tensors below are written compressed (what compress_model would leave)

@@ -20,11 +20,16 @@ constructions), which covers the non-power-of-two widths of our models (576, 896
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from torch import nn
+
+from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.errors import TorqError
 from torq.methods.registry import Method, MethodContext, TransformBuilder, register
+from torq.methods.settings import linear_names, names_a_member
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantConfig
@@ -64,9 +69,28 @@ def block_hadamard(width: int, group: int) -> BlockRotation:
     return hadamard_rotation(group)
 
 
+@dataclass(frozen=True)
+class HadamardSettings:
+    """The block Hadamard's own settings."""
+
+    # the linears, by their name within a decoder layer ("q_proj"), that get no Hadamard
+    # (calibrating, with GPTQ's weights: the group of linears reading one input, when it
+    # names one of them): vLLM runs no transform on a linear with a bias (Qwen2's q/k/v).
+    # ``None``: every linear gets it
+    unrotated: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.unrotated is not None:
+            names = linear_names(self.unrotated, "unrotated", "get no Hadamard (e.g. q_proj)")
+            object.__setattr__(self, "unrotated", names)
+
+
 class BlockHadamard(TransformBuilder):
     """The online block-diagonal Hadamard of groups of ``group_size`` channels (``None``:
-    the full width), :func:`hadamard_group` choosing the group for each width."""
+    the full width), :func:`hadamard_group` choosing the group for each width; none on the
+    linears its settings leave ``unrotated``."""
+
+    settings_type = HadamardSettings
 
     def __init__(self, group_size: int | None) -> None:
         self.group_size = group_size
@@ -76,6 +100,36 @@ class BlockHadamard(TransformBuilder):
         transform = block_hadamard(width, hadamard_group(width, self.group_size))
         self.groups[width] = transform.block_size
         return transform
+
+    @staticmethod
+    def _unrotated(ctx: MethodContext) -> tuple[str, ...] | None:
+        return getattr(ctx.settings, "unrotated", None)
+
+    def fixed_for(
+        self, name: str, width: int, qconfig: QuantConfig, ctx: MethodContext
+    ) -> BlockRotation | None:
+        if names_a_member(self._unrotated(ctx), [name]):
+            return None
+        return self.fixed(width, qconfig, ctx)
+
+    def for_group(
+        self,
+        group: LinearGroup,
+        stats: BlockStatistics,
+        weight: Any,
+        qconfig: QuantConfig,
+        ctx: MethodContext,
+    ) -> tuple[nn.Module | None, dict[str, Any]]:
+        if names_a_member(self._unrotated(ctx), group.members):
+            return None, {"unrotated": True}
+        return self.fixed(group.width, qconfig, ctx), {}
+
+    def key_settings(
+        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+    ) -> dict[str, Any]:
+        # absent when every linear is rotated, so the keys made before settings stay
+        unrotated = (settings or {}).get("unrotated")
+        return {} if unrotated is None else {"unrotated": list(unrotated)}
 
     def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
         if self.group_size == 32:

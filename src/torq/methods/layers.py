@@ -353,7 +353,7 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
     if not method.calibrates():
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            transform = builder.fixed(linear.in_features, qconfig, ctx)
+            transform = builder.fixed_for(name, linear.in_features, qconfig, ctx)
             if transform is not None:
                 linear.weight.data = transform.fuse_inverse(linear.weight)
             return transform

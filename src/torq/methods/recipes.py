@@ -36,17 +36,28 @@ class Recipe:
     fold_balance: bool = False
     # TORQ exactly as the paper states it (:meth:`TorqSettings.paper`)
     paper: bool = False
+    # a group whose linears have a bias (Qwen2's q/k/v) gets no rotation (TORQ's
+    # transforms: their balancing alone; the block Hadamard: nothing), the ``unrotated``
+    # setting of the method's own settings: vLLM runs no transform on such a linear
+    unrotate_biased: bool = False
 
-    def spec(self, *given: Any) -> MethodSpec:
+    def spec(self, *given: Any, biased: tuple[str, ...] = ()) -> MethodSpec:
         """This recipe's method with its settings: the recipe's own (the folded balancing,
         or the paper's TORQ) over ``given`` settings values (GPTQ's, the solver's knobs),
-        which the method takes as :func:`~torq.methods.registry.method_spec` does."""
+        which the method takes as :func:`~torq.methods.registry.method_spec` does.
+        ``biased``: the model's linears with a bias
+        (:func:`torq.models.architecture.biased_linears`), left unrotated where the recipe
+        says so."""
         base = next((g for g in given if isinstance(g, TorqSettings)), None) or TorqSettings()
         settings = (
             base.paper() if self.paper else replace(base, fold=self.fold_balance or base.fold)
         )
         others = [g for g in given if not isinstance(g, TorqSettings)]
-        return method_spec(self.method, settings, *others)
+        spec = method_spec(self.method, settings, *others)
+        own = spec.settings
+        if self.unrotate_biased and biased and getattr(own, "unrotated", False) is None:
+            spec = replace(spec, settings=replace(own, unrotated=tuple(biased)))
+        return spec
 
     def capture(self, calibration: CalibrationConfig | None = None) -> CaptureSettings:
         """The calibration of this recipe: ``calibration`` (default:
@@ -83,6 +94,7 @@ RECIPES: dict[str, Recipe] = {
             use_when="a checkpoint to serve: transformers and vLLM load it",
             scale_mode="nearest",
             fold_balance=True,
+            unrotate_biased=True,
         ),
         Recipe(
             "best-ppl",
@@ -100,6 +112,7 @@ RECIPES: dict[str, Recipe] = {
             use_when="no calibration data or time: a fixed 32-block Hadamard, seconds",
             calibrates=False,
             scale_mode="nearest",
+            unrotate_biased=True,
         ),
         Recipe(
             "paper",

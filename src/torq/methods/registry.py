@@ -140,6 +140,13 @@ class TransformBuilder:
         """The transform for an input of ``width`` channels (``None``: none)."""
         return None
 
+    def fixed_for(
+        self, name: str, width: int, qconfig: QuantConfig, ctx: MethodContext
+    ) -> nn.Module | None:
+        """The transform of the linear ``name`` (its path in the model), whose input has
+        ``width`` channels: :meth:`fixed`'s, unless the settings leave that linear out."""
+        return self.fixed(width, qconfig, ctx)
+
     def for_group(
         self,
         group: LinearGroup,

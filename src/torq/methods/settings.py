@@ -22,6 +22,23 @@ TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 LINEAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def linear_names(value: Any, setting: str, what: str) -> tuple[str, ...]:
+    """``value`` (a setting naming linear layers within a decoder layer, ``o_proj``) as a
+    tuple, or a one-line error naming ``setting`` and what its groups ``what``."""
+    names = tuple(value)
+    if not names or not all(isinstance(n, str) and LINEAR_NAME.fullmatch(n) for n in names):
+        raise ValueError(
+            f"{setting} names the linear layers whose input groups {what}, got {value!r}"
+        )
+    return names
+
+
+def names_a_member(names: tuple[str, ...] | None, members: list[str]) -> bool:
+    """Whether ``names`` (linear names within a decoder layer) names one of ``members``
+    (dotted paths, ``self_attn.q_proj``)."""
+    return names is not None and any(m.rsplit(".", 1)[-1] in names for m in members)
+
+
 SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")
 
 # the powers ``β`` of the balancing scales ``s`` the balancing check chooses from, per group
@@ -67,6 +84,11 @@ class TorqSettings:
     # ("o_proj": attention's output projection only); the others get torq-had32's transform
     # (the balancing and H₃₂). ``None``: every group (docs/research-log.md §10.3)
     calibrate: tuple[str, ...] | None = None
+    # the groups, by the name of a member linear ("q_proj"), that get no rotation: the
+    # balancing alone, which ``fold`` moves into the module producing their input, so that
+    # they run with no online transform (vLLM runs no transform on a linear with a bias,
+    # Qwen2's q/k/v). ``None``: every group rotated
+    unrotated: tuple[str, ...] | None = None
     # a channel permutation after the balancing that gives each block an equal share of
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
     # tokens the intra-block level fits on; intra-block level only (docs/research-log.md §10.3)
@@ -95,14 +117,13 @@ class TorqSettings:
             )
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
-        if self.calibrate is not None:
-            names = tuple(self.calibrate)
-            if not names or not all(isinstance(n, str) and LINEAR_NAME.fullmatch(n) for n in names):
-                raise ValueError(
-                    "calibrate names the linear layers whose input groups get the calibrated "
-                    f"rotations (e.g. o_proj), got {self.calibrate!r}"
-                )
-            object.__setattr__(self, "calibrate", names)
+        for name, what in (
+            ("calibrate", "get the calibrated rotations (e.g. o_proj)"),
+            ("unrotated", "get no rotation (e.g. q_proj)"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, linear_names(value, name, what))
         if self.balance_check and self.permute:
             raise ValueError(
                 "the balancing check may drop a group's balancing, which the block-mass "
@@ -117,9 +138,18 @@ class TorqSettings:
     def calibrates(self, group: LinearGroup) -> bool:
         """Whether ``group`` gets the calibrated rotations (``calibrate``), else the
         balanced ``H₃₂``."""
-        if self.calibrate is None:
-            return True
-        return any(m.rsplit(".", 1)[-1] in self.calibrate for m in group.members)
+        return self.calibrate is None or names_a_member(self.calibrate, group.members)
+
+    def rotates(self, group: LinearGroup) -> bool:
+        """Whether ``group`` gets a rotation (``unrotated`` does not name a member)."""
+        return not names_a_member(self.unrotated, group.members)
+
+    def balancing_only(self) -> TorqSettings:
+        """An ``unrotated`` group's transform with these settings: the balancing alone, no
+        inter- or intra-block rotation, no guard."""
+        return replace(
+            self, use_inter=False, use_intra=False, guard=None, calibrate=None, permute=False
+        )
 
     def fixed_hadamard(self) -> TorqSettings:
         """``torq-had32``'s transform with these settings: the balancing, then Algorithm 2
@@ -148,6 +178,7 @@ class TorqSettings:
             guard=None,
             fold=False,
             calibrate=None,
+            unrotated=None,
             permute=False,
             intra=replace(self.intra, init="identity", k_top=None),
         )
@@ -177,6 +208,7 @@ _LATER: dict[str, Any] = {
     "balance_probe": "rtn",
     "fold": False,
     "calibrate": None,
+    "unrotated": None,
     "permute": False,
     "expert_down_shared": False,
     # "cpu" before the GPU's solvers were measured faster: a CPU run's old key (none) is

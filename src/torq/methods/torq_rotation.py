@@ -24,11 +24,12 @@ group gets ``torq-had32``'s transform (the balancing and ``H₃₂``). Each grou
 errors and what was chosen.
 
 ``calibrate`` (``--torq-calibrate o_proj``): the calibrated rotations for the named groups
-only, ``torq-had32``'s transform for the others. ``permute`` (``torq-perm``): no calibrated
-rotation; after the balancing the channels are regrouped so that every block carries an
-equal share of ``rms(x_j)·‖w_j‖`` (:func:`torq.rotations.balance.block_mass_permutation`),
-then ``H₃₂``, the permutation checked by the guard like a calibrated transform
-(docs/research-log.md §10.3).
+only, ``torq-had32``'s transform for the others. ``unrotated`` (``--unrotated q_proj``):
+no rotation for the named groups, their balancing alone (folded: no online transform).
+``permute`` (``torq-perm``): no calibrated rotation; after the balancing the channels are
+regrouped so that every block carries an equal share of ``rms(x_j)·‖w_j‖``
+(:func:`torq.rotations.balance.block_mass_permutation`), then ``H₃₂``, the permutation
+checked by the guard like a calibrated transform (docs/research-log.md §10.3).
 """
 
 from __future__ import annotations
@@ -324,7 +325,11 @@ class TorqTransform(TransformBuilder):
         ctx: MethodContext,
     ) -> tuple[nn.Module | None, dict[str, Any]]:
         settings = self.settings(qconfig, ctx)
-        if not settings.calibrates(group):
+        if not settings.rotates(group):
+            if settings.balance is None:  # nothing left to do online or to fold
+                return None, {"tokens": stats.count, "width": stats.width, "unrotated": True}
+            settings = settings.balancing_only()
+        elif not settings.calibrates(group):
             settings = settings.fixed_hadamard()
         ties = None
         if settings.fold and settings.balance is not None and is_o_proj(group):

@@ -53,3 +53,15 @@ def cache_argument(model: Any) -> str:
     5.40), ``past_key_values`` before."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def biased_linears(model: nn.Module) -> tuple[str, ...]:
+    """The names, within a decoder layer (``q_proj``), of the linears that have a bias in
+    any decoder layer (Qwen2's q/k/v): vLLM runs no online transform on such a linear.
+    Reads only the modules, so a skeleton on the meta device answers too."""
+    names: set[str] = set()
+    for layer in decoder_layers(model):
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                names.add(name.rsplit(".", 1)[-1])
+    return tuple(sorted(names))
