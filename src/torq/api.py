@@ -356,10 +356,10 @@ def quantize_checkpoint(
     is refused before any work). ``device``: where each layer calibrates (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``); ``calib_arithmetic``: ``exact`` or ``tf32``
     (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased``: as for
-    :func:`quantize`. Returns ``{"path", "format",
-    "why_format", "bytes", "seconds", "recipe", "method", "unrotated", "record"}``
-    (``why_format``: why torq's format, where it was chosen for the caller; ``unrotated``:
-    the linears, with a bias, whose group got no rotation)."""
+    :func:`quantize`. Returns ``{"path", "format", "why_format", "bytes", "seconds",
+    "recipe", "method", "unrotated", "record"}`` (``why_format``: why torq's format, where
+    it was chosen for the caller; ``unrotated``: the linears, with a bias, whose group got
+    no rotation)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     reason = chosen.cannot_serve(fmt)
