@@ -379,7 +379,9 @@ def quantize_checkpoint(
     out = Path(out)
     _check_out(out, overwrite, "--out")
     qconfig = chosen.quant_config(fmt)
-    spec = chosen.spec(biased=() if rotate_biased else biased)
+    # only a compressed-tensors folder is for vLLM: torq's format keeps every group rotated
+    unrotate = save_format == "compressed-tensors" and not rotate_biased
+    spec = chosen.spec(biased=biased if unrotate else ())
     # written beside ``out`` and moved into place when whole: a stop leaves no half folder
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)

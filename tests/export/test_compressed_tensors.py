@@ -560,18 +560,20 @@ def test_smollm2_round_trips_through_transformers(tmp_path) -> None:
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_fused_experts_go_to_torqs_format_or_are_refused_before_any_layer(
-    tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch, capsys
+    arch, tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch, capsys
 ) -> None:
     """``torq quantize`` of a MoE model with a servable recipe writes torq's format and says
     why (compressed-tensors has no form for fused experts); asked for compressed-tensors,
-    it refuses in one line naming the experts and the way out, before the first layer."""
+    it refuses in one line naming the experts and the way out, before the first layer.
+    Qwen2-MoE's q/k/v have biases, but torq's format is not for vLLM: they stay rotated."""
     import torq
     import torq.pipeline
     from torq.cli import main
 
     folder = tmp_path / "moe"
-    tiny_model("qwen3_moe").save_pretrained(folder)
+    tiny_model(arch).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     args = {"recipe": "fast", "data_dir": str(tiny_data_dir), "progress": False}
 
@@ -589,4 +591,7 @@ def test_fused_experts_go_to_torqs_format_or_are_refused_before_any_layer(
     assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress"]) == 0
     said = capsys.readouterr().out
     assert "(torq, " in said and "no form here for fused MoE experts" in said
+    assert "have a bias" not in said
     assert (tmp_path / "q" / "torq_quant.json").is_file()
+    loaded = torq.load(tmp_path / "q")
+    assert loaded.model.layers[0].self_attn.q_proj.input_quantizer.transform is not None
