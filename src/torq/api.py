@@ -318,9 +318,10 @@ def _tokenizer_of(model: nn.Module) -> Any:
     return tokenizer
 
 
-def _skeleton(model: str) -> nn.Module:
-    """The float checkpoint ``model``'s modules, no weights (its layer stream's skeleton)."""
-    return LayerStream(model_folder(str(model))[0]).model
+def _skeleton(model: str, gguf_dtype: str = "float32") -> nn.Module:
+    """The float checkpoint ``model``'s modules, no weights (its layer stream's skeleton;
+    a GGUF file converted as the run will convert it, ``gguf_dtype``)."""
+    return LayerStream(model_folder(str(model), gguf_dtype)[0]).model
 
 
 def _fused_experts(skeleton: nn.Module) -> str | None:
@@ -470,7 +471,8 @@ def compare(
         methods = [saved.get("method") or "saved"]
     elif methods is None:  # a float model: FP and the default recipe, with its settings
         recipe = get_recipe(DEFAULT_RECIPE)
-        methods = ["fp", recipe.spec(*settings, biased=biased_linears(_skeleton(model)))]
+        skeleton = _skeleton(model, options.get("gguf_dtype", "float32"))
+        methods = ["fp", recipe.spec(*settings, biased=biased_linears(skeleton))]
         if "mxfp4" in (options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")):
             options.setdefault("scale_mode", recipe.scale_mode)
     formats = None if saved is None else saved_formats(saved)

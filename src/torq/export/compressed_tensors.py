@@ -208,8 +208,8 @@ def _plan(
 
 def _one_kind(kinds: dict[str, str | None]) -> tuple[str | None, list[str]]:
     """The one transform kind of the quantized linears (``kinds``: each one's) and the
-    linears with none, which the transform group leaves out (a group calibrated unrotated,
-    ``TorqSettings.unrotated``: q/k/v with a bias, which vLLM serves only so)."""
+    linears with none, which the transform group leaves out (a group left unrotated, the
+    methods' ``unrotated`` setting: q/k/v with a bias, which vLLM serves only so)."""
     present = {k for k in kinds.values() if k is not None}
     if len(present) > 1:
         raise TorqError("the quantized linears differ in transform or format")

@@ -55,7 +55,9 @@ class Recipe:
         others = [g for g in given if not isinstance(g, TorqSettings)]
         spec = method_spec(self.method, settings, *others)
         own = spec.settings
-        if self.unrotate_biased and biased and getattr(own, "unrotated", False) is None:
+        # the method's settings have an ``unrotated`` field, and the caller set none
+        settable = own is not None and hasattr(own, "unrotated") and own.unrotated is None
+        if self.unrotate_biased and biased and settable:
             spec = replace(spec, settings=replace(own, unrotated=tuple(biased)))
         return spec
 
