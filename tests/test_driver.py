@@ -241,6 +241,33 @@ def test_quarot_streams_its_residual_rotation_part_by_part(
     assert other["rows"][0]["ppl"] != streamed["rows"][0]["ppl"]  # the signs follow --seed
 
 
+def test_the_residual_hadamard_streams_as_the_whole_model(
+    tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """The block Hadamard of the residual stream (``residual``: the block Hadamard's and
+    TORQ's, its balancing folded after it) on Qwen2, fused part by part as each is read:
+    the whole model's perplexities, bit for bit."""
+    from torq.methods.hadamard import HadamardSettings
+
+    folder = _save("qwen2", tmp_path / "qwen2", tiny_tokenizer)
+    methods = ["had32", "torq-had32+gptq"]
+    settings = TorqSettings(
+        intra=IntraBlockConfig(max_iter=1, init="hadamard", k_top=32), fold=True, residual=True
+    )
+
+    def config() -> RunConfig:
+        plain = _config(folder, data_dir, methods)
+        return replace(
+            plain, methods=method_specs(methods, settings, HadamardSettings(residual=True))
+        )
+
+    whole = whole_model_run(config())
+    streamed = run(config(), progress=False)
+    assert [r["ppl"] for r in whole["rows"]] == [r["ppl"] for r in streamed["rows"]]
+    rotated = run(_config(folder, data_dir, ["had32"]), progress=False)
+    assert rotated["rows"][0]["ppl"] != streamed["rows"][0]["ppl"]
+
+
 def _tied_llama(folder: Path, tokenizer) -> Path:
     model = tiny_model("llama")
     model.config.tie_word_embeddings = True
@@ -571,7 +598,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     """A run's kept progress is found by a name made of its settings: a setting that a later
     torq adds, at its default, does not rename it (TORQ's guard, balancing check and fold,
     GPTQ's scale search, the groups TORQ calibrates, the block-mass permutation, the experts'
-    shared down_proj transform, where TORQ's solvers run, the groups left unrotated)."""
+    shared down_proj transform, where TORQ's solvers run, the groups left unrotated and their
+    balancing, the residual stream's Hadamard)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -586,6 +614,8 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
         "fold",
         "calibrate",
         "unrotated",
+        "unrotated_balance",
+        "residual",
         "permute",
         "expert_down_shared",
         "solver_device",

@@ -255,13 +255,25 @@ def test_torq_had32_with_its_balancing_folded_exports(activation, tmp_path, tiny
         assert gap < 0.1 * error
 
 
-def test_unrotated_groups_export_with_no_transform_there(tmp_path, tiny_tokenizer, caplog) -> None:
-    """Qwen2 with its q/k/v group unrotated (``TorqSettings.unrotated``, its balancing
-    folded): those linears have no online transform, the others the 32-block Hadamard; in
-    float the model is the float model. The folder's Hadamard group leaves q/k/v out, so no
-    linear with a bias is under a transform (nothing said); loaded through transformers it
-    computes what torq's own model computes, and the layer-by-layer export of the saved
-    checkpoint writes the same tensors and configuration."""
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@pytest.mark.parametrize(
+    ("given", "left"),
+    [({"unrotated": ("q_proj",)}, _QKV), ({"residual": True}, (*_QKV, *_GATE_UP))],
+    ids=["unrotated", "residual"],
+)
+def test_unrotated_groups_export_with_no_transform_there(
+    given, left, tmp_path, tiny_tokenizer, caplog
+) -> None:
+    """Qwen2 with its q/k/v group unrotated (``TorqSettings.unrotated``) or with the norms'
+    readers rotated through the residual stream (``residual``), the balancing folded: those
+    linears have no online transform, the others the 32-block Hadamard; in float the model
+    is the float model. The folder's Hadamard group leaves them out, so no linear with a
+    bias is under a transform (nothing said); loaded through transformers it computes what
+    torq's own model computes, and the layer-by-layer export of the saved checkpoint writes
+    the same tensors and configuration."""
     from tests.methods.test_torq_method import _apply, _settings
     from torq.export import save_quantized
     from torq.export.compressed_tensors import (
@@ -273,7 +285,7 @@ def test_unrotated_groups_export_with_no_transform_there(tmp_path, tiny_tokenize
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINY_TEXT * 30, encoding="utf-8")
     model = tiny_model("qwen2")
-    settings = _settings(str(corpus), fold=True, unrotated=("q_proj",))
+    settings = _settings(str(corpus), fold=True, **given)
     in_float = copy.deepcopy(model)
     _apply(in_float, "torq-had32", QuantConfig(None, None), settings, tiny_tokenizer)
     ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
@@ -285,17 +297,15 @@ def test_unrotated_groups_export_with_no_transform_there(tmp_path, tiny_tokenize
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4", scale_mode="nearest")
     _apply(q, "torq-had32", qconfig, settings, tiny_tokenizer)
     attention = q.model.layers[0].self_attn
-    assert all(
-        getattr(attention, n).input_quantizer.transform is None
-        for n in ("q_proj", "k_proj", "v_proj")
-    )
+    layer = q.model.layers[0]
+    assert all(layer.get_submodule(n).input_quantizer.transform is None for n in left)
     assert attention.o_proj.input_quantizer.transform is not None
     with caplog.at_level(logging.WARNING, logger="torq.export.compressed_tensors"):
         whole = export_compressed_tensors(q, tmp_path / "whole", tiny_tokenizer)
     assert not [r for r in caplog.records if "bias" in r.getMessage()]
     config = json.loads((whole / "config.json").read_text())
     groups = config["quantization_config"]["transform_config"]["config_groups"]
-    left_out = {f"model.layers.{i}.self_attn.{n}_proj" for i in range(2) for n in "qkv"}
+    left_out = {f"model.layers.{i}.{n}" for i in range(2) for n in left}
     for args in next(iter(groups.values()))["apply"]:
         assert set(args["ignore"]) == left_out | {"lm_head"}
     loaded = load_compressed_tensors(whole)

@@ -146,3 +146,70 @@ def test_the_block_hadamard_leaves_unrotated_linears_without_it(
     assert key(HadamardSettings(unrotated=biased)) != key()
     with pytest.raises(ValueError, match="unrotated names"):
         HadamardSettings(unrotated=("q proj",))
+
+
+def test_the_residual_hadamard_rotates_the_norms_readers_offline(corpus, tiny_tokenizer) -> None:
+    """``HadamardSettings(residual=True)``, GPTQ's weights: q/k/v and gate/up (Qwen2's q/k/v
+    with a bias) run no transform; their input is the normalized residual stream rotated by
+    ``H₃₂`` on each block, the online block Hadamard's rotation, fused offline (first layer:
+    the float model's norm output over its weight, rotated so); o_proj and down_proj keep
+    the online Hadamard; in float the model is the float model; the setting enters the key
+    only when given."""
+    from dataclasses import asdict
+
+    from torq.methods.hadamard import HadamardSettings
+    from torq.methods.registry import method_spec, record_key
+    from torq.rotations.hadamard import hadamard_matrix
+    from torq.runs.config import RunConfig
+
+    method = "had32+gptq"
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :24]
+    model = tiny_model("qwen2")
+    settings = HadamardSettings(residual=True)
+    in_float = copy.deepcopy(model)
+    ctx = _ctx(corpus, tiny_tokenizer)
+    ctx.settings = settings
+    apply_method(get_method(method), in_float, QuantConfig(None, None), ctx)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(label: str):
+        def hook(module, args, output=None) -> None:
+            seen[label] = (output if output is not None else args[0]).detach()
+
+        return hook
+
+    norm = model.model.layers[0].input_layernorm
+    handles = [
+        norm.register_forward_hook(keep("norm")),
+        in_float.model.layers[0].self_attn.q_proj.register_forward_pre_hook(keep("q")),
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            in_float(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
+    for handle in handles:
+        handle.remove()
+    h = hadamard_matrix(32).float()
+    normalized = seen["norm"] / norm.weight.detach()
+    rotated = (normalized.reshape(*normalized.shape[:-1], -1, 32) @ h.T).flatten(-2)
+    torch.testing.assert_close(seen["q"], rotated, rtol=1e-4, atol=1e-5)
+
+    ctx = _ctx(corpus, tiny_tokenizer)
+    ctx.settings = settings
+    q = copy.deepcopy(model)
+    apply_method(get_method(method), q, QuantConfig.from_names("mxfp4", "mxfp4"), ctx)
+    for layer in q.model.layers:
+        for sub, name in (("self_attn", n) for n in ("q_proj", "k_proj", "v_proj")):
+            assert getattr(getattr(layer, sub), name).input_quantizer.transform is None
+        for name in ("gate_proj", "up_proj"):
+            assert getattr(layer.mlp, name).input_quantizer.transform is None
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert linear.input_quantizer.transform.block_size == 32
+
+    def key(*given: object) -> str:
+        return record_key(
+            asdict(RunConfig(model="m", methods=[method_spec(method, *given)])), method
+        )
+
+    assert "residual" not in key()
+    assert key(settings) != key()

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from tests.conftest import tiny_model
+from tests.conftest import TINY_TEXT, tiny_model
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.methods import MethodContext, TorqSettings, get_method
@@ -399,6 +399,69 @@ def test_unrotated_groups_get_their_balancing_alone(method, corpus, tiny_tokeniz
     assert "unrotated" not in _key(method)
     assert _key(method, TorqSettings(unrotated=("q_proj",))) != _key(method)
     assert TorqSettings(unrotated=("q_proj",)).paper().unrotated is None
+
+
+def test_the_unrotated_groups_take_their_own_balancing_strength(corpus, tiny_tokenizer) -> None:
+    """``unrotated_balance``: the unrotated group is balanced with that strength (the first
+    layer's q/k/v scales are those of a run with it as every group's), the rotated groups
+    with ``balance``'s; it enters the key only when set, is checked, and the paper's
+    settings drop it."""
+    qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
+    models = {}
+    for label, kw in [("own", {"unrotated_balance": 0.8}), ("all", {"balance": 0.8})]:
+        models[label] = tiny_model("llama")
+        settings = _settings(corpus, unrotated=("q_proj",), **kw)
+        _apply(models[label], "torq-had32", qconfig, settings, tiny_tokenizer)
+    own, every = (models[k].model.layers[0] for k in ("own", "all"))
+    # the same inputs (the embeddings) and strength: the same scales
+    assert torch.equal(
+        own.self_attn.q_proj.input_transform.channel_scale,
+        every.self_attn.q_proj.input_transform.channel_scale,
+    )
+    # the MLP's input, after the same attention, balanced with ½ against 0.8
+    assert not torch.allclose(
+        own.mlp.gate_proj.input_transform.channel_scale,
+        every.mlp.gate_proj.input_transform.channel_scale,
+    )
+    assert "unrotated_balance" not in _key("torq-had32")
+    given = TorqSettings(unrotated=("q_proj",), unrotated_balance=0.8)
+    assert _key("torq-had32", given) != _key("torq-had32", TorqSettings(unrotated=("q_proj",)))
+    with pytest.raises(ValueError, match="unrotated_balance"):
+        TorqSettings(unrotated_balance=1.5)
+    assert given.paper().unrotated_balance is None
+
+
+def test_the_residual_hadamard_balances_the_norms_readers_with_nothing_online(
+    corpus, tiny_tokenizer
+) -> None:
+    """``TorqSettings(residual=True)`` with the balancing folded (Qwen2, q/k/v with a bias):
+    q/k/v and gate/up, rotated through the residual stream, are balanced in that basis
+    with the balancing folded into the norm, so they run no transform; o_proj and down_proj
+    keep the balanced block Hadamard online; in float the model is the float model; the
+    setting enters the key only when set, and the paper's settings drop it."""
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :24]
+    model = tiny_model("qwen2")
+    settings = _settings(corpus, fold=True, residual=True)
+    in_float = copy.deepcopy(model)
+    _apply(in_float, "torq-had32", QuantConfig(None, None), settings, tiny_tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            in_float(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
+    q = copy.deepcopy(model)
+    _apply(q, "torq-had32", QuantConfig.from_names("mxfp4", "mxfp4"), settings, tiny_tokenizer)
+    for layer in q.model.layers:
+        readers = [getattr(layer.self_attn, f"{n}_proj") for n in "qkv"]
+        readers += [layer.mlp.gate_proj, layer.mlp.up_proj]
+        assert all(r.input_transform is None for r in readers)
+        # the balancing folded into the norm: its weight is no longer the folded γ's ones
+        assert not torch.allclose(layer.input_layernorm.weight, torch.ones(1))
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            t = linear.input_transform
+            assert t is not None and t.r_intra is not None and t.channel_scale is None
+    assert "residual" not in _key("torq-had32")
+    assert _key("torq-had32", TorqSettings(residual=True)) != _key("torq-had32")
+    assert TorqSettings(residual=True).paper().residual is False
 
 
 def test_the_solvers_on_the_calibration_device(corpus, tiny_tokenizer, monkeypatch) -> None:

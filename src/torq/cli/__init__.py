@@ -65,6 +65,8 @@ def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
         fold=args.fold_balance,
         calibrate=args.torq_calibrate,
         unrotated=args.unrotated,
+        unrotated_balance=args.unrotated_balance,
+        residual=args.residual_hadamard,
         expert_down_shared=args.expert_down == "shared",
         solver_device=args.solver_device,
     )
@@ -132,7 +134,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = compare(
             args.model,
             [m for m in methods if m] if methods is not None else None,
-            (torq_settings_from_args(args), gptq, HadamardSettings(unrotated=args.unrotated)),
+            (
+                torq_settings_from_args(args),
+                gptq,
+                HadamardSettings(unrotated=args.unrotated, residual=args.residual_hadamard),
+            ),
             capture=capture_from_args(args),
             out=out,
             progress=not args.no_progress,

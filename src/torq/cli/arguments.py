@@ -52,6 +52,13 @@ def _balance_alpha(value: str) -> float | None:
     return alpha
 
 
+def _strength(value: str) -> float:
+    alpha = _balance_alpha(value)
+    if alpha is None:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got '{value}'")
+    return alpha
+
+
 def _linear_names(value: str) -> tuple[str, ...]:
     from torq.methods.settings import LINEAR_NAME
 
@@ -534,6 +541,21 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
         "TORQ's methods their balancing alone (with --fold-balance: no online transform), the "
         "block Hadamards none; vLLM runs no transform on a linear with a bias (default: every "
         "group rotated)",
+    )
+    t.add_argument(
+        "--unrotated-balance",
+        type=_strength,
+        default=None,
+        metavar="ALPHA",
+        help="the balancing strength α of the --unrotated groups (default: --balance's)",
+    )
+    t.add_argument(
+        "--residual-hadamard",
+        action="store_true",
+        help="q/k/v and gate/up rotated offline, by the 32-block Hadamard of the residual "
+        "stream fused into the weights (the norms' weights folded into their readers), not "
+        "online; TORQ's methods then balance them, folded into the norm; o_proj and down_proj "
+        "keep their online transform (vLLM runs no transform on a linear with a bias)",
     )
     t.add_argument(
         "--expert-down",

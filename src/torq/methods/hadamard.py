@@ -32,6 +32,7 @@ from torq.methods.registry import Method, MethodContext, TransformBuilder, regis
 from torq.methods.settings import linear_names, names_a_member
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation
+from torq.surgery.fusion import RESIDUAL_READERS, ResidualRotation, block_hadamard_residual
 from torq.surgery.qlinear import QuantConfig
 
 
@@ -78,6 +79,11 @@ class HadamardSettings:
     # names one of them): vLLM runs no transform on a linear with a bias (Qwen2's q/k/v).
     # ``None``: every linear gets it
     unrotated: tuple[str, ...] | None = None
+    # the inputs of the linears reading a norm's output (q/k/v, gate/up) rotated offline, by
+    # the block Hadamard of the residual stream fused into the weights (the norms' weights
+    # folded into their readers), not online: none of them runs a transform, so vLLM
+    # serves a q/k/v with a bias rotated. The other inputs (o_proj, down_proj) keep theirs
+    residual: bool = False
 
     def __post_init__(self) -> None:
         if self.unrotated is not None:
@@ -103,7 +109,18 @@ class BlockHadamard(TransformBuilder):
 
     @staticmethod
     def _unrotated(ctx: MethodContext) -> tuple[str, ...] | None:
-        return getattr(ctx.settings, "unrotated", None)
+        unrotated = getattr(ctx.settings, "unrotated", None)
+        if getattr(ctx.settings, "residual", False):  # rotated offline, through the stream
+            return (*(unrotated or ()), *RESIDUAL_READERS)
+        return unrotated
+
+    def residual(self, ctx: MethodContext) -> ResidualRotation | None:
+        if not getattr(ctx.settings, "residual", False):
+            return None
+        if ctx.model_config is None:
+            raise TorqError("the residual Hadamard needs the model's configuration")
+        width = ctx.model_config.hidden_size
+        return block_hadamard_residual(width, hadamard_group(width, self.group_size))
 
     def fixed_for(
         self, name: str, width: int, qconfig: QuantConfig, ctx: MethodContext
@@ -129,7 +146,10 @@ class BlockHadamard(TransformBuilder):
     ) -> dict[str, Any]:
         # absent when every linear is rotated, so the keys made before settings stay
         unrotated = (settings or {}).get("unrotated")
-        return {} if unrotated is None else {"unrotated": list(unrotated)}
+        key: dict[str, Any] = {} if unrotated is None else {"unrotated": list(unrotated)}
+        if (settings or {}).get("residual"):
+            key["residual"] = True
+        return key
 
     def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
         if self.group_size == 32:

@@ -11,6 +11,7 @@ from typing import Any
 from torq.calibration.capture import LinearGroup
 from torq.rotations.inter_block import InterBlockConfig
 from torq.rotations.intra_block import IntraBlockConfig
+from torq.surgery.fusion import RESIDUAL_READERS
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
 # K/2 candidate columns): start from the block Hadamard and let every column be a candidate.
@@ -89,6 +90,14 @@ class TorqSettings:
     # they run with no online transform (vLLM runs no transform on a linear with a bias,
     # Qwen2's q/k/v). ``None``: every group rotated
     unrotated: tuple[str, ...] | None = None
+    # the balancing strength ``α`` of the ``unrotated`` groups (no rotation after it to
+    # spread what stays in the activations); ``None``: ``balance``'s
+    unrotated_balance: float | None = None
+    # the groups reading a norm's output (q/k/v, gate/up) rotated offline, by the 32-block
+    # Hadamard of the residual stream fused into the weights (the norms' weights folded into
+    # their readers), and then balanced, folded into the norm: no online transform, so vLLM
+    # serves them with a bias. The other groups as the method makes them
+    residual: bool = False
     # a channel permutation after the balancing that gives each block an equal share of
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
     # tokens the intra-block level fits on; intra-block level only (docs/research-log.md §10.3)
@@ -114,6 +123,10 @@ class TorqSettings:
             raise ValueError(
                 f"balance_probe must be one of {', '.join(BALANCE_PROBES)}, "
                 f"got {self.balance_probe!r}"
+            )
+        if self.unrotated_balance is not None and not 0.0 <= self.unrotated_balance <= 1.0:
+            raise ValueError(
+                f"unrotated_balance is a strength α in [0, 1]: {self.unrotated_balance}"
             )
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
@@ -141,15 +154,21 @@ class TorqSettings:
         return self.calibrate is None or names_a_member(self.calibrate, group.members)
 
     def rotates(self, group: LinearGroup) -> bool:
-        """Whether ``group`` gets a rotation (``unrotated`` does not name a member)."""
+        """Whether ``group`` gets a rotation of its own (``unrotated`` does not name a
+        member, nor ``residual`` rotate its input through the residual stream)."""
+        if self.residual and names_a_member(RESIDUAL_READERS, group.members):
+            return False
         return not names_a_member(self.unrotated, group.members)
 
     def balancing_only(self) -> TorqSettings:
         """An ``unrotated`` group's transform with these settings: the balancing alone, no
         inter- or intra-block rotation, no guard."""
-        return replace(
+        alone = replace(
             self, use_inter=False, use_intra=False, guard=None, calibrate=None, permute=False
         )
+        if self.balance is not None and self.unrotated_balance is not None:
+            alone = replace(alone, balance=self.unrotated_balance)
+        return alone
 
     def fixed_hadamard(self) -> TorqSettings:
         """``torq-had32``'s transform with these settings: the balancing, then Algorithm 2
@@ -179,6 +198,8 @@ class TorqSettings:
             fold=False,
             calibrate=None,
             unrotated=None,
+            unrotated_balance=None,
+            residual=False,
             permute=False,
             intra=replace(self.intra, init="identity", k_top=None),
         )
@@ -209,6 +230,8 @@ _LATER: dict[str, Any] = {
     "fold": False,
     "calibrate": None,
     "unrotated": None,
+    "unrotated_balance": None,
+    "residual": False,
     "permute": False,
     "expert_down_shared": False,
     # "cpu" before the GPU's solvers were measured faster: a CPU run's old key (none) is

@@ -57,6 +57,7 @@ from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import inter_block_rotations
 from torq.rotations.intra_block import fit_intra_block_rotation
 from torq.rotations.transform import BlockRotation
+from torq.surgery.fusion import ResidualRotation, block_hadamard_residual
 from torq.surgery.gptq import gptq_quantize
 from torq.surgery.qlinear import QuantConfig
 
@@ -397,6 +398,14 @@ class TorqTransform(TransformBuilder):
             record = fold_scales(layer, g, t.channel_scale, ctx.model_config)
             out[g.name] = (t.without_channel_scale(), record)
         return out
+
+    def residual(self, ctx: MethodContext) -> ResidualRotation | None:
+        settings: TorqSettings = ctx.settings or TorqSettings()
+        if not settings.residual:
+            return None
+        if ctx.model_config is None:
+            raise TorqError("the residual Hadamard needs the model's configuration")
+        return block_hadamard_residual(ctx.model_config.hidden_size, settings.block_size)
 
     def key_settings(
         self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]

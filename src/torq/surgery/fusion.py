@@ -32,6 +32,8 @@ from torq.rotations.hadamard import hadamard_matrix
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 READERS_ATTN = ("q_proj", "k_proj", "v_proj")
 READERS_MLP = ("gate_proj", "up_proj")
+# every linear reading a norm's output: its input is the residual stream's, normalized
+RESIDUAL_READERS = (*READERS_ATTN, *READERS_MLP)
 
 
 def check_supported(model: nn.Module) -> None:
@@ -275,3 +277,15 @@ def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
     return signs[:, None] * hadamard_matrix(n)
+
+
+def block_hadamard_residual(width: int, group: int) -> ResidualRotation:
+    """The residual stream rotated by the normalized Hadamard on each block of ``group``
+    channels, ``Q = diag(H_g, …, H_g)ᵀ``: a row vector ``x Q`` is ``x ↦ H_g x`` on each
+    block, the online block Hadamard's rotation, done offline. With the norms' weights
+    folded into their readers (:class:`ResidualRotation`), each reader's input is the
+    normalized stream rotated so, and runs no transform."""
+    if width % group:
+        raise TorqError(f"the residual width {width} is not a multiple of {group}")
+    h = hadamard_matrix(group).to(torch.float64)
+    return ResidualRotation(torch.block_diag(*[h.T] * (width // group)))
