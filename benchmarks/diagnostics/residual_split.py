@@ -16,11 +16,14 @@ the weights (above 1 where ``γ`` damps the stream's largest channels).
 """
 
 import collections
+from typing import Any
 
 import numpy as np
 import torch
 from diag_common import calib_windows, setup
+from torch import nn
 
+from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.driver import calibrate_layerwise
 from torq.formats import fake_quantize, get_format
 from torq.methods.hadamard import block_hadamard
@@ -39,7 +42,10 @@ def errors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> list[float]:
     return [float((p @ q.T - y).pow(2).sum() / n) for p, q in ((qx, w), (x, qw), (qx, qw))]
 
 
-def solver(li, layer, groups, stats):
+def solver(
+    index: int, layer: nn.Module, groups: list[LinearGroup], stats: dict[str, BlockStatistics]
+) -> dict[str, Any]:
+    """Record each norm-reading group's errors and spread; quantize nothing."""
     mods = dict(layer.named_modules())
     for g in groups:
         parent, kind = g.members[0].rsplit(".", 1)
