@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save
-from kernels import device_info, graph_time
+from kernel_speed import device_info, graph_time
 from torq.kernels.experts import GROUPED_MAX_SLOTS, PackedMXFP4Experts
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation

@@ -271,12 +271,16 @@ def test_the_served_folder_loads_with_the_lines_the_docs_show(
     doc, tiny_checkpoint, tiny_calibration_data_dir, tmp_path, monkeypatch
 ) -> None:
     """The README's and docs/serving.md's transformers lines, run as written (without torq)
-    on a folder ``torq quantize`` wrote: the same logits as ``torq.load``."""
+    on a folder ``torq quantize`` wrote: the same logits as ``torq.load``; the lines of the
+    folder's own model card too. Loaded the usual way, without ``trust_remote_code``, the
+    folder refuses."""
     import re
+
+    from transformers import AutoModelForCausalLM
 
     text = (Path(__file__).resolve().parents[1] / doc).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    (snippet,) = [b for b in blocks if "apply_transform_config" in b and "import torq" not in b]
+    (snippet,) = [b for b in blocks if "trust_remote_code" in b and "import torq" not in b]
     (name,) = re.findall(r'from_pretrained\("([^"]+)"', snippet)
     out = tmp_path / name
     argv = ["quantize", str(tiny_checkpoint), "--out", str(out)]
@@ -289,6 +293,13 @@ def test_the_served_folder_loads_with_the_lines_the_docs_show(
         theirs = scope["model"](input_ids=ids).logits
         ours = torq.load(out)(input_ids=ids).logits
     assert torch.equal(theirs, ours)
+    card_blocks = re.findall(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S)
+    card: dict = {}
+    exec(card_blocks[0], card)  # the model card's own lines
+    with torch.no_grad():
+        assert torch.equal(card["model"](input_ids=ids).logits, ours)
+    with pytest.raises(Exception, match="does not attach by itself"):
+        AutoModelForCausalLM.from_pretrained(str(out))
 
 
 @pytest.mark.parametrize(

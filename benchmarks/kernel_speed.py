@@ -1,7 +1,7 @@
 """MXFP4 W4A4 kernels on a GPU: decode and prefill speed against bf16, bandwidth, memory,
 the online transform's cost, and an end-to-end decode of a Llama-3-8B-shaped model.
 
-Run on a CUDA machine: ``python benchmarks/kernels.py --out results/bench_kernels.json``.
+Run on a CUDA machine: ``python benchmarks/kernel_speed.py --out results/bench_kernels.json``.
 Every speed figure is a ratio against ``torch.nn.functional.linear`` in bf16 measured in
 the same run. Timing: each measured call sequence is captured in a CUDA graph (so the
 Python launch overhead is out, for bf16 and MXFP4 alike), cycling through enough copies of
@@ -782,7 +782,7 @@ def main() -> None:
     p.add_argument("--skip-transform", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernel_speed.py needs a CUDA GPU")
     t0 = time.time()
     bw_copy, bw = measured_bandwidth()
     rec: dict[str, Any] = {
