@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import sys
+
 import pytest
 import torch
 
@@ -114,6 +116,12 @@ def test_without_a_data_dir_the_hub_fallback_fails_clearly(monkeypatch) -> None:
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # the libraries read those variables once, when imported: where another test imported
+    # them first, say so to them directly (else each request waits out its retries here)
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            monkeypatch.setattr(loaded, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(TorqError, match="--data-dir"):
         load_wikitext2_test()
 

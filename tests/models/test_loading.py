@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,15 +180,42 @@ def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsys) -> None:
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def first_layers_gguf(src: Path, dst: Path, n_layers: int) -> Path:
+    """A GGUF file of ``src``'s first ``n_layers`` decoder layers: every metadata field
+    (the block count changed) and tensor as stored, quantized blocks byte for byte."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the writer's own
+        value = n_layers if key == f"{arch}.block_count" else field.contents()
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers):
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def test_gguf_converts_tensor_by_tensor_to_transformers_values(tmp_path) -> None:
-    """The embedded SmolLM2 GGUF (Q4_1), converted one tensor at a time into shards: the
-    state dict transformers' whole-model GGUF loading gives, bit for bit, in float32; in
-    bfloat16 those values rounded. The folder loads with from_pretrained and streams."""
+    """The embedded SmolLM2 GGUF (Q4_1; its first two decoder layers, to keep the test
+    short), converted one tensor at a time into shards: the state dict transformers'
+    whole-model GGUF loading gives, bit for bit, in float32; in bfloat16 those values
+    rounded. The folder loads with from_pretrained and streams."""
     from transformers import AutoModelForCausalLM
 
     from torq.models.streaming import LayerStream
 
-    gguf = loading_mod.resolve_embedded_gguf("smollm2-135m")
+    full = loading_mod.resolve_embedded_gguf("smollm2-135m")
+    gguf = first_layers_gguf(full, tmp_path / "two-layers.gguf", 2)
     ref = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).state_dict()
@@ -197,7 +225,7 @@ def test_gguf_converts_tensor_by_tensor_to_transformers_values(tmp_path) -> None
     assert source["dtype"] == "float32" and source["shards"] >= 1
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     got = model.state_dict()
-    assert got.keys() == ref.keys()
+    assert got.keys() == ref.keys() and model.config.num_hidden_layers == 2
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     half = AutoModelForCausalLM.from_pretrained(str(bf16), dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(half[k], ref[k].to(torch.bfloat16)) for k in ref)

@@ -75,7 +75,9 @@ def _run_task(
             model=lm,
             use_cache=cache.use_cache,
             tasks=[task],
-            task_manager=TaskManager(include_path=tmp),
+            # the config includes its built-in one by path: lm-eval's own index of every
+            # task (about 15 s to build) is not needed
+            task_manager=TaskManager(include_path=tmp, include_defaults=False),
             log_samples=True,
             verbosity="WARNING",
             **kwargs,

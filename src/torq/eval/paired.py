@@ -63,7 +63,8 @@ def build_questions(
     built: dict[str, TaskQuestions] = {}
     with tempfile.TemporaryDirectory(prefix="torq-paired-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
-        manager = TaskManager(include_path=tmp)
+        hub = any(run == name for name, run in run_names.items())  # (zeroshot.py's reason)
+        manager = TaskManager(include_path=tmp, include_defaults=hub)
         if hasattr(manager, "load"):  # newer lm-eval; get_task_dict is deprecated there
             task_objs = manager.load(list(run_names.values()))["tasks"]
         else:

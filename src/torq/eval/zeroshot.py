@@ -295,7 +295,10 @@ def evaluate_zeroshot(
     drawn = None if subset is None else seeded_subset(names, subset, subset_seed, data_dir)
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
-        manager = TaskManager(include_path=tmp)
+        # lm-eval's own task index (thousands of configs, about 15 s a call) is read only
+        # for a task fetched from the hub; the local configs include their built-in one
+        hub = any(run == name for name, run in run_names.items())
+        manager = TaskManager(include_path=tmp, include_defaults=hub)
         base: type[HFLM] = HFLM
         if shared_context:
             from torq.eval.shared_context import SharedContextHFLM
