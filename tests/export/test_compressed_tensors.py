@@ -621,3 +621,25 @@ def test_fused_experts_go_to_torqs_format_or_are_refused_before_any_layer(
     assert (tmp_path / "q" / "torq_quant.json").is_file()
     loaded = torq.load(tmp_path / "q")
     assert loaded.model.layers[0].self_attn.q_proj.input_quantizer.transform is not None
+
+
+def test_lm_eval_refuses_the_folder_by_name_and_runs_the_loaded_model(
+    tmp_path, tiny_tokenizer
+) -> None:
+    """``lm_eval --model hf``'s loader (lm-eval's ``HFLM``) given a folder with the online
+    Hadamard by its name stops, with or without ``trust_remote_code`` (it reads the
+    quantization config itself, before the folder's loader runs); given the model
+    :func:`load_compressed_tensors` loaded, it computes that model's logits."""
+    from lm_eval.models.huggingface import HFLM
+
+    from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
+
+    out = export_compressed_tensors(_quantized("had32", "mxfp4"), tmp_path / "ct", tiny_tokenizer)
+    for remote in (False, True):
+        with pytest.raises(Exception, match="does not attach by itself"):
+            HFLM(pretrained=str(out), device="cpu", dtype="bfloat16", trust_remote_code=remote)
+    model = load_compressed_tensors(out)
+    lm = HFLM(pretrained=model, tokenizer=tiny_tokenizer, device="cpu")
+    ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        assert torch.equal(lm.model(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -32,8 +32,9 @@ def _loading(path: str, save_format: str, guarded: bool) -> str:
             "folder's `modeling_torq.py`, which loads the model with transformers and "
             "attaches it (compressed-tensors' `apply_transform_config`). Without it, "
             "`from_pretrained` stops with an error that says so, rather than computing "
-            "garbage. lm-eval: `--model hf --model_args "
-            f"pretrained={path},trust_remote_code=True`.\n"
+            "garbage. lm-eval's `--model hf` reads the quantization config itself and "
+            "stops too: `torq eval --model FOLDER --tasks ...` runs lm-eval's tasks on the "
+            "loaded model (or give lm-eval's `HFLM` the model `torq.load` returns).\n"
         )
     return (
         "compressed-tensors, for transformers and vLLM:\n\n```python\n"

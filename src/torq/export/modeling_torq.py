@@ -6,8 +6,7 @@ folder's ``config.json`` names it in ``auto_map``, so that
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
-(and ``lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True``) loads the
-model as torq and vLLM compute it. transformers alone applies no online transform: its
+loads the model as torq and vLLM compute it. transformers alone applies no online transform: its
 ``from_pretrained`` without ``trust_remote_code`` would run the weights on unrotated
 inputs and compute garbage, so the folder's quantization config carries a second,
 deliberately invalid one that transformers reads in its place (it unwraps a nested

@@ -14,6 +14,7 @@ comparison in torq (see ``../shared/data/README.md``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -462,6 +463,24 @@ def model_folder(name_or_path: str, gguf_dtype: str = "float32") -> tuple[Path, 
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _gguf_context_length(path: str, size: int, mtime_ns: int) -> int | None:
+    """A GGUF file's ``<arch>.context_length``, remembered by its path, size and time: the
+    reader parses every field (the tokenizer's 50k strings: seconds) to read one."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    except Exception as exc:  # the reader raises many kinds on a damaged file
+        raise TorqError(
+            f"{path}: not a readable GGUF file (truncated or damaged?): {first_line(exc)}"
+        ) from None
+    field = reader.fields.get(f"{arch}.context_length")
+    return None if field is None else int(field.parts[field.data[0]][0])
+
+
 def context_length(name_or_path: str) -> int | None:
     """The positions the model was made for (``max_position_embeddings``; a GGUF's
     ``<arch>.context_length``), read without loading or converting it, so that a window
@@ -472,19 +491,9 @@ def context_length(name_or_path: str) -> int | None:
     path = Path(key).expanduser()
     embedded = key.lower() in EMBEDDED_MODELS
     if embedded or (key.endswith(".gguf") and path.is_file()):
-        from gguf import GGUFReader
-
         gguf_path = resolve_embedded_gguf(key.lower()) if embedded else path
-        try:
-            reader = GGUFReader(str(gguf_path))
-            arch_field = reader.fields["general.architecture"]
-            arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-        except Exception as exc:  # the reader raises many kinds on a damaged file
-            raise TorqError(
-                f"{gguf_path}: not a readable GGUF file (truncated or damaged?): {first_line(exc)}"
-            ) from None
-        field = reader.fields.get(f"{arch}.context_length")
-        return None if field is None else int(field.parts[field.data[0]][0])
+        st = gguf_path.stat()
+        return _gguf_context_length(str(gguf_path), st.st_size, st.st_mtime_ns)
     config = path / "config.json"
     if not config.is_file():
         return None
