@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 # what a plain transformers load of such a folder stops with (the key of an invalid group)
 REFUSAL = (
@@ -85,6 +84,8 @@ class TorqForCausalLM:
     def from_pretrained(cls, path: Any, *args: Any, config: Any, **kwargs: Any) -> torch.nn.Module:
         """The model of folder ``path`` (``config``: its transformers config, as the auto
         class read it), decompressed and with its online transforms attached."""
+        from transformers import AutoModelForCausalLM
+
         quantization = dict(config.quantization_config)
         quantization.pop(NESTED_KEY, None)
         config.quantization_config = quantization
