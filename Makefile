@@ -88,11 +88,11 @@ lint: setup
 	$(BIN)/lint-imports
 
 bench-formats: setup
-	$(BIN)/python benchmarks/formats.py --out results/bench_formats.json
+	$(BIN)/python -m benchmarks.formats --out results/bench_formats.json
 
 # Needs a CUDA GPU and a CUDA build of torch (README, "Installing on a GPU machine").
 bench-kernels:
-	python3 benchmarks/kernel_speed.py --out results/gpu/bench_kernels.json
+	python3 -m benchmarks.kernel_speed --out results/gpu/bench_kernels.json
 
 clean:
 	rm -rf $(VENV) .venv-lock .venv-latest results .pytest_cache .ruff_cache

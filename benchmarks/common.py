@@ -1,4 +1,5 @@
-"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/NAME.py``).
+"""Timing helper shared by the benchmarks (run them as ``python -m benchmarks.NAME`` from
+the repository's root).
 
 Importing it also quiets the libraries' notes as the ``torq`` command does
 (:func:`torq.logs.quiet_libraries`), so that a benchmark's log holds its own lines."""

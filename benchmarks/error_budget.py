@@ -11,7 +11,7 @@ tends to: mixing many channels makes each block's entries near-Gaussian).
 
 Usage::
 
-    python benchmarks/error_budget.py --methods rtn,had32,torq --max-windows 4 \\
+    python -m benchmarks.error_budget --methods rtn,had32,torq --max-windows 4 \\
         --calib-samples 8 --per-group --out results/error_budget.json
 
 ``--acts-only`` leaves out the rows that quantize weights.
@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import torch
 
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.eval import load_wikitext2_test, perplexity, windows_from_text

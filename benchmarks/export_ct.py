@@ -1,9 +1,9 @@
 """A torq model exported to compressed-tensors and loaded back through transformers: its
 WikiText-2 perplexity beside torq's own for the same quantized model, and the folder's size.
 
-    python benchmarks/export_ct.py --model smollm2-135m --methods rtn,had32 --max-windows 4 \\
+    python -m benchmarks.export_ct --model smollm2-135m --methods rtn,had32 --max-windows 4 \\
         --out results/export/smollm2-ct.json
-    python benchmarks/export_ct.py --methods torq-had32 --calib-samples 8 --max-windows 4 \\
+    python -m benchmarks.export_ct --methods torq-had32 --calib-samples 8 --max-windows 4 \\
         --out results/export/smollm2-ct-torq-had32.json
 
 Calibrated methods (``torq-had32``, ``+gptq``) calibrate on ``--calib-samples`` WikiText-2
@@ -28,7 +28,6 @@ and a markdown table (``<out>.md``).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -36,9 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.data import load_wikitext2_test
 from torq.driver import apply_method

@@ -15,7 +15,7 @@ Rows:
 * ``torq reference``: the device-agnostic reference path.
 * ``torchao to_mx+to_dtype``: torchao's emulated MXFP4 (FLOOR scale mode).
 
-Usage: ``python benchmarks/formats.py [--out results/bench_formats.json]``.
+Usage: ``python -m benchmarks.formats [--out results/bench_formats.json]``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import torq.formats as tf
-from common import time_runs
+from benchmarks.common import time_runs
 from torq.formats import cpu_kernel, kernels
 from torq.formats.reference import fake_quantize_reference
 
@@ -145,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(default_threads)
     record = {
         "benchmark": "mxfp4 fake quantization throughput, GB/s of float32 input (median)",
-        "command": "python benchmarks/formats.py " + f"--out {args.out} --repeats {args.repeats} "
+        "command": "python -m benchmarks.formats " + f"--out {args.out} --repeats {args.repeats} "
         f"--slow-repeats {args.slow_repeats}",
         "results": results,
         "markdown": tables,

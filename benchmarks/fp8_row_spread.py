@@ -6,7 +6,7 @@ blocks have scales within 2**14 of the row's largest. This script counts the row
 span more, in every linear weight of a model and in the token rows that reach every
 decoder linear on WikiText-2 windows.
 
-``python benchmarks/fp8_row_spread.py --model smollm2-135m --windows 2 --out
+``python -m benchmarks.fp8_row_spread --model smollm2-135m --windows 2 --out
 results/fp8_row_spread.json``
 """
 
@@ -15,15 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.data import load_wikitext2_test
 from torq.formats import get_format, quantize
 from torq.kernels import MXFP4Weight

@@ -6,7 +6,7 @@ The same ``torq run`` settings in one process, alternately in the two modes, ``-
 times each; per run the wall time, the number of ``gc.collect`` calls and the seconds spent
 in them, the peak resident set (the largest of the runs) and the perplexity (which must
 not change). Run it as
-``python benchmarks/gc_passes.py --model smollm2-135m --methods rtn,torq-had32 --out F``.
+``python -m benchmarks.gc_passes --model smollm2-135m --methods rtn,torq-had32 --out F``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torq.models.streaming as streaming
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.models.streaming import ResidentPeak
 from torq.pipeline import run

@@ -1,7 +1,7 @@
 """Greedy generation in batches against one problem at a time: speed, and whether the
 answers stay the same (HumanEval or GSM8K through lm-eval, as ``benchmarks/humaneval.py``).
 
-    python benchmarks/generation_batch.py --model qwen2.5-coder-0.5b --task humaneval \\
+    python -m benchmarks.generation_batch --model qwen2.5-coder-0.5b --task humaneval \\
         --limit 16 --batch-sizes 1,8 --out results/generation/qwen-batch.json
 
 On a CPU one decoding step of a 0.5B model reads every weight once (about 2 GB in float32)
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
-from humaneval import quantize
+from benchmarks.common import save
+from benchmarks.humaneval import quantize
 from torq.eval.generation import evaluate_gsm8k, generate_humaneval
 from torq.eval.humaneval import load_humaneval, score
 from torq.models import load

@@ -3,7 +3,7 @@ loading (``from_pretrained(gguf_file=...)`` then ``save_pretrained``, torq's con
 before issue 26) against torq's tensor-by-tensor conversion
 (:func:`torq.models.gguf.convert_gguf_tensorwise`), each in a fresh process.
 
-    python benchmarks/gguf_convert.py --model qwen2.5-coder-0.5b --out results/gguf_convert.json
+    python -m benchmarks.gguf_convert --model qwen2.5-coder-0.5b --out results/gguf_convert.json
 
 Writes JSON and a markdown table (``<out>.md``). The peak is the process's resident-set
 high-water mark, after the imports (reset through /proc/self/clear_refs, Linux).

@@ -1,7 +1,7 @@
 """Calibration and W4A4 decoding on a CUDA GPU, each against its reference in the same run.
 
-    python benchmarks/gpu.py --out results/gpu            # on a machine with a CUDA GPU
-    python benchmarks/gpu.py --shape tiny --device cpu --out /tmp/gpu-check   # a CPU check
+    python -m benchmarks.gpu --out results/gpu            # on a machine with a CUDA GPU
+    python -m benchmarks.gpu --shape tiny --device cpu --out /tmp/gpu-check   # a CPU check
 
 Parts (``--parts``, run in the order given; by default decode, calibration, anatomy,
 steps, torq+gptq), each written to ``<out>/gpu.json`` and ``<out>/gpu.md`` as soon as it is
@@ -70,8 +70,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.scale import SHAPES
 
@@ -751,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rec: dict[str, Any] = {
         "shape": args.shape,
-        "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": device_info(device),
         "skipped": [],
     }

@@ -53,14 +53,14 @@ left() {
 
 if wants decode; then
 step "benchmarks/gpu.py: decoding, eager, graphed, compiled and graphed"
-timeout "$(left decode)" "$PY" benchmarks/gpu.py --out "$R/gpu-decode" --parts decode \
+timeout "$(left decode)" "$PY" -m benchmarks.gpu --out "$R/gpu-decode" --parts decode \
     --compiled > "$R/gpu-decode.log" 2>&1
 tail -2 "$R/gpu-decode.log"
 fi
 
 if runs checkpoint; then
     step "benchmarks/gpu.py: $MODEL saved, served and decoded on the kernels"
-    timeout "$(left checkpoint)" "$PY" benchmarks/gpu.py --out "$R/gpu-checkpoint" \
+    timeout "$(left checkpoint)" "$PY" -m benchmarks.gpu --out "$R/gpu-checkpoint" \
         --parts checkpoint \
         --model "$MODEL" --data-dir "${DATA_DIR:?set DATA_DIR with MODEL}" \
         > "$R/gpu-checkpoint.log" 2>&1
@@ -68,7 +68,7 @@ if runs checkpoint; then
 fi
 if runs arithmetic; then
     step "benchmarks/gpu.py: the default recipe on $MODEL, exact and TF32 calibration"
-    timeout "$(left arithmetic)" "$PY" benchmarks/gpu.py --out "$R/gpu-arithmetic" \
+    timeout "$(left arithmetic)" "$PY" -m benchmarks.gpu --out "$R/gpu-arithmetic" \
         --parts arithmetic \
         --model "$MODEL" --data-dir "$DATA_DIR" --calib-samples 128 --eval-windows 1000 \
         --arithmetics "${ARITHMETICS:-exact,tf32}" > "$R/gpu-arithmetic.log" 2>&1
@@ -94,7 +94,7 @@ fi
 
 if wants calibration; then
 step "benchmarks/gpu.py: calibration (TF32, exact), TORQ's solvers on the GPU and the CPU"
-timeout "$(left calibration)" "$PY" benchmarks/gpu.py --out "$R/gpu-calibration" --layers 2 \
+timeout "$(left calibration)" "$PY" -m benchmarks.gpu --out "$R/gpu-calibration" --layers 2 \
     --budget-s 200 --parts calibration-tf32,calibration,torq+gptq-device-solvers,torq+gptq \
     > "$R/gpu-calibration.log" 2>&1
 tail -2 "$R/gpu-calibration.log"
@@ -102,14 +102,14 @@ fi
 
 if wants steps && [ "$(left steps)" -gt 120 ]; then
     step "benchmarks/gpu.py: one layer's steps on the GPU and the CPU"
-    timeout "$(left steps)" "$PY" benchmarks/gpu.py --out "$R/gpu-steps" --parts steps \
+    timeout "$(left steps)" "$PY" -m benchmarks.gpu --out "$R/gpu-steps" --parts steps \
         > "$R/gpu-steps.log" 2>&1
     tail -2 "$R/gpu-steps.log"
 fi
 
 if wants intra && [ "$(left intra)" -gt 60 ]; then
     step "benchmarks/intra_speed.py --cuda"
-    timeout "$(left intra)" "$PY" benchmarks/intra_speed.py --cuda --threads "$(nproc)" \
+    timeout "$(left intra)" "$PY" -m benchmarks.intra_speed --cuda --threads "$(nproc)" \
         --repeats 1 --max-iter 5 --large --out "$R/intra-cuda.json" > "$R/intra-cuda.log" 2>&1
     tail -2 "$R/intra-cuda.log"
 fi

@@ -2,7 +2,7 @@
 transforms, all after torq's channel balancing: the question of issue 27, asked group by
 group instead of through the whole model's perplexity.
 
-    python benchmarks/group_error.py --model smollm2-135m --layers 0 5 15 29 \\
+    python -m benchmarks.group_error --model smollm2-135m --layers 0 5 15 29 \\
         --out results/method-value/group-error.json
 
 For every group of linear layers that read one tensor (q/k/v, o, gate/up, down) in the
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, calibration_windows
 from torq.formats import get_format
 from torq.methods.torq_rotation import output_error

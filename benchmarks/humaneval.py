@@ -2,9 +2,9 @@
 method quantizes the model (W4A4 MXFP4 unless told), lm-eval generates greedy completions
 offline, and each HumanEval program runs isolated (:mod:`torq.eval.sandbox`).
 
-    python benchmarks/humaneval.py --model qwen2.5-coder-0.5b \\
+    python -m benchmarks.humaneval --model qwen2.5-coder-0.5b \\
         --methods fp,rtn,had32,torq-had32,torq --out results/humaneval/qwen-coder.json
-    python benchmarks/humaneval.py --task gsm8k --n 200 --methods fp,torq-had32 \\
+    python -m benchmarks.humaneval --task gsm8k --n 200 --methods fp,torq-had32 \\
         --out results/gsm8k/qwen-coder-200.json
 
 GSM8K (``--task gsm8k``): lm-eval's 5-shot task on ``--n`` test problems drawn with
@@ -35,9 +35,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.errors import TorqError

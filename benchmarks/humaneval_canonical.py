@@ -2,7 +2,7 @@
 the scorer (:mod:`torq.eval.humaneval`) and the isolation (:mod:`torq.eval.sandbox`) run
 every problem's program as lm-eval's scorer would.
 
-    python benchmarks/humaneval_canonical.py --out results/humaneval/canonical.json
+    python -m benchmarks.humaneval_canonical --out results/humaneval/canonical.json
 
 Writes JSON (per problem: passed, seconds) and a markdown line (``<out>.md``).
 """
@@ -10,13 +10,9 @@ Writes JSON (per problem: passed, seconds) and a markdown line (``<out>.md``).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.eval.humaneval import load_humaneval, score
 from torq.results import command_line, machine_info, now_iso
 

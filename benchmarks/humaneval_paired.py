@@ -4,7 +4,7 @@ against each other, on the problems both have: the score of each (HumanEval's pa
 GSM8K's exact match under ``--filter``), the paired difference with its standard error, how
 many problems only one of the two solves, and the exact McNemar p.
 
-    python benchmarks/humaneval_paired.py results/humaneval/qwen-coder.json \\
+    python -m benchmarks.humaneval_paired results/humaneval/qwen-coder.json \\
         results/humaneval/qwen-coder-torq-had32.json results/humaneval/qwen-coder-torq.json \\
         --out results/humaneval/qwen-coder-paired.json
 
@@ -43,9 +43,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.errors import TorqError
 from torq.eval.paired import paired_difference
 from torq.results import command_line, machine_info, now_iso

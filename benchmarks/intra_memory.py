@@ -2,8 +2,8 @@
 sample the size of an 8B model's widest group: 2048 reservoir tokens × 448 blocks of 32
 (Llama-3-8B's down_proj input, 14336 wide) = 917 504 blocks.
 
-    python benchmarks/intra_memory.py --out results/intra_memory.json
-    python benchmarks/intra_memory.py --recipe torq --out results/intra_memory-torq.json
+    python -m benchmarks.intra_memory --out results/intra_memory.json
+    python -m benchmarks.intra_memory --recipe torq --out results/intra_memory-torq.json
 
 ``--recipe paper`` (the default, what the record of 2026-11-25 measured) runs Algorithm 2 as
 the paper sets it: from the identity, the K/2 columns of largest occupancy;

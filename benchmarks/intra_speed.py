@@ -2,7 +2,7 @@
 A.4) on samples the size of real input groups, against the solver of an earlier commit
 (``--before``, read from git) measured in the same run.
 
-    python benchmarks/intra_speed.py --before 3886ca0 --threads 1 2 --out results/intra_speed.json
+    python -m benchmarks.intra_speed --before 3886ca0 --threads 1 2 --out results/intra_speed.json
 
 The samples are synthetic (Gaussian rows with log-normal column scales and one outlier
 column, a fixed seed; then the 32-block Hadamard, as torq's solver starts from it), sized as
@@ -11,7 +11,7 @@ torq's reservoir of 1024 tokens makes them: SmolLM2-135M's 576- and 1536-wide in
 ones (131 072 and 458 752). Each row gives the median of ``--repeats`` fits with each solver,
 their ratio, and whether the two found the same rotation bit for bit (they must).
 
-    python benchmarks/intra_speed.py --cuda --threads 16 --large --out results/gpu/intra-cuda.json
+    python -m benchmarks.intra_speed --cuda --threads 16 --large --out results/gpu/intra-cuda.json
 
 (``--cuda``, on a GPU machine) times this tree's solver on the CPU against the same solver
 on the GPU (the largest difference of the two rotations is reported, since a GPU may sum in
@@ -34,9 +34,8 @@ from types import ModuleType
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torq.rotations.intra_block as ib
-from common import save
+from benchmarks.common import save
 from torq.results import machine_info
 
 SHAPES = {"smollm2 576": 18432, "smollm2 1536": 49152}

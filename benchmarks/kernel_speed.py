@@ -1,7 +1,7 @@
 """MXFP4 W4A4 kernels on a GPU: decode and prefill speed against bf16, bandwidth, memory,
 the online transform's cost, and an end-to-end decode of a Llama-3-8B-shaped model.
 
-Run on a CUDA machine: ``python benchmarks/kernel_speed.py --out results/bench_kernels.json``.
+Run on a CUDA machine: ``python -m benchmarks.kernel_speed --out results/bench_kernels.json``.
 Every speed figure is a ratio against ``torch.nn.functional.linear`` in bf16 measured in
 the same run. Timing: each measured call sequence is captured in a CUDA graph (so the
 Python launch overhead is out, for bf16 and MXFP4 alike), cycling through enough copies of
@@ -21,16 +21,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
 from torq.kernels import config as kernel_config
 from torq.kernels.config import TUNED_CONFIGS

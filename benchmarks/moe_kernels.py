@@ -2,7 +2,7 @@
 speed part of the paper's Tables 7–8, on random weights.
 
 Run on a CUDA machine:
-``python benchmarks/moe_kernels.py --out results/gpu/moe-kernels.json``.
+``python -m benchmarks.moe_kernels --out results/gpu/moe-kernels.json``.
 
 The layer is Qwen3-30B-A3B's sparse block (hidden 2048, 128 experts of intermediate 768,
 8 chosen per token, SiLU), weights random (no MoE checkpoint exists on torq's machines; the
@@ -27,17 +27,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
-from kernel_speed import device_info, graph_time
+from benchmarks.common import save
+from benchmarks.kernel_speed import device_info, graph_time
 from torq.kernels.experts import GROUPED_MAX_SLOTS, PackedMXFP4Experts
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation

@@ -1,6 +1,6 @@
 """Rows of several runs on the same seeded window sample, compared window by window.
 
-python benchmarks/ppl_paired.py A.json B.json --reference fp --out results/paired.json
+python -m benchmarks.ppl_paired A.json B.json --reference fp --out results/paired.json
 
 Each record is a ``torq run --window-sample N`` (or a run over the whole test) or a peer
 script's record with the same ``--window-sample N`` (``benchmarks/peers/``; its rows are
@@ -19,10 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.errors import TorqError
 from torq.eval.perplexity import paired_log_ratio
 from torq.results import command_line, machine_info, now_iso

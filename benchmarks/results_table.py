@@ -6,7 +6,7 @@ quantization wall time, split into the capture forward passes and the solving (G
 rotations) where the method calibrates; a record saved before its run finished
 (``"complete": false``) contributes the rows it has.
 
-Usage: ``python benchmarks/results_table.py results/full/*.json [--sort ppl]``
+Usage: ``python -m benchmarks.results_table results/full/*.json [--sort ppl]``
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ weights, written layer by layer in bf16 shards, and SmolLM2-135M (real weights);
 ``--layers N`` a shape's widths with N layers (``llama3-70b --layers 2``: a 70B model's
 layer, embedding and head on this machine's disk).
 
-    python benchmarks/scale.py --shape llama3-8b --methods rtn,torq-had32 \\
+    python -m benchmarks.scale --shape llama3-8b --methods rtn,torq-had32 \\
         --calib-samples 8 --eval-windows 2 --dir /tmp/torq-scale --out results/scale/8b.json
 
 ``--resume-dir DIR`` lets a long run (TORQ through the 8B shape's 32 layers: hours here)

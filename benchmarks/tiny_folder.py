@@ -3,10 +3,10 @@ it: what a check of an architecture no real model here has (does torq quantize i
 transformers or vLLM load what torq wrote) runs on. The numbers such a folder gives mean only
 that the engines agree: the weights are random.
 
-    python benchmarks/tiny_folder.py granite /tmp/tiny-granite --data-dir /tmp/tiny-data
+    python -m benchmarks.tiny_folder granite /tmp/tiny-granite --data-dir /tmp/tiny-data
     torq quantize /tmp/tiny-granite --out /tmp/tiny-granite-q --calib-samples 2 \\
         --data-dir /tmp/tiny-data
-    python benchmarks/vllm_cpu.py --folder /tmp/tiny-granite-q --vllm-python VENV/bin/python \\
+    python -m benchmarks.vllm_cpu --folder /tmp/tiny-granite-q --vllm-python VENV/bin/python \\
         --max-windows 2 --data-dir /tmp/tiny-data --out results/vllm-cpu-tiny-granite.json
 
 Any ``model_type`` transformers knows, and ``gemma3`` (Gemma 3 of text and images: its
@@ -20,10 +20,7 @@ tokenizer's sentences under WikiText-2's file names.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import (
     TINY_TEXT,

@@ -12,7 +12,7 @@ batch of tokens, times, in one run on the same tensors:
 Reported as ratios to ``matmul`` (medians of repeated runs), because the machines are
 shared and noisy. Shapes default to SmolLM2-135M's; ``--hidden/--ffn/--heads`` change them.
 
-Usage: ``python benchmarks/transform_overhead.py [--tokens 2048] [--out results/...json]``.
+Usage: ``python -m benchmarks.transform_overhead [--tokens 2048] [--out results/...json]``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import save, time_runs
+from benchmarks.common import save, time_runs
 from torq.formats import fake_quantize, get_format
 from torq.results import machine_info, versions
 from torq.rotations.transform import BlockRotation

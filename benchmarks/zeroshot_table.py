@@ -1,10 +1,10 @@
 """The paper's full results table for one model: WikiText-2 perplexity and the six
 zero-shot tasks (lm-eval, 0-shot) for every method, plus the Figure-1-style PNG.
 
-python benchmarks/zeroshot_table.py --model smollm2-135m --methods fp,rtn,had32,torq \
+python -m benchmarks.zeroshot_table --model smollm2-135m --methods fp,rtn,had32,torq \
     --calib-samples 32 --ppl-from results/full/*.json --out results/zeroshot/smollm2.json
-python benchmarks/zeroshot_table.py --limit 50 ...   # the first 50 of each task (the table says so)
-python benchmarks/zeroshot_table.py --subset 300 --subset-seed 0 ...   # 300 drawn at random
+python -m benchmarks.zeroshot_table --limit 50 ...   # the first 50 of each task (the table says so)
+python -m benchmarks.zeroshot_table --subset 300 --subset-seed 0 ...   # 300 drawn at random
 
 Methods run one at a time and the record is rewritten after each; with ``--resume-dir``
 (default ``<out>-requests/``) every answer is kept as it is scored, so a stopped run loses
@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import save
+from benchmarks.common import save
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.errors import TorqError
 from torq.eval.figure import accuracy_perplexity_figure

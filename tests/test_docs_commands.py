@@ -120,3 +120,17 @@ def test_a_planted_bad_command_is_found(tmp_path: Path, text: str, bad: str) -> 
     page.write_text("# A page\n\n" + text + "\n`torq quantize --rotate-biased` is fine.\n")
     found = problems([page])
     assert len(found) == 1 and bad in found[0], found
+
+
+def test_every_documented_benchmark_module_exists() -> None:
+    """``python -m benchmarks.NAME`` in the README and docs names a module there is."""
+    named = {
+        m
+        for page in PAGES
+        if page.name not in HISTORY
+        for m in re.findall(r"python3? -m (benchmarks(?:\.\w+)+)", page.read_text())
+    }
+    assert named
+    named.discard("benchmarks.NAME")  # the placeholder of the page that says how they run
+    missing = [m for m in sorted(named) if not (ROOT / (m.replace(".", "/") + ".py")).is_file()]
+    assert missing == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,14 @@ import pytest
 from tests.conftest import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+# `python -m benchmarks.NAME` finds the package from anywhere
+RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _gsm8k_rtn(checkpoint: Path) -> list[str]:
     """The benchmark's command line for RTN on two GSM8K problems of ``checkpoint``."""
     return [
-        str(ROOT / "benchmarks" / "humaneval.py"),
+        "-m", "benchmarks.humaneval",
         "--task", "gsm8k", "--n", "2",
         "--model", str(checkpoint),
         "--methods", "rtn",
@@ -39,7 +41,9 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     rows = []
     for _ in range(2):
         out.unlink(missing_ok=True)  # the record would skip the method: run it again
-        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+        [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
+    )
         assert done.returncode == 0, done.stderr[-2000:]
         rows.append(json.loads(out.read_text())["rows"][0])
     first, again = rows
@@ -57,7 +61,9 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     # a row is not continued with another batch size (it would change W4A4 answers)
     out.unlink()
     other = [*args[:-2], "--batch-size", "1", *args[-2:]]
-    done = subprocess.run([sys.executable, *other], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, *other], env=RUN_ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode != 0
     assert "holds answers generated with --batch-size 2" in done.stderr
     assert not out.exists()
@@ -82,10 +88,10 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     fp = _record(tmp_path / "fp.json", "fp", [1, 1, 1, 0, 1, 0])
     q = _record(tmp_path / "q.json", "q", [1, 0, 0, 0, 1, 1])
     out = tmp_path / "paired.json"
-    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    script = "-m", "benchmarks.humaneval_paired"
     done = subprocess.run(
-        [sys.executable, script, str(fp), str(q), "--out", str(out)],
-        capture_output=True,
+        [sys.executable, *script, str(fp), str(q), "--out", str(out)],
+        env=RUN_ENV, capture_output=True,
         text=True,
         timeout=300,
     )
@@ -96,8 +102,8 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     assert abs(pair["diff"] - (3 / 6 - 4 / 6)) < 1e-12
     assert abs(pair["p_mcnemar"] - 1.0) < 1e-12  # 1 against 2: binomial, two-sided
     twice = subprocess.run(
-        [sys.executable, script, str(fp), str(fp), "--out", str(out)],
-        capture_output=True,
+        [sys.executable, *script, str(fp), str(fp), "--out", str(out)],
+        env=RUN_ENV, capture_output=True,
         text=True,
         timeout=300,
     )
@@ -105,8 +111,8 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     # a second calibration seed of one method is another row, named by its seed
     again = _record(tmp_path / "q-seed1.json", "q", [0, 0, 0, 0, 1, 1], calib_seed=1)
     seeds = subprocess.run(
-        [sys.executable, script, str(fp), str(q), str(again), "--out", str(out)],
-        capture_output=True,
+        [sys.executable, *script, str(fp), str(q), str(again), "--out", str(out)],
+        env=RUN_ENV, capture_output=True,
         text=True,
         timeout=300,
     )
@@ -147,15 +153,15 @@ def _gsm8k_record(path: Path, method: str, flexible: list[int], n: int, batch: i
 def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> None:
     """GSM8K rows are compared per problem under the chosen answer filter; rows of another
     subset size (other 5-shot prompts), another batch size or another task are refused."""
-    script = str(ROOT / "benchmarks" / "humaneval_paired.py")
+    script = "-m", "benchmarks.humaneval_paired"
     fp = _gsm8k_record(tmp_path / "fp.json", "fp", [1, 1, 0, 1, 0], n=5)
     q = _gsm8k_record(tmp_path / "q.json", "q", [1, 0, 0, 0, 1], n=5)
     out = tmp_path / "paired.json"
 
     def paired(*records: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, script, *map(str, records), "--out", str(out), *extra],
-            capture_output=True, text=True, timeout=300,
+            [sys.executable, *script, *map(str, records), "--out", str(out), *extra],
+            env=RUN_ENV, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
 
     done = paired(fp, q)
@@ -240,13 +246,8 @@ def test_the_seed_error_adds_the_calibration_draws_spread(
 
 
 def _benchmark(monkeypatch: pytest.MonkeyPatch, name: str = "humaneval") -> ModuleType:
-    """One of the benchmark scripts, imported as a module."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.syspath_prepend(str(BENCH))  # the script imports its neighbour ``common``
-    spec.loader.exec_module(module)
-    return module
+    """One of the benchmark modules (``benchmarks.NAME``), imported."""
+    return importlib.import_module(f"benchmarks.{name.replace('/', '.')}")
 
 
 def test_a_calibration_seed_reaches_every_draw_and_names_its_own_directory(
@@ -343,10 +344,10 @@ def test_bad_arguments_are_refused_before_any_work(
         assert stop.value.code == 2
         assert needle in capsys.readouterr().err
         assert not out.exists()
-    no_model = [str(BENCH / "humaneval.py"), "--model", str(tmp_path / "none"), "--out", str(out)]
+    no_model = ["-m", "benchmarks.humaneval", "--model", str(tmp_path / "none"), "--out", str(out)]
     done = subprocess.run(
         [sys.executable, *no_model, "--methods", "fp", *data],
-        capture_output=True,
+        env=RUN_ENV, capture_output=True,
         text=True,
         timeout=300,
     )
@@ -392,7 +393,7 @@ def test_batched_generation_gives_the_answers_of_one_at_a_time(
     would change them)."""
     out = tmp_path / "batch.json"
     args = [
-        str(BENCH / "generation_batch.py"),
+        "-m", "benchmarks.generation_batch",
         "--task", "gsm8k", "--n", "3",
         "--model", str(tiny_checkpoint),
         "--method", "had32",
@@ -400,7 +401,9 @@ def test_batched_generation_gives_the_answers_of_one_at_a_time(
         "--data-dir", str(SHARED_DATA),
         "--out", str(out),
     ]  # fmt: skip
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
     one, three = record["runs"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python -m benchmarks.NAME` finds the package from anywhere
+RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _record(path: Path, ids: list[int], rows: dict[str, list[float]]) -> Path:
@@ -36,9 +39,9 @@ def _record(path: Path, ids: list[int], rows: dict[str, list[float]]) -> Path:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    script = str(ROOT / "benchmarks" / "ppl_paired.py")
+    script = "-m", "benchmarks.ppl_paired"
     return subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, *script, *args], env=RUN_ENV, capture_output=True, text=True, timeout=300
     )
 
 

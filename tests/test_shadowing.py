@@ -61,3 +61,12 @@ def test_a_planted_library_name_is_found(tmp_path: Path) -> None:
     assert "benchmarks/speed.py" not in found
     if "kernels" in importlib.metadata.packages_distributions():
         assert "benchmarks/kernels.py" in found
+
+
+def test_the_benchmarks_run_as_modules_of_a_package() -> None:
+    """torq's own benchmarks are the ``benchmarks`` package, run as ``python -m
+    benchmarks.NAME``: none puts a folder on ``sys.path`` (the peers' scripts, which run in
+    the peers' own environments beside their checkouts, live apart in ``peers/``)."""
+    own = [p for p in (ROOT / "benchmarks").rglob("*.py") if "peers" not in p.parts]
+    assert (ROOT / "benchmarks" / "__init__.py").is_file()
+    assert [str(p.relative_to(ROOT)) for p in own if "sys.path" in p.read_text()] == []

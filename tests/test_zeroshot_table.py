@@ -4,12 +4,15 @@ without scoring anything again (the kept SmolLM2 records in ``docs/records/zeros
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python -m benchmarks.NAME` finds the package from anywhere
+RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
@@ -19,7 +22,7 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
         sources.append(tmp_path / name)
     out = tmp_path / "merged.json"
     args = [
-        str(ROOT / "benchmarks" / "zeroshot_table.py"),
+        "-m", "benchmarks.zeroshot_table",
         "--model", "smollm2-135m",
         "--methods", "fp,rtn",
         "--calib-samples", "32",
@@ -27,7 +30,9 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
         "--resume-dir", str(tmp_path / "requests"),
         "--out", str(out),
     ]  # fmt: skip
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     merged = json.loads(out.read_text())
     # the record says which command wrote it, not the first merged run's
@@ -44,7 +49,9 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
     assert not (tmp_path / "requests").exists() or not any((tmp_path / "requests").iterdir())
     # the same command again (as a resumed run does) lists it once, still last
-    again = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     rerun = json.loads(out.read_text())
     assert len(rerun["commands"]) == len(set(rerun["commands"])) == len(merged["commands"])
@@ -54,14 +61,8 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
 def test_perplexities_are_reused_only_from_the_same_windows(tmp_path: Path) -> None:
     """``--ppl-from``: a row's perplexity is taken from an earlier record measured on the
     same windows (the full test, or the same first N), never from another set."""
-    import importlib.util
+    from benchmarks import zeroshot_table as table
 
-    spec = importlib.util.spec_from_file_location(
-        "zeroshot_table", ROOT / "benchmarks" / "zeroshot_table.py"
-    )
-    assert spec is not None and spec.loader is not None
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
     config = json.loads(
         (ROOT / "docs" / "records" / "formats" / "smollm2-nvfp4-16w.json").read_text()
     )

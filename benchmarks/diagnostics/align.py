@@ -5,8 +5,8 @@ import collections
 
 import numpy as np
 import torch
-from diag_common import calib_windows, setup
 
+from benchmarks.diagnostics.diag_common import calib_windows, setup
 from torq.driver import calibrate_layerwise
 from torq.formats import fake_quantize, get_format
 from torq.methods.hadamard import block_hadamard

@@ -2,7 +2,7 @@
 many of them are the linear layers' products: on a GPU each non-view operator is a kernel,
 so what is not a product is the launch-bound rest of a graphed decode step.
 
-    python benchmarks/diagnostics/decode_ops.py
+    python -m benchmarks.diagnostics.decode_ops
 
 Counts the ATen operators of one decode step (static cache, one token) of two tiny random
 Llama models that differ only in their number of layers, so that the difference is one

@@ -1,7 +1,7 @@
 """GPTAQ's asymmetry ``α`` (the weight of the float model's output in its target) with a
 run's transform: ``torq run``'s options, then ``+gptaq``'s fixed ``α = 0.25`` replaced.
 
-    python benchmarks/diagnostics/gptaq_asymmetry.py 0.5 --out results/default-alpha05.json \\
+    python -m benchmarks.diagnostics.gptaq_asymmetry 0.5 --out results/default-alpha05.json \\
         -- --model smollm2-135m --methods torq-had32+gptaq --fold-balance --scale-mode nearest \\
         --calib-samples 32 --max-windows 16 --threads 1
 

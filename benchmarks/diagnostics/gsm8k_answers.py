@@ -2,7 +2,7 @@
 ``benchmarks/humaneval.py --task gsm8k`` record, how many answers end in lm-eval's
 ``#### N`` form (the strict filter found a number), how many of those are right, how many
 the flexible filter gets right, and the answers' mean length (docs/research-log.md §12.1):
-``python benchmarks/diagnostics/gsm8k_answers.py docs/records/gsm8k/qwen-coder-200.json``.
+``python -m benchmarks.diagnostics.gsm8k_answers docs/records/gsm8k/qwen-coder-200.json``.
 No model: it reads the answers kept in the record.
 """
 

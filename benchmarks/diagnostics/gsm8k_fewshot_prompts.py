@@ -3,7 +3,7 @@ lm-eval's requests for the seeded subsets of ``--sizes`` (``torq.eval.generation
 no model) and counts the problems of the smallest whose prompt is the same in each larger
 one (docs/research-log.md §12.1; why ``benchmarks/humaneval_paired.py`` compares GSM8K rows of
 one subset only):
-``python benchmarks/diagnostics/gsm8k_fewshot_prompts.py --sizes 50,200 --seed 0``.
+``python -m benchmarks.diagnostics.gsm8k_fewshot_prompts --sizes 50,200 --seed 0``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ records, how many pass, fail a test (``AssertionError``: a program that runs and
 something else), are not Python (``SyntaxError``, ``IndentationError``), raise another
 error, or reach a limit (time, memory); how many completions are caught in a repetition
 loop (:func:`in_a_loop`); and the completions' mean length (docs/research-log.md §12.1):
-``python benchmarks/diagnostics/humaneval_failures.py
+``python -m benchmarks.diagnostics.humaneval_failures
 docs/records/humaneval/qwen-coder-{fp,rtn}.json``.
 No model: it reads the sandbox's verdicts kept in the records.
 """
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from humaneval_paired import row_name
+from benchmarks.humaneval_paired import row_name
 
 KINDS = ("passed", "wrong result", "not Python", "other error", "a limit")
 

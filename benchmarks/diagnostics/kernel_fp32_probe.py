@@ -2,7 +2,7 @@
 one Qwen3-30B-A3B expert's gate_up shape (1536×2048, random weights), float32 and bf16 input,
 1–2048 tokens: prints the relative difference, whether it is bit-equal, and the kernels the
 profiler saw (docs/research-log.md §12.3). Needs a CUDA GPU:
-``PYTHONPATH=src python benchmarks/diagnostics/kernel_fp32_probe.py``.
+``PYTHONPATH=src python -m benchmarks.diagnostics.kernel_fp32_probe``.
 """
 
 import torch

@@ -4,9 +4,8 @@ import copy
 import os
 import sys
 
-import msepatch
-from diag_common import eval_windows, setup
-
+from benchmarks.diagnostics import msepatch
+from benchmarks.diagnostics.diag_common import eval_windows, setup
 from torq.eval import perplexity
 from torq.methods.hadamard import block_hadamard
 from torq.surgery.apply import quantize_model

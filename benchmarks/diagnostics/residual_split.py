@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from diag_common import calib_windows, setup
 from torch import nn
 
+from benchmarks.diagnostics.diag_common import calib_windows, setup
 from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.driver import calibrate_layerwise
 from torq.formats import fake_quantize, get_format

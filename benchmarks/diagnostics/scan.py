@@ -3,8 +3,7 @@
 import copy
 import sys
 
-from diag_common import eval_windows, setup
-
+from benchmarks.diagnostics.diag_common import eval_windows, setup
 from torq.eval import perplexity
 from torq.methods.hadamard import block_hadamard
 from torq.models.architecture import decoder_layers

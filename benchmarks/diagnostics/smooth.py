@@ -10,9 +10,8 @@ import copy
 import os
 import sys
 
-import msepatch
-from diag_common import calib_windows, eval_windows, setup
-
+from benchmarks.diagnostics import msepatch
+from benchmarks.diagnostics.diag_common import calib_windows, eval_windows, setup
 from torq.driver import calibrate_layerwise
 from torq.eval import perplexity
 from torq.methods.layers import GroupSolver

@@ -1,7 +1,7 @@
 """What a GPU's TF32 calibration costs a model's accuracy, measured on a CPU: ``torq run``
 with TF32's rounding emulated wherever a CUDA GPU would take TF32 products.
 
-    python benchmarks/diagnostics/tf32_emulation.py --out tf32.json -- \\
+    python -m benchmarks.diagnostics.tf32_emulation --out tf32.json -- \\
         --methods default --max-windows 16 --calib-arithmetic tf32
 
 Everything after ``--`` is ``torq run``'s arguments. On a GPU, ``--calib-arithmetic tf32``
@@ -29,8 +29,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 # the products whose every tensor argument is an operand, and those whose first is added
 OPERANDS = {
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     if status:
         raise SystemExit(status)
     record = json.loads(out.read_text())
-    record["command"] = "python benchmarks/diagnostics/tf32_emulation.py " + " ".join(argv)
+    record["command"] = "python -m benchmarks.diagnostics.tf32_emulation " + " ".join(argv)
     record["emulation"] = (
         "TF32 rounding (10-bit significand, nearest-even) of every float32 product's "
         "operands while torch.backends.cuda.matmul.allow_tf32 is on, on the CPU"

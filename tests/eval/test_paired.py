@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import shutil
 import sqlite3
@@ -32,16 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _paired_benchmark(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    import importlib.util
+    from benchmarks import zeroshot_paired
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_zeroshot_paired", REPO / "benchmarks" / "zeroshot_paired.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    spec.loader.exec_module(bench)
-    return bench
+    return zeroshot_paired
 
 
 def test_mcnemar_exact_is_the_two_sided_binomial_test() -> None:
@@ -134,11 +128,12 @@ def test_kept_answers_are_scored_as_lm_eval_scores_them(
     shutil.copytree(fp_dir, resume / "fp+x-0123abcd")  # another method: must not match
     record_path = tmp_path / "paired.json"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "zeroshot_paired.py"), "--model", "tiny",
+        sys.executable, "-m", "benchmarks.zeroshot_paired", "--model", "tiny",
         "--methods", "fp,flip", "--tasks", "piqa", "--resume-dir", str(tmp_path / "resume"),
         "--data-dir", str(data), "--out", str(record_path),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # python -m benchmarks.NAME from anywhere
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     record = json.loads(record_path.read_text())
     assert record["command"].startswith("zeroshot_paired.py --model tiny")
@@ -154,7 +149,7 @@ def test_kept_answers_are_scored_as_lm_eval_scores_them(
     assert record_path.with_suffix(".md").read_text().startswith("`zeroshot_paired.py")
 
     bad = subprocess.run(
-        [*cmd[:5], "fp,absent", *cmd[6:]], capture_output=True, text=True, cwd=tmp_path
+        [*cmd[:6], "fp,absent", *cmd[7:]], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert bad.returncode != 0 and "no kept answers for 'absent'" in bad.stderr
     # two settings of one method: named by the folder's hash

@@ -1,0 +1,1 @@
+"""The probes behind the research log's analyses: ``python -m benchmarks.diagnostics.NAME``."""
