@@ -333,6 +333,22 @@ def _fused_experts(skeleton: nn.Module) -> str | None:
     return "compressed-tensors has no form here for fused MoE experts"
 
 
+def _write_card(
+    out: Path,
+    model: str,
+    recipe: Recipe,
+    fmt: str,
+    save_format: str,
+    calibration: dict[str, Any],
+    record: dict[str, Any],
+) -> None:
+    """The model card of a folder :func:`quantize_checkpoint` wrote, from its run record."""
+    facts = {"model": model, "recipe": recipe.name, "method": recipe.method, "format": fmt}
+    facts |= {"save_format": save_format, "calibration": calibration, "guarded": guarded(out)}
+    facts |= {k: record[k] for k in ("command", "date", "versions")}
+    write_model_card(out, {**facts, "machine": record["machine"]["cpu"]})
+
+
 def quantize_checkpoint(
     model: str,
     out: str | Path,
@@ -426,27 +442,8 @@ def quantize_checkpoint(
             default=str,
         )
     )
-    write_model_card(
-        out,
-        {
-            "model": str(model),
-            "recipe": chosen.name,
-            "method": chosen.method,
-            "format": fmt,
-            "save_format": save_format,
-            "calibration": {
-                "corpus": calibration,
-                "samples": calib_samples,
-                "seqlen": calib_seqlen,
-                "seed": seed,
-            },
-            "command": record["command"],
-            "date": record["date"],
-            "versions": record["versions"],
-            "machine": record["machine"]["cpu"],
-            "guarded": guarded(out),
-        },
-    )
+    calib = {"corpus": calibration, "samples": calib_samples, "seqlen": calib_seqlen, "seed": seed}
+    _write_card(out, str(model), chosen, fmt, save_format, calib, record)
     return {
         "path": str(out),
         "format": save_format,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from torq.errors import TorqError
-from torq.eval.zeroshot import PAPER_TASKS, parse_tasks, prepare_tasks
+from torq.eval.zeroshot import PAPER_TASKS, from_hub, parse_tasks, prepare_tasks
 
 QuestionScores = dict[str, dict[int, float]]  # task → doc id → 0/1 (the headline metric)
 Answer = tuple[float, bool]  # a log-likelihood request's answer: (log-likelihood, greedy)
@@ -63,8 +63,7 @@ def build_questions(
     built: dict[str, TaskQuestions] = {}
     with tempfile.TemporaryDirectory(prefix="torq-paired-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
-        hub = any(run == name for name, run in run_names.items())  # (zeroshot.py's reason)
-        manager = TaskManager(include_path=tmp, include_defaults=hub)
+        manager = TaskManager(include_path=tmp, include_defaults=from_hub(run_names))
         if hasattr(manager, "load"):  # newer lm-eval; get_task_dict is deprecated there
             task_objs = manager.load(list(run_names.values()))["tasks"]
         else:

@@ -191,6 +191,13 @@ def prepare_tasks(names: list[str], data_dir: str | None, config_dir: Path) -> d
     return run_names
 
 
+def from_hub(run_names: dict[str, str]) -> bool:
+    """Whether any task of :func:`prepare_tasks`' map runs lm-eval's built-in config (its
+    data from the hub): only then is lm-eval's own task index needed (thousands of configs,
+    about 15 s to build); the local configs include their built-in one by path."""
+    return any(run == name for name, run in run_names.items())
+
+
 def seeded_subset(
     names: list[str], n: int, seed: int, data_dir: str | None
 ) -> dict[str, list[int]]:
@@ -295,10 +302,7 @@ def evaluate_zeroshot(
     drawn = None if subset is None else seeded_subset(names, subset, subset_seed, data_dir)
     with tempfile.TemporaryDirectory(prefix="torq-lmeval-") as tmp:
         run_names = prepare_tasks(names, data_dir, Path(tmp))
-        # lm-eval's own task index (thousands of configs, about 15 s a call) is read only
-        # for a task fetched from the hub; the local configs include their built-in one
-        hub = any(run == name for name, run in run_names.items())
-        manager = TaskManager(include_path=tmp, include_defaults=hub)
+        manager = TaskManager(include_path=tmp, include_defaults=from_hub(run_names))
         base: type[HFLM] = HFLM
         if shared_context:
             from torq.eval.shared_context import SharedContextHFLM

@@ -56,8 +56,8 @@ import torch
 from torch import nn
 
 from torq.errors import TorqError
-from torq.export import modeling_torq
 from torq.export.checkpoint import INDEX, _atomic_folder
+from torq.export.modeling_torq import NESTED_KEY, TorqForCausalLM, refusing_config
 from torq.export.reading import (
     _built_transforms,
     _checkpoint_files,
@@ -545,6 +545,10 @@ def compressed_tensors_manifest(folder: str | Path) -> dict[str, Any]:
     return {"method": method, "modules": {}, "format": "compressed-tensors"}
 
 
+# the loader a folder with online transforms carries (a copy of torq.export.modeling_torq)
+MODELING_FILE = "modeling_torq.py"
+
+
 def _has_online_transforms(qconfig: dict[str, Any]) -> bool:
     groups = (qconfig.get("transform_config") or {}).get("config_groups") or {}
     return any(
@@ -565,14 +569,11 @@ def guard_for_transformers(folder: Path) -> bool:
     qconfig = config["quantization_config"]
     if not _has_online_transforms(qconfig):
         return False
-    shutil.copyfile(modeling_torq.__file__, folder / MODELING_FILE)
+    shutil.copyfile(Path(__file__).with_name(MODELING_FILE), folder / MODELING_FILE)
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_torq.TorqForCausalLM"}
-    qconfig[modeling_torq.NESTED_KEY] = modeling_torq.refusing_config()
+    qconfig[NESTED_KEY] = refusing_config()
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return True
-
-
-MODELING_FILE = "modeling_torq.py"
 
 
 def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -587,8 +588,7 @@ def load_compressed_tensors(folder: str | Path, dtype: torch.dtype = torch.bfloa
     except (OSError, KeyError, json.JSONDecodeError):
         raise TorqError(f"{folder} is not a compressed-tensors checkpoint") from None
     config = AutoConfig.from_pretrained(str(folder))
-    loader = modeling_torq.TorqForCausalLM
     try:
-        return loader.from_pretrained(str(folder), config=config, dtype=dtype)
+        return TorqForCausalLM.from_pretrained(str(folder), config=config, dtype=dtype)
     except ValueError as exc:
         raise TorqError(f"{folder}: {exc}") from None

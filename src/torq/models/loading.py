@@ -99,8 +99,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 
-GGUF_MAGIC = b"GGUF"
-
 
 @dataclass
 class LoadedModel:
@@ -159,7 +157,7 @@ def assemble_parts(entry: EmbeddedModel) -> Path:
     """Concatenate a split checkpoint's part files, in order, into one cached GGUF file.
 
     Written under a temporary name and renamed into place when complete; the result must
-    start with the GGUF magic, or nothing is kept.
+    be the recorded file (size and sha256), or nothing is kept.
     """
     paths = []
     for dist, rel in entry.parts:
