@@ -66,7 +66,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = RunConfig(
+    config = RunConfig.of(
         model=args.model,
         methods=args.methods.split(","),
         max_windows=args.max_windows,

@@ -52,7 +52,7 @@ from torq.eval.generation import (
 from torq.eval.humaneval import load_humaneval
 from torq.eval.zeroshot import sessions_seconds
 from torq.methods import TorqSettings, get_method
-from torq.methods.registry import method_spec
+from torq.methods.registry import RunKey, method_spec
 from torq.models import load
 from torq.models.fingerprint import fingerprint_ids
 from torq.results import command_line, machine_info, now_iso
@@ -337,7 +337,7 @@ def _identity(args: argparse.Namespace, method: str) -> str:
     if args.prompt != "completion":
         identity["prompt"] = args.prompt
     recipe = get_method(method).transform.key_settings(
-        {}, asdict(torq_settings(args)), asdict(capture(args))
+        RunKey(), asdict(torq_settings(args)), asdict(capture(args))
     )
     if recipe:  # what the transform reads (TORQ's settings): a model kept with other
         # settings is never reloaded for these; none for RTN and the fixed Hadamards,

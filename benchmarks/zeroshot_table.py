@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    base = RunConfig(
+    base = RunConfig.of(
         model=args.model,
         methods=methods,
         weight_format=args.format,
@@ -118,7 +117,7 @@ def main() -> None:
         device=args.device,
         resume_dir=args.resume_dir or str(Path(args.out).with_suffix("")) + "-requests",
     )
-    base_dict = asdict(base)
+    base_dict = base.record()
     subset = None if args.subset is None else {"n": args.subset, "seed": args.subset_seed}
     earlier = earlier_perplexities(args.ppl_from, args.max_windows)
     out = Path(args.out)
@@ -133,10 +132,10 @@ def main() -> None:
         other = json.loads(source.read_text())
         template = template or other
         same = (
-            other["eval"]["zeroshot_tasks"] == base.tasks
-            and other["eval"]["zeroshot_limit"] == base.task_limit
+            other["eval"]["zeroshot_tasks"] == list(base.zeroshot.tasks)
+            and other["eval"]["zeroshot_limit"] == base.zeroshot.task_limit
             and other["eval"].get("zeroshot_subset") == subset
-            and other["config"]["max_windows"] == base.max_windows
+            and other["config"]["max_windows"] == base.evaluation.max_windows
         )
         kept = []
         for row in other["rows"] if same else []:
@@ -161,7 +160,7 @@ def main() -> None:
             rows.append(done[method])
             continue
         prior = earlier.get(setting_key(base_dict, method))
-        config = RunConfig(**{**base.__dict__, "methods": [method], "skip_ppl": prior is not None})
+        config = base.replace(methods=[method], skip_ppl=prior is not None)
         result = run(config)  # the checkpoint streamed again for each method
         row = result["rows"][0]
         row["key"] = setting_key(base_dict, method)

@@ -83,9 +83,9 @@ def test_destinations_and_methods_are_checked_before_any_work(
             ["--methods", "torq", "--calib-seqlen", "32", "--seqlen", "32", "--k-top", "99"],
             "k_top=99",
         ),
-        (  # every column of a block of 16 a candidate, not 32
-            ["--methods", "torq", "--seqlen", "32", "--rotation-block", "16", "--k-top", "32"],
-            "k_top=32 exceeds the block size 16",
+        (  # torq's default (every column, 32) follows the block; a larger k_top is refused
+            ["--methods", "torq", "--seqlen", "32", "--rotation-block", "16", "--k-top", "24"],
+            "k_top=24 exceeds the block size 16",
         ),
         (
             [
@@ -353,7 +353,7 @@ def test_partial_results_are_saved_after_each_method(tiny_checkpoint, tiny_data_
     from torq.runs.config import RunConfig
 
     seen = []
-    cfg = RunConfig(
+    cfg = RunConfig.of(
         model=str(tiny_checkpoint),
         methods=["fp", "rtn", "had32"],
         seqlen=64,
@@ -478,7 +478,7 @@ def _cpu_and_gpu_perplexities(
     calibration = CalibrationConfig(corpus=str(corpus), n_samples=2, seqlen=32)
     rows = {}
     for device in ("cpu", "cuda"):
-        cfg = RunConfig(
+        cfg = RunConfig.of(
             model=str(checkpoint),
             methods=method_specs(
                 methods,

@@ -11,7 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -131,7 +130,7 @@ def _config(
     capture = CaptureSettings(
         CalibrationConfig(n_samples=3, seqlen=48), sequential=sequential, reservoir_tokens=48
     )
-    return RunConfig(
+    return RunConfig.of(
         model=str(folder),
         methods=method_specs(methods, settings),
         seqlen=48,
@@ -257,8 +256,8 @@ def test_the_residual_hadamard_streams_as_the_whole_model(
 
     def config() -> RunConfig:
         plain = _config(folder, data_dir, methods)
-        return replace(
-            plain, methods=method_specs(methods, settings, HadamardSettings(residual=True))
+        return plain.replace(
+            methods=method_specs(methods, settings, HadamardSettings(residual=True))
         )
 
     whole = whole_model_run(config())
@@ -387,7 +386,7 @@ def test_a_stopped_streamed_run_continues_after_its_last_kept_layer(
         cfg = _config(folder, data_dir, [method], sequential, hidden_states=hidden)
         if save:
             kw.setdefault("save_dir", str(tmp_path / "saved"))
-        return replace(cfg, **kw)
+        return cfg.replace(**kw)
 
     whole = run(config(save_dir=str(tmp_path / "whole")) if save else config(), progress=False)
     whole = whole["rows"][0]
@@ -701,8 +700,8 @@ def test_auto_hidden_states_count_the_float_states_an_asymmetric_plan_carries() 
 
     calibration = CalibrationConfig(n_samples=4, seqlen=1024)
     hidden = AUTO_HIDDEN_MEMORY_BYTES // (4 * 1024 * 4) - 1  # one set fits, two do not
-    config = RunConfig(model="m", seqlen=1024)
+    config = RunConfig.of(model="m", seqlen=1024)
     plain = LayerPlan(None, calibration=calibration)
     asymmetric = LayerPlan(None, calibration=calibration, asymmetric=True)
-    assert hidden_states_mode(config, [plain], hidden, 0) == "memory"
-    assert hidden_states_mode(config, [plain, asymmetric], hidden, 0) == "disk"
+    assert hidden_states_mode(config.evaluation, [plain], hidden, 0) == "memory"
+    assert hidden_states_mode(config.evaluation, [plain, asymmetric], hidden, 0) == "disk"

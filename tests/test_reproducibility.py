@@ -101,7 +101,7 @@ def _run(methods: list[str], data_dir, folder, seed: int = 0) -> dict[str, float
     settings = TorqSettings(intra=IntraBlockConfig(max_iter=2, init="hadamard", k_top=32))
     # 4 × 64 calibration tokens into a reservoir of 48: the sample is drawn at random
     capture = CaptureSettings(CalibrationConfig(n_samples=4, seqlen=64), reservoir_tokens=48)
-    config = RunConfig(
+    config = RunConfig.of(
         model=str(folder),
         methods=method_specs(methods, settings),
         seqlen=64,

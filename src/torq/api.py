@@ -178,9 +178,7 @@ def generate(
     ``prefill_seconds`` runs until the first new token (the prompt's forward, and the
     compilation and the capture), and ``decode_tokens_per_s`` counts the tokens after it
     over the time after it (``None`` with fewer than two new tokens)."""
-    import torch
-
-    from torq.models.decoding import GraphCaptureError, compiled_cache_length, greedy_decode
+    from torq.models.decoding import timed_generate
 
     if max_new_tokens < 1:
         raise TorqError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -188,84 +186,7 @@ def generate(
     if cuda_graph and device.type != "cuda":
         raise TorqError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
     tokenizer = tokenizer or _tokenizer_of(model)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-    if ids.shape[1] == 0:
-        raise TorqError("the prompt is empty")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    class Clock:  # transformers' streamer interface: the prompt, then each new token
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.times.append(now())
-
-        def end(self) -> None:
-            pass
-
-    clock = Clock()
-    t0 = now()
-    if cuda_graph or compiled:
-        clock.put(ids)  # as generate's streamer: the prompt first
-        step = None
-        dynamo_errors: tuple[type[Exception], ...] = ()  # (none caught without compiling)
-        if compiled:  # (compiled once: a later call on the same model reuses it)
-            # imported here: dynamo takes a second to import, for plain decoding
-            from torch._dynamo.exc import TorchDynamoException
-
-            dynamo_errors = (TorchDynamoException,)
-            step = torch.compile(model, fullgraph=True, dynamic=False)
-        try:
-            new = greedy_decode(
-                model,
-                ids,
-                max_new_tokens,
-                cuda_graph=cuda_graph,
-                eos_token_id=tokenizer.eos_token_id,
-                on_token=lambda: clock.put(None),
-                step_forward=step,
-                cache_length=(
-                    compiled_cache_length(ids.shape[1] + max_new_tokens, model.config)
-                    if compiled
-                    else None
-                ),
-            )[0]
-        except GraphCaptureError as exc:
-            raise TorqError(
-                f"the decoding step could not be captured as a CUDA graph: {exc}"
-            ) from None
-        except dynamo_errors as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TorqError(f"torch.compile could not compile the decoding step: {first}") from None
-    else:
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                streamer=clock,
-            )
-        new = out[0, ids.shape[1] :]
-    seconds = now() - t0
-    tokens = clock.times[1:]  # the first put is the prompt
-    decode = None
-    if len(tokens) >= 2 and tokens[-1] > tokens[0]:
-        decode = (len(tokens) - 1) / (tokens[-1] - tokens[0])
-    return {
-        "text": tokenizer.decode(new, skip_special_tokens=True),
-        "new_tokens": int(new.numel()),
-        "seconds": seconds,
-        "tokens_per_s": int(new.numel()) / seconds if seconds > 0 else float("inf"),
-        "prefill_seconds": (tokens[0] - t0) if tokens else seconds,
-        "decode_tokens_per_s": decode,
-    }
+    return timed_generate(model, tokenizer, prompt, max_new_tokens, cuda_graph, compiled)
 
 
 def evaluate(
@@ -349,6 +270,24 @@ def _write_card(
     write_model_card(out, {**facts, "machine": record["machine"]["cpu"]})
 
 
+def _save_format(
+    recipe: Recipe, fmt: str, asked: str | None, skeleton: nn.Module
+) -> tuple[str, str | None]:
+    """The folder's format: ``asked``, or compressed-tensors where the recipe, the format and
+    the model can be served, else torq's; and why compressed-tensors cannot hold it (asking
+    it of what it cannot hold is refused)."""
+    reason = recipe.cannot_serve(fmt)
+    if asked is None:
+        reason = reason or _fused_experts(skeleton)
+        return ("torq" if reason else "compressed-tensors"), reason
+    if asked not in SAVE_FORMATS:
+        raise TorqError(f"unknown save format '{asked}'; choose from {', '.join(SAVE_FORMATS)}")
+    if asked == "compressed-tensors" and reason:
+        other = "" if fmt not in ("mxfp4", "nvfp4") else ", or use --recipe default"
+        raise TorqError(f"{reason}: write it with --save-format torq{other}")
+    return asked, reason
+
+
 def quantize_checkpoint(
     model: str,
     out: str | Path,
@@ -380,20 +319,10 @@ def quantize_checkpoint(
     no rotation)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
-    reason = chosen.cannot_serve(fmt)
-    chosen_for_you = save_format is None
     skeleton = _skeleton(model)
     biased = biased_linears(skeleton)
-    if save_format is None:
-        reason = reason or _fused_experts(skeleton)
-        save_format = "torq" if reason else "compressed-tensors"
-    elif save_format not in SAVE_FORMATS:
-        raise TorqError(
-            f"unknown save format '{save_format}'; choose from {', '.join(SAVE_FORMATS)}"
-        )
-    elif save_format == "compressed-tensors" and reason:
-        other = "" if fmt not in ("mxfp4", "nvfp4") else ", or use --recipe default"
-        raise TorqError(f"{reason}: write it with --save-format torq{other}")
+    chosen_for_you = save_format is None
+    save_format, reason = _save_format(chosen, fmt, save_format, skeleton)
     out = Path(out)
     _check_out(out, overwrite, "--out")
     qconfig = chosen.quant_config(fmt)
@@ -403,7 +332,7 @@ def quantize_checkpoint(
     # written beside ``out`` and moved into place when whole: a stop leaves no half folder
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    config = RunConfig(
+    config = RunConfig.of(
         model=str(model),
         methods=[spec],
         weight_format=fmt,
@@ -428,7 +357,7 @@ def quantize_checkpoint(
     t0 = time.perf_counter()
     try:
         record = run(config, progress=progress)
-        written = saved_model_dir(config, chosen.method)
+        written = saved_model_dir(config.outputs, str(model), chosen.method)
         if out.exists():
             shutil.rmtree(out)
         written.rename(out)
@@ -521,7 +450,7 @@ def compare(
                 "--act-scale static is NVFP4's static activation tensor scale: add "
                 f"--a-format nvfp4 (activations here: {act or 'none'})"
             )
-    config = RunConfig(
+    config = RunConfig.of(
         model=model,
         # a saved model's method is evaluated as it is; a float model's methods each take
         # their own settings from ``settings``

@@ -399,7 +399,7 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
     ]  # fmt: skip
     out = ["--save-dir", str(tmp_path / "streamed"), "--out", str(tmp_path / "streamed.json")]
     assert main([*base, *out]) == 0
-    whole = RunConfig(
+    whole = RunConfig.of(
         model=str(tiny_checkpoint), methods=["rtn", "had32"], seqlen=32, max_windows=1,
         data_dir=str(tiny_data_dir), scale_mode="nearest", save_dir=str(tmp_path / "whole"),
         save_format="compressed-tensors",

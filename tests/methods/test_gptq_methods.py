@@ -115,11 +115,11 @@ def test_the_block_hadamard_leaves_unrotated_linears_without_it(
     model's linears with a bias: q/k/v have no online transform, the other linears the
     32-block Hadamard, their weights as without the setting, bit for bit; the setting enters
     the settings key only when given, and names are checked."""
-    from dataclasses import asdict
 
     from torq.methods.hadamard import HadamardSettings
-    from torq.methods.registry import method_spec, record_key
+    from torq.methods.registry import method_spec
     from torq.runs.config import RunConfig
+    from torq.runs.store import record_key
 
     qconfig = QuantConfig.from_names("mxfp4", "mxfp4")
     models = {}
@@ -139,7 +139,7 @@ def test_the_block_hadamard_leaves_unrotated_linears_without_it(
 
     def key(*given: object) -> str:
         return record_key(
-            asdict(RunConfig(model="m", methods=[method_spec(method, *given)])), method
+            RunConfig.of(model="m", methods=[method_spec(method, *given)]).record(), method
         )
 
     assert "unrotated" not in key()
@@ -155,12 +155,12 @@ def test_the_residual_hadamard_rotates_the_norms_readers_offline(corpus, tiny_to
     the float model's norm output over its weight, rotated so); o_proj and down_proj keep
     the online Hadamard; in float the model is the float model; the setting enters the key
     only when given."""
-    from dataclasses import asdict
 
     from torq.methods.hadamard import HadamardSettings
-    from torq.methods.registry import method_spec, record_key
+    from torq.methods.registry import method_spec
     from torq.rotations.hadamard import hadamard_matrix
     from torq.runs.config import RunConfig
+    from torq.runs.store import record_key
 
     method = "had32+gptq"
     ids = tiny_tokenizer(TINY_TEXT, return_tensors="pt").input_ids[:, :24]
@@ -208,7 +208,7 @@ def test_the_residual_hadamard_rotates_the_norms_readers_offline(corpus, tiny_to
 
     def key(*given: object) -> str:
         return record_key(
-            asdict(RunConfig(model="m", methods=[method_spec(method, *given)])), method
+            RunConfig.of(model="m", methods=[method_spec(method, *given)]).record(), method
         )
 
     assert "residual" not in key()

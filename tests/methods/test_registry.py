@@ -17,11 +17,11 @@ from torq.errors import TorqError
 from torq.methods import METHODS, Method, MethodContext, TransformBuilder, get_method, register
 from torq.methods.hadamard import HadamardSettings, block_hadamard
 from torq.methods.layers import layer_plan
-from torq.methods.registry import MethodSpec, method_spec, method_specs, record_key
+from torq.methods.registry import MethodSpec, method_spec, method_specs
 from torq.methods.settings import TorqSettings
 from torq.pipeline import run
 from torq.runs.config import RunConfig
-from torq.runs.store import method_resume_dir
+from torq.runs.store import method_resume_dir, record_key
 from torq.surgery.gptq import GPTQConfig
 from torq.surgery.qlinear import QuantConfig
 
@@ -85,9 +85,11 @@ def test_settings_keys_name_the_directories_they_named_before() -> None:
         method = name.rsplit("-", 1)[0]
         # the run's methods as bare names and as specs (what a run records) alike
         for methods in (["fp"], method_specs([method])):
-            config = RunConfig(model="smollm2-135m", resume_dir="r", capture=capture)
-            config.methods = methods
-            assert Path(method_resume_dir(config, method)).name == name, method
+            config = RunConfig.of(
+                model="smollm2-135m", resume_dir="r", capture=capture, methods=methods
+            )
+            folder = method_resume_dir("r", config.record(), method)
+            assert Path(folder).name == name, method
 
 
 def test_records_made_before_runs_held_specs_keep_their_keys() -> None:
@@ -97,9 +99,9 @@ def test_records_made_before_runs_held_specs_keep_their_keys() -> None:
     torq = TorqSettings(balance=0.3)
     gptq = GPTQConfig(damp=0.05)
     for name in ("torq", "torq-had32+gptq", "mr-gptq", "had32", "quarot+gptq"):
-        new = asdict(
-            RunConfig(model="m", methods=method_specs([name], torq, gptq), capture=capture)
-        )
+        new = RunConfig.of(
+            model="m", methods=method_specs([name], torq, gptq), capture=capture
+        ).record()
         old = {k: v for k, v in new.items() if k not in ("methods", "capture")}
         old["methods"] = [name]
         old["torq"] = {**asdict(torq), **asdict(capture)}
@@ -108,7 +110,7 @@ def test_records_made_before_runs_held_specs_keep_their_keys() -> None:
 
 
 def _key(name: str, *given: object) -> str:
-    return record_key(asdict(RunConfig(model="m", methods=method_specs([name], *given))), name)
+    return record_key(RunConfig.of(model="m", methods=method_specs([name], *given)).record(), name)
 
 
 def test_keys_hold_only_what_a_method_reads() -> None:
@@ -130,9 +132,10 @@ def test_keys_hold_only_what_a_method_reads() -> None:
     # only (its key gains the arithmetic; "exact" keys stay as they were)
 
     def captured(name: str, arithmetic: str) -> str:
-        config = RunConfig(model="m", methods=method_specs([name]))
-        config.capture = CaptureSettings(arithmetic=arithmetic)
-        return record_key(asdict(config), name)
+        config = RunConfig.of(
+            model="m", methods=method_specs([name]), capture=CaptureSettings(arithmetic=arithmetic)
+        )
+        return record_key(config.record(), name)
 
     for name in ("had32+gptaq", "torq", "wush"):
         assert captured(name, "tf32") != captured(name, "exact") == _key(name), name
@@ -152,8 +155,7 @@ def test_a_spec_holds_its_own_settings_only() -> None:
     )
     assert method_spec("torq").settings == TorqSettings()
     assert method_spec("fp", torq).settings is None
-    fields = set(RunConfig.__dataclass_fields__)
-    assert not fields & {"torq", "gptq"}
+    assert not set(RunConfig().record()) & {"torq", "gptq"}
     with pytest.raises(TorqError, match="same method"):
         method_specs(["rtn+gptq", "gptq"])
 
@@ -187,8 +189,8 @@ def test_a_new_method_is_one_definition(
     common = {"model": str(folder), "methods": methods, "seqlen": 48, "max_windows": 2}
     common["data_dir"] = str(data)
     common["capture"] = CaptureSettings(CalibrationConfig(n_samples=2, seqlen=48))
-    whole = {r["method"]: r["ppl"] for r in whole_model_run(RunConfig(**common))["rows"]}
-    streamed = run(RunConfig(**common), progress=False)["rows"]
+    whole = {r["method"]: r["ppl"] for r in whole_model_run(RunConfig.of(**common))["rows"]}
+    streamed = run(RunConfig.of(**common), progress=False)["rows"]
     assert whole["my-had32"] == whole["had32"]
     assert whole["my-had32+gptq"] == whole["had32+gptq"]
     assert whole["had32+gptq"] != whole["had32"]

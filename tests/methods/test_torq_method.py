@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,11 +12,12 @@ from tests.conftest import TINY_TEXT, tiny_model
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.driver import apply_method
 from torq.methods import MethodContext, TorqSettings, get_method
-from torq.methods.registry import method_specs, record_key
+from torq.methods.registry import method_specs
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.rotations.transform import BlockRotation
 from torq.runs.config import RunConfig
+from torq.runs.store import record_key
 from torq.surgery import QuantConfig, QuantLinear
 
 
@@ -32,7 +32,7 @@ def _settings(corpus: str, sequential: bool = False, **kw) -> dict:
 
 def _key(name: str, *given: object) -> str:
     """The settings key of ``name`` in a run's record, the spec made from ``given``."""
-    run = asdict(RunConfig(model="m", methods=method_specs([name], *given)))
+    run = RunConfig.of(model="m", methods=method_specs([name], *given)).record()
     return record_key(run, name)
 
 

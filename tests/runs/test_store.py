@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,9 @@ def test_recorded_rows_keep_their_settings_keys(fmt: str) -> None:
 def test_a_methods_resume_folder_is_named_by_its_settings(tmp_path: Path) -> None:
     """``<resume>/<model>/<method>-<digest>``; another setting of the method (its format)
     gets another name."""
-    config = RunConfig(model="m", methods=["torq"], resume_dir=str(tmp_path / "r"))
-    resume = Path(method_resume_dir(config, "torq"))
-    digest = setting_digest(asdict(config), "torq")
+    config = RunConfig.of(model="m", methods=["torq"], resume_dir=str(tmp_path / "r"))
+    resume = Path(method_resume_dir(str(tmp_path / "r"), config.record(), "torq"))
+    digest = setting_digest(config.record(), "torq")
     assert resume == tmp_path / "r" / "m" / f"torq-{digest}"
-    other = replace(config, weight_format="nvfp4", act_format="nvfp4")
-    assert setting_digest(asdict(other), "torq") != digest
+    other = config.replace(weight_format="nvfp4", act_format="nvfp4")
+    assert setting_digest(other.record(), "torq") != digest

@@ -7,6 +7,7 @@ train, which is not available here, so the default is the validation split).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sysconfig
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from torq.data import WIKIPEDIA_EN, data_file
 from torq.errors import TorqError
+from torq.knobs import knob, nonnegative_int, positive_int
 
 CORPORA: dict[str, Path] = {
     "wikitext2-valid": Path("wikitext-2") / "wiki.valid.tokens",
@@ -32,10 +34,39 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 class CalibrationConfig:
     """Which calibration tokens to use; recorded with every result."""
 
-    corpus: str = "wikitext2-valid"
-    n_samples: int = 128
-    seqlen: int = 2048
-    seed: int = 0
+    corpus: str = knob(
+        "wikitext2-valid",
+        flag="--calib-corpus",
+        metavar="TEXT",
+        group="recipe",
+        commands=("run", "eval", "quantize"),
+        help="the calibration text: wikitext2-valid (default), wikipedia-en, python-stdlib "
+        "(this Python's standard library sources, a code corpus) or a text file",
+    )
+    n_samples: int = knob(
+        128,
+        flag="--calib-samples",
+        type=positive_int,
+        metavar="N",
+        group="recipe",
+        commands=("run", "eval", "quantize"),
+        help="calibration windows (default 128, the paper's)",
+    )
+    seqlen: int = knob(
+        2048,
+        flag="--calib-seqlen",
+        type=positive_int,
+        commands=("run", "eval", "quantize"),
+        help="calibration window length (default 2048)",
+    )
+    seed: int = knob(
+        0,
+        flag="--calib-seed",
+        type=nonnegative_int,
+        commands=("run", "eval", "quantize"),
+        help="seed of the calibration windows, each group's token sample and the solver's "
+        "subsample (the same for every method, whatever else runs)",
+    )
 
     def __post_init__(self) -> None:
         if (
@@ -70,11 +101,29 @@ class CaptureSettings:
     its :class:`torq.methods.registry.MethodSpec`'s."""
 
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    sequential: bool = False
-    reservoir_tokens: int = 1024
+    sequential: bool = knob(
+        False,
+        flag="--sequential",
+        action=argparse.BooleanOptionalAction,
+        help="calibrate each layer on the outputs of the already quantized layers",
+    )
+    reservoir_tokens: int = knob(
+        1024,
+        flag="--reservoir",
+        type=positive_int,
+        help="token vectors sampled per input group for the intra-block solver",
+    )
     # the capture's arithmetic (:func:`torq.calibration.capture.calibration_arithmetic`):
     # "exact" (float32 forwards, float64 products) or "tf32" (TF32 products on a CUDA GPU)
-    arithmetic: str = "exact"
+    arithmetic: str = knob(
+        "exact",
+        flag="--calib-arithmetic",
+        choices=ARITHMETICS,
+        commands=("run", "eval", "quantize"),
+        help="the calibration's products: exact (float32 forwards, float64 statistics) or "
+        "tf32 (TF32 on a CUDA GPU for the capture's forwards and statistics, each batch "
+        "summed in float64; on a CPU, float32 statistics; see docs/large-models.md)",
+    )
 
     def __post_init__(self) -> None:
         if self.reservoir_tokens < 1:

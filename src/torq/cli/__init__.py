@@ -37,134 +37,73 @@ def _slug(text: str) -> str:
 
 def torq_settings_from_args(args: argparse.Namespace) -> TorqSettings:
     """TORQ's settings (Algorithms 1–3 and torq's additions) as ``torq run``'s options give
-    them; with no option given, :class:`~torq.methods.torq_rotation.TorqSettings`' defaults
-    but the calibration's and the solver's seed, which ``--calib-seed`` sets. The benchmark
-    scripts build theirs from the same defaults (a test holds them equal)."""
+    them over :class:`~torq.methods.settings.TorqSettings`' defaults, or over the paper's
+    with ``--paper``."""
+    from torq.knobs import from_args
     from torq.methods.settings import TorqSettings
-    from torq.rotations.inter_block import InterBlockConfig
-    from torq.rotations.intra_block import IntraBlockConfig
 
-    torq_settings = TorqSettings(
-        inter=InterBlockConfig(construction=args.inter, angle=args.angle, shared=args.shared_inter),
-        intra=IntraBlockConfig(
-            max_iter=args.max_iter,
-            pairs_per_step=args.pairs,
-            lam=args.lam,
-            # torq's default: every column of the block a candidate (32 for K = 32)
-            k_top=args.rotation_block if args.k_top is None else args.k_top,
-            objective=args.objective,
-            max_samples=args.intra_samples,
-            init=args.intra_init,
-            seed=args.calib_seed,
-        ),
-        block_size=args.rotation_block,
-        balance=args.balance,
-        balance_check=args.balance_check is not None,
-        balance_probe=args.balance_check or "rtn",
-        guard=args.torq_guard,
-        fold=args.fold_balance,
-        calibrate=args.torq_calibrate,
-        unrotated=args.unrotated,
-        unrotated_balance=args.unrotated_balance,
-        residual=args.residual_hadamard,
-        expert_down_shared=args.expert_down == "shared",
-        solver_device=args.solver_device,
-    )
-    return torq_settings.paper() if args.paper else torq_settings
+    return from_args(TorqSettings().paper() if args.paper else TorqSettings(), args)
 
 
 def capture_from_args(args: argparse.Namespace) -> CaptureSettings:
     """The calibration every calibrating method of the run reads, as the options give it."""
-    from torq.calibration.data import CalibrationConfig, CaptureSettings
+    from torq.calibration.data import CaptureSettings
+    from torq.knobs import from_args
 
-    return CaptureSettings(
-        calibration=CalibrationConfig(
-            corpus=args.calib_corpus,
-            n_samples=args.calib_samples,
-            seqlen=args.calib_seqlen,
-            seed=args.calib_seed,
-        ),
-        sequential=args.sequential,
-        reservoir_tokens=args.reservoir,
-        arithmetic=args.calib_arithmetic,
-    )
+    return from_args(CaptureSettings(), args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
     from torq.api import compare
+    from torq.knobs import from_args, given
     from torq.methods.hadamard import HadamardSettings
+    from torq.runs.config import PARTS, RunConfig
     from torq.surgery.gptq import GPTQConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    # the format options only where given: a saved quantized model keeps its own
-    options: dict = {}
-    fmt = getattr(args, "format", None)
-    for name, flag in (("weight_format", "w_format"), ("act_format", "a_format")):
-        if hasattr(args, flag) or fmt is not None:
-            options[name] = getattr(args, flag, fmt)
-    if hasattr(args, "scale_mode"):
-        options["scale_mode"] = args.scale_mode
-    if args.command == "eval":
+    # the run's settings that were given (a saved quantized model keeps its own formats)
+    defaults = RunConfig()
+    options: dict = given(defaults, args)
+    for part in PARTS:
+        options.update(given(getattr(defaults, part), args))
+    model = options.pop("model", defaults.source.model)
+    if hasattr(args, "format"):  # both formats, where --w-format / --a-format do not say
+        options.setdefault("weight_format", args.format)
+        options.setdefault("act_format", args.format)
+    if "tasks" in options:
         from torq.eval.zeroshot import parse_tasks
 
-        options.update(
-            tasks=[] if args.tasks is None else parse_tasks(args.tasks),
-            task_limit=args.limit,
-            task_subset=args.subset,
-            task_subset_seed=args.subset_seed,
-            task_batch_size=args.task_batch_size,
-            skip_ppl=args.skip_ppl,
-            shared_context=not args.no_shared_context,
-        )
+        options["tasks"] = parse_tasks(args.tasks)
     methods = None if args.methods is None else [m.strip() for m in args.methods.split(",")]
     if methods is None and args.command == "eval":
         from torq.runs.source import saved_manifest
 
-        if saved_manifest(args.model) is None:  # a float model: evaluated as it is
-            methods = ["fp"]
-    gptq = GPTQConfig(damp=args.gptq_damp, act_order=args.act_order, scale_search=args.gptq_scales)
+        if saved_manifest(model) is None:
+            methods = ["fp"]  # a float model: evaluated as it is
     out = Path(
-        args.out
-        or f"results/run-{_slug(args.model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+        args.out or f"results/run-{_slug(model)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    settings = (
+        torq_settings_from_args(args),
+        from_args(GPTQConfig(), args),
+        from_args(HadamardSettings(), args),
     )
     with _library_bars(not args.no_progress):
         result = compare(
-            args.model,
+            model,
             [m for m in methods if m] if methods is not None else None,
-            (
-                torq_settings_from_args(args),
-                gptq,
-                HadamardSettings(unrotated=args.unrotated, residual=args.residual_hadamard),
-            ),
+            settings,
             capture=capture_from_args(args),
             out=out,
             progress=not args.no_progress,
-            act_scale=args.act_scale,
-            seqlen=args.seqlen,
-            max_windows=args.max_windows,
-            window_sample=args.window_sample,
-            window_sample_seed=args.window_sample_seed,
-            eval_corpus=args.eval_corpus,
-            batch_size=args.batch_size,
-            data_dir=args.data_dir,
-            seed=args.seed,
-            resume_dir=args.resume_dir,
-            device=args.device,
-            save_dir=args.save_dir,
-            packed=args.packed,
-            offload_dir=args.offload_dir,
-            gguf_dtype=args.gguf_dtype,
-            hidden_states=args.hidden_states,
-            allow_long_windows=args.allow_long_windows,
-            save_format=args.save_format,
             **options,
         )
     print(result["table"])
     if args.command == "eval":
-        _record_in_model_card(args.model, result)
+        _record_in_model_card(model, result)
     if result["config"]["tasks"] and not result["config"]["skip_ppl"]:
         from torq.eval.figure import accuracy_perplexity_figure
 
@@ -199,6 +138,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    capture = capture_from_args(args)
+    calib = capture.calibration
     with _library_bars(not args.no_progress):
         done = quantize_checkpoint(
             args.model,
@@ -206,15 +147,15 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             args.recipe,
             format=args.format,
             save_format=args.save_format,
-            calibration=args.calib_corpus,
-            calib_samples=args.calib_samples,
-            calib_seqlen=args.calib_seqlen,
-            data_dir=args.data_dir,
-            seed=args.calib_seed,
+            calibration=calib.corpus,
+            calib_samples=calib.n_samples,
+            calib_seqlen=calib.seqlen,
+            data_dir=getattr(args, "data_dir", None),
+            seed=calib.seed,
             overwrite=args.overwrite,
             progress=not args.no_progress,
             device=args.device,
-            calib_arithmetic=args.calib_arithmetic,
+            calib_arithmetic=capture.arithmetic,
             rotate_biased=args.rotate_biased,
         )
     print(

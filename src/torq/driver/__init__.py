@@ -149,73 +149,13 @@ def run_layerwise(
         raise ValueError(f"hidden states are kept in {', '.join(HIDDEN_MODES)}")
     if progress_file is not None and sink is not None and not sink.resumable:
         raise TorqError("a streamed run that keeps its progress writes a resumable checkpoint")
-    stores: list[HiddenStates] = []
-    clock = functools.partial(_clock, source.device)
-    # each step's own peak resident set, so a run's record says which step makes its peak
-    rss = ResidentPeak()
+    if plan.calibration is not None and calibration_windows is None:
+        raise ValueError("the method calibrates: calibration windows are needed")
+    run = _Pass(source, plan, batch_size, sink, hidden_states)
     try:
-        if plan.calibration is not None and calibration_windows is None:
-            raise ValueError("the method calibrates: calibration windows are needed")
-        t_quant = t_eval = t_fwd = t_solve = 0.0
-        if plan.parts is not None:
-            t0 = clock()
-            source.transform_parts(plan.parts)
-            t_quant += clock() - t0
-
-        def new_store() -> HiddenStates | None:
-            if hidden_states == "memory":
-                return None  # plain lists: the arithmetic and memory of the model quantized whole
-            store = HiddenStates(hidden_states) if not stores else stores[0].empty_like()
-            stores.append(store)
-            return store
-
-        calib: Any = None
-        calib_kwargs: list[dict[str, Any]] = []
-        if plan.calibration is not None:
-            assert calibration_windows is not None
-            t0 = clock()
-            calib, calib_kwargs = embed_windows(source, calibration_windows, into=new_store())
-            t_fwd += clock() - t0
-        # the float model's calibration states beside the quantized model's, for a weight
-        # quantizer that sees both (GPTAQ); the same states until the first layer is quantized
-        calib_fp: Any = None
-        if plan.asymmetric and calib is not None:
-            calib_fp = _copied(calib, new_store())
-        hidden: Any = None
-        eval_kwargs: list[dict[str, Any]] = []
-        if eval_windows is not None:
-            t0 = clock()
-            hidden, eval_kwargs = embed_windows(source, eval_windows, batch_size, into=new_store())
-            t_eval += clock() - t0
-        fp_hidden: list[torch.Tensor] | None = None
-        fp_kwargs: list[dict[str, Any]] = []
-        t_save = 0.0
-        if sink is not None:
-            t0 = clock()
-            source.load_embedding()
-            try:
-                sink.add_outer("embedding", [source.model.get_input_embeddings()])
-            finally:
-                source.release_embedding()
-                give_back_memory()
-            # the fingerprint's input goes through the quantized layers beside the windows
-            fp_hidden, fp_kwargs = embed_windows(source, sink.fingerprint_ids)
-            t_save += clock() - t0
-        records: list[dict[str, Any]] = []
-        per_layer: list[dict[str, Any]] = []
-        embed_peak = rss.peak()
-        # kept in memory (on the model's device) in the layers' float32, for exact arithmetic;
-        # recorded so that a run's memory can be read off its record
-        held = {
-            "where": {
-                "memory": f"{source.device.type} memory, float32",
-                "bfloat16": f"{source.device.type} memory, bfloat16 (float32 as layers read them)",
-                "disk": "files of a temporary folder, float32, read one batch at a time",
-            }[hidden_states],
-            "calibration_bytes": _bytes(calib),
-            "evaluation_bytes": _bytes(hidden),
-        }
-        start = 0
+        run.embed(calibration_windows, eval_windows)
+        embed_peak = run.rss.peak()
+        held = run.held()
         if progress_file is not None:
             identity = {
                 "method": desc,
@@ -235,206 +175,361 @@ def run_layerwise(
             if sink is not None:
                 identity["saves"] = str(sink.out)
             progress_file.bind(identity)
-            state = progress_file.load()
-            if state is not None:
-                # the embedding step above gave every layer's keyword arguments; the states
-                # are the ones the stopped run had after its last saved layer
-                start = int(state["next_layer"])
-                calib = _restored(calib, state["calibration"], new_store, source.device)
-                calib_fp = _restored(
-                    calib_fp, state.get("calibration_float"), new_store, source.device
-                )
-                hidden = _restored(hidden, state["evaluation"], new_store, source.device)
-                if sink is not None:
-                    fp_hidden = _restored(
-                        fp_hidden, state["fingerprint"], lambda: None, source.device
-                    )
-                    sink.restore(state["sink"])
-                records, per_layer = state["records"], state["per_layer"]
-                t_quant, t_eval, t_fwd, t_solve, *saving = state["seconds"]
-                t_save = saving[0] if saving else 0.0
-                _set_rng_state(state["rng"])
-                del state
-                give_back_memory()
-        bar = tqdm(
+            run.resume(progress_file.load())
+        last = source.num_layers - 1
+        with tqdm(
             total=source.num_layers,
-            initial=start,
+            initial=run.start,
             desc=desc,
             unit="layer",
             disable=not progress,
             leave=False,
-        )
-        for li in range(start, source.num_layers):
-            rss.restart()
+        ) as bar:
+            for li in range(run.start, source.num_layers):
+                run.layer(li)
+                if progress_file is not None and progress_file.due(li == last):
+                    progress_file.save(run.kept(li, last=li == last))
+                    give_back_memory()
+                bar.update(1)
+        run.seconds.quant += run.seconds.forward + run.seconds.solve
+        run.drop_calibration()
+        result, fingerprint = run.head(eval_windows)
+        details = run.details(held, embed_peak)
+        if progress_file is not None:
+            progress_file.clear()  # done: the row is the record now
+        return StreamedRun(details, run.seconds.quant, result, run.per_layer, fingerprint)
+    finally:
+        run.close()
+
+
+@dataclass
+class _Seconds:
+    """A streamed pass's clock: loading and quantizing, evaluating, the capture forwards,
+    the solves, saving."""
+
+    quant: float = 0.0
+    eval: float = 0.0
+    forward: float = 0.0
+    solve: float = 0.0
+    save: float = 0.0
+
+
+class _Pass:
+    """One method's streamed pass (:func:`run_layerwise`): the hidden states it carries from
+    layer to layer (calibration, the float model's beside them for GPTAQ, evaluation, the
+    fingerprint's), its records and its clock."""
+
+    def __init__(
+        self,
+        source: LayerSource,
+        plan: LayerPlan,
+        batch_size: int,
+        sink: CheckpointWriter | None,
+        hidden_states: str,
+    ) -> None:
+        self.source, self.plan, self.batch_size, self.sink = source, plan, batch_size, sink
+        self.hidden_states = hidden_states
+        self.stores: list[HiddenStates] = []
+        self.clock = functools.partial(_clock, source.device)
+        # each step's own peak resident set, so a run's record says which step makes its peak
+        self.rss = ResidentPeak()
+        self.seconds = _Seconds()
+        self.calib: Any = None
+        self.calib_kwargs: list[dict[str, Any]] = []
+        # the float model's calibration states beside the quantized model's, for a weight
+        # quantizer that sees both (GPTAQ); the same states until the first layer is quantized
+        self.calib_fp: Any = None
+        self.hidden: Any = None
+        self.eval_kwargs: list[dict[str, Any]] = []
+        self.fp_hidden: list[torch.Tensor] | None = None
+        self.fp_kwargs: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []
+        self.per_layer: list[dict[str, Any]] = []
+        self.start = 0
+
+    def new_store(self) -> HiddenStates | None:
+        if self.hidden_states == "memory":
+            return None  # plain lists: the arithmetic and memory of the model quantized whole
+        store = HiddenStates(self.hidden_states) if not self.stores else self.stores[0].empty_like()
+        self.stores.append(store)
+        return store
+
+    def embed(
+        self, calibration_windows: torch.Tensor | None, eval_windows: torch.Tensor | None
+    ) -> None:
+        """The whole-model parts of the method, then the windows embedded (and with a sink,
+        the embedding saved and the fingerprint's input embedded)."""
+        source, plan, sink, clock = self.source, self.plan, self.sink, self.clock
+        if plan.parts is not None:
             t0 = clock()
-            layer = source.load_layer(li)
-            load = clock() - t0
-            peaks: dict[str, int | None] = {"load": rss.peak()}
-            fwd = solve = 0.0
-            groups, stats = [], {}
-            outputs: list[torch.Tensor] = []
-            if calib is not None and plan.capture_stats:
-                assert plan.calibration is not None
-                t0 = clock()
-                groups, stats, outputs = capture_layer(
-                    li,
-                    layer,
-                    calib,
-                    calib_kwargs[li],
-                    plan.block_size,
-                    plan.reservoir,
-                    plan.calibration.seed,
-                    plan.hessian,
-                    keep_outputs=not plan.sequential,
-                    reference=calib_fp,
-                    arithmetic=plan.arithmetic,
-                )
-                if calib_fp is not None:
-                    # the float layer's outputs are the float states on; the quantized
-                    # model's come from the layer once quantized (below: sequential)
-                    _release(calib_fp, outputs)
-                    calib_fp, outputs = outputs, []
-                fwd += clock() - t0
-                peaks["capture"] = rss.peak()
-                rss.restart()
+            source.transform_parts(plan.parts)
+            self.seconds.quant += clock() - t0
+        if plan.calibration is not None:
+            assert calibration_windows is not None
             t0 = clock()
-            record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
-            solve = clock() - t0
-            peaks["quantize"] = rss.peak()
-            rss.restart()
-            del stats
-            if calib is not None:
-                if plan.observe_activations:
-                    # static activation scales from the quantized layer's own inputs; its
-                    # outputs are the next layer's states when the run is sequential (or
-                    # nothing was captured: a fixed transform reads no statistics)
-                    t0 = clock()
-                    observed, record["activation_scales"] = calibrate_activation_scales(
-                        layer, functools.partial(layer_outputs, layer, calib, calib_kwargs[li])
-                    )
-                    fwd += clock() - t0
-                    if plan.sequential or not plan.capture_stats:
-                        outputs = observed
-                    del observed
-                elif plan.sequential:
-                    t0 = clock()
-                    with calibration_arithmetic(plan.arithmetic):
-                        outputs = layer_outputs(layer, calib, calib_kwargs[li])
-                    fwd += clock() - t0
-                _release(calib, outputs)
-                calib = outputs
-            ev = 0.0
-            if hidden is not None:
-                t0 = clock()
-                outputs = layer_outputs(layer, hidden, eval_kwargs[li])
-                _release(hidden, outputs)
-                hidden = outputs
-                ev = clock() - t0
-            if sink is not None and fp_hidden is not None:
-                t0 = clock()
-                sink.add_layer(f"{source.layer_prefix}.{li}.", li, layer)
-                fp_hidden = layer_outputs(layer, fp_hidden, fp_kwargs[li])
-                t_save += clock() - t0
-            source.release_layer(li)
-            del layer
-            give_back_memory()
-            # moving the states on (and saving the layer)
-            peaks["evaluate"] = rss.peak()
-            t_fwd += fwd
-            t_solve += solve
-            t_eval += ev
-            t_quant += load
-            per_layer.append(
-                {
-                    "load_seconds": load,
-                    "forward_seconds": fwd,
-                    "solve_seconds": solve,
-                    "eval_seconds": ev,
-                    "peak_rss_bytes": peaks,
-                }
+            self.calib, self.calib_kwargs = embed_windows(
+                source, calibration_windows, into=self.new_store()
             )
-            if plan.calibration is not None or plan.quantize is not None:
-                records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
-            if progress_file is not None and progress_file.due(li == source.num_layers - 1):
-                progress_file.save(
-                    {
-                        "next_layer": li + 1,
-                        # after the last layer only the evaluation states are left to use
-                        "calibration": None if li == source.num_layers - 1 else _stored(calib),
-                        "calibration_float": None
-                        if li == source.num_layers - 1
-                        else _stored(calib_fp),
-                        "evaluation": _stored(hidden),
-                        "fingerprint": _stored(fp_hidden),
-                        "sink": None if sink is None else sink.snapshot(),
-                        "records": records,
-                        "per_layer": per_layer,
-                        "seconds": [t_quant, t_eval, t_fwd, t_solve, t_save],
-                        "rng": _rng_state(),
-                    }
-                )
-                give_back_memory()
-            bar.update(1)
-        bar.close()
-        t_quant += t_fwd + t_solve
-        _release(calib, None)
-        _release(calib_fp, None)
-        # the calibration states are done: not held through the head step
-        calib = calib_fp = outputs = None
-        give_back_memory()
-        result = None
-        fingerprint = None
-        rss.restart()
-        if hidden is not None or fp_hidden is not None:
-            source.load_head()
-            try:
-                if fp_hidden is not None and sink is not None:
-                    t0 = clock()
-                    tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
-                    sink.add_outer("head", source.head_modules(), tied_head=tied)
-                    fingerprint = fingerprint_of_logits(head_logits(source, fp_hidden[0])[0, -1])
-                    t_save += clock() - t0
-                if hidden is not None:
-                    assert eval_windows is not None
-                    t0 = clock()
-                    nll: list[float] = []
-                    for bi, h in enumerate(hidden):
-                        first = bi * batch_size
-                        batch = eval_windows[first : first + h.shape[0]].to(source.device)
-                        nll.extend(_head_nll(source, h, batch, first))
-                    t_eval += clock() - t0
-                    result = perplexity_from_nll(nll, int(eval_windows.shape[1]), t_eval)
-            finally:
-                source.release_head()
-                give_back_memory()
-        details: dict[str, Any] = {**plan.record, "hidden_states": held}
-        if start:
-            details["resumed_at_layer"] = start
-        # the steps outside the layers: embedding the windows (and saving the embedding),
-        # the head (its logits, the perplexity, saving it)
-        details["peak_rss_bytes"] = {"embed": embed_peak, "head": rss.peak()}
+            self.seconds.forward += clock() - t0
+        if plan.asymmetric and self.calib is not None:
+            self.calib_fp = _copied(self.calib, self.new_store())
+        if eval_windows is not None:
+            t0 = clock()
+            self.hidden, self.eval_kwargs = embed_windows(
+                source, eval_windows, self.batch_size, into=self.new_store()
+            )
+            self.seconds.eval += clock() - t0
         if sink is not None:
-            details["save_seconds"] = t_save
+            t0 = clock()
+            source.load_embedding()
+            try:
+                sink.add_outer("embedding", [source.model.get_input_embeddings()])
+            finally:
+                source.release_embedding()
+                give_back_memory()
+            # the fingerprint's input goes through the quantized layers beside the windows
+            self.fp_hidden, self.fp_kwargs = embed_windows(source, sink.fingerprint_ids)
+            self.seconds.save += clock() - t0
+
+    def held(self) -> dict[str, Any]:
+        """Where the states are kept (on the model's device in the layers' float32, for exact
+        arithmetic, unless asked otherwise), recorded so that memory reads off the record."""
+        kind = self.source.device.type
+        return {
+            "where": {
+                "memory": f"{kind} memory, float32",
+                "bfloat16": f"{kind} memory, bfloat16 (float32 as layers read them)",
+                "disk": "files of a temporary folder, float32, read one batch at a time",
+            }[self.hidden_states],
+            "calibration_bytes": _bytes(self.calib),
+            "evaluation_bytes": _bytes(self.hidden),
+        }
+
+    def resume(self, state: dict[str, Any] | None) -> None:
+        """The states, records, clock and random state a stopped run kept after its last
+        saved layer (the embedding step gave every layer's keyword arguments)."""
+        if state is None:
+            return
+        device = self.source.device
+        self.start = int(state["next_layer"])
+        self.calib = _restored(self.calib, state["calibration"], self.new_store, device)
+        self.calib_fp = _restored(
+            self.calib_fp, state.get("calibration_float"), self.new_store, device
+        )
+        self.hidden = _restored(self.hidden, state["evaluation"], self.new_store, device)
+        if self.sink is not None:
+            self.fp_hidden = _restored(self.fp_hidden, state["fingerprint"], lambda: None, device)
+            self.sink.restore(state["sink"])
+        self.records, self.per_layer = state["records"], state["per_layer"]
+        quant, ev, fwd, solve, *saving = state["seconds"]
+        self.seconds = _Seconds(quant, ev, fwd, solve, saving[0] if saving else 0.0)
+        _set_rng_state(state["rng"])
+        del state
+        give_back_memory()
+
+    def kept(self, li: int, last: bool) -> dict[str, Any]:
+        """What a stop after layer ``li`` keeps (after the last layer only the evaluation
+        states are left to use)."""
+        s = self.seconds
+        return {
+            "next_layer": li + 1,
+            "calibration": None if last else _stored(self.calib),
+            "calibration_float": None if last else _stored(self.calib_fp),
+            "evaluation": _stored(self.hidden),
+            "fingerprint": _stored(self.fp_hidden),
+            "sink": None if self.sink is None else self.sink.snapshot(),
+            "records": self.records,
+            "per_layer": self.per_layer,
+            "seconds": [s.quant, s.eval, s.forward, s.solve, s.save],
+            "rng": _rng_state(),
+        }
+
+    def layer(self, li: int) -> None:
+        """Layer ``li``: loaded, its groups captured, quantized, the states moved on through
+        it (and with a sink, saved), freed."""
+        source, plan, rss, clock = self.source, self.plan, self.rss, self.clock
+        rss.restart()
+        t0 = clock()
+        layer = source.load_layer(li)
+        load = clock() - t0
+        peaks: dict[str, int | None] = {"load": rss.peak()}
+        groups, stats, outputs, fwd = self._capture(li, layer, peaks)
+        t0 = clock()
+        record = plan.quantize(li, layer, groups, stats) if plan.quantize is not None else {}
+        solve = clock() - t0
+        peaks["quantize"] = rss.peak()
+        rss.restart()
+        del stats
+        if self.calib is not None:
+            fwd += self._move_calibration(li, layer, outputs, record)
+        del outputs
+        ev = 0.0
+        if self.hidden is not None:
+            t0 = clock()
+            moved = layer_outputs(layer, self.hidden, self.eval_kwargs[li])
+            _release(self.hidden, moved)
+            self.hidden = moved
+            ev = clock() - t0
+        if self.sink is not None and self.fp_hidden is not None:
+            t0 = clock()
+            self.sink.add_layer(f"{source.layer_prefix}.{li}.", li, layer)
+            self.fp_hidden = layer_outputs(layer, self.fp_hidden, self.fp_kwargs[li])
+            self.seconds.save += clock() - t0
+        source.release_layer(li)
+        del layer
+        give_back_memory()
+        # moving the states on (and saving the layer)
+        peaks["evaluate"] = rss.peak()
+        self.seconds.forward += fwd
+        self.seconds.solve += solve
+        self.seconds.eval += ev
+        self.seconds.quant += load
+        self.per_layer.append(
+            {
+                "load_seconds": load,
+                "forward_seconds": fwd,
+                "solve_seconds": solve,
+                "eval_seconds": ev,
+                "peak_rss_bytes": peaks,
+            }
+        )
+        if plan.calibration is not None or plan.quantize is not None:
+            self.records.append({"layer": li, "groups": [g.__dict__ for g in groups], **record})
+
+    def _capture(
+        self, li: int, layer: nn.Module, peaks: dict[str, int | None]
+    ) -> tuple[list[Any], dict[str, Any], list[torch.Tensor], float]:
+        """The statistics of the layer's input groups on the calibration states (Algorithm
+        3's capture), the float layer's outputs, and the seconds it took."""
+        plan = self.plan
+        if self.calib is None or not plan.capture_stats:
+            return [], {}, [], 0.0
+        assert plan.calibration is not None
+        t0 = self.clock()
+        groups, stats, outputs = capture_layer(
+            li,
+            layer,
+            self.calib,
+            self.calib_kwargs[li],
+            plan.block_size,
+            plan.reservoir,
+            plan.calibration.seed,
+            plan.hessian,
+            keep_outputs=not plan.sequential,
+            reference=self.calib_fp,
+            arithmetic=plan.arithmetic,
+        )
+        if self.calib_fp is not None:
+            # the float layer's outputs are the float states on; the quantized model's come
+            # from the layer once quantized (:meth:`_move_calibration`: sequential)
+            _release(self.calib_fp, outputs)
+            self.calib_fp, outputs = outputs, []
+        fwd = self.clock() - t0
+        peaks["capture"] = self.rss.peak()
+        self.rss.restart()
+        return groups, stats, outputs, fwd
+
+    def _move_calibration(
+        self, li: int, layer: nn.Module, outputs: list[torch.Tensor], record: dict[str, Any]
+    ) -> float:
+        """The calibration states moved on to the next layer: the float layer's outputs, or
+        the quantized layer's (``sequential``; static activation scales observed on its
+        inputs); the seconds of the forwards it ran."""
+        plan, fwd = self.plan, 0.0
+        if plan.observe_activations:
+            # static activation scales from the quantized layer's own inputs; its outputs
+            # are the next layer's states when the run is sequential (or nothing was
+            # captured: a fixed transform reads no statistics)
+            t0 = self.clock()
+            observed, record["activation_scales"] = calibrate_activation_scales(
+                layer, functools.partial(layer_outputs, layer, self.calib, self.calib_kwargs[li])
+            )
+            fwd += self.clock() - t0
+            if plan.sequential or not plan.capture_stats:
+                outputs = observed
+            del observed
+        elif plan.sequential:
+            t0 = self.clock()
+            with calibration_arithmetic(plan.arithmetic):
+                outputs = layer_outputs(layer, self.calib, self.calib_kwargs[li])
+            fwd += self.clock() - t0
+        _release(self.calib, outputs)
+        self.calib = outputs
+        return fwd
+
+    def drop_calibration(self) -> None:
+        """The calibration states are done: not held through the head step."""
+        _release(self.calib, None)
+        _release(self.calib_fp, None)
+        self.calib = self.calib_fp = None
+        give_back_memory()
+
+    def head(
+        self, eval_windows: torch.Tensor | None
+    ) -> tuple[PerplexityResult | None, list[float] | None]:
+        """The head step: the perplexity of the evaluation states, and with a sink the head
+        saved and the fingerprint of the quantized model's logits."""
+        source, sink, clock = self.source, self.sink, self.clock
+        result = fingerprint = None
+        self.rss.restart()
+        if self.hidden is None and self.fp_hidden is None:
+            return None, None
+        source.load_head()
+        try:
+            if self.fp_hidden is not None and sink is not None:
+                t0 = clock()
+                tied = bool(getattr(source.model.config, "tie_word_embeddings", False))
+                sink.add_outer("head", source.head_modules(), tied_head=tied)
+                logits = head_logits(source, self.fp_hidden[0])
+                fingerprint = fingerprint_of_logits(logits[0, -1])
+                self.seconds.save += clock() - t0
+            if self.hidden is not None:
+                assert eval_windows is not None
+                t0 = clock()
+                nll: list[float] = []
+                for bi, h in enumerate(self.hidden):
+                    first = bi * self.batch_size
+                    batch = eval_windows[first : first + h.shape[0]].to(source.device)
+                    nll.extend(_head_nll(source, h, batch, first))
+                self.seconds.eval += clock() - t0
+                seqlen = int(eval_windows.shape[1])
+                result = perplexity_from_nll(nll, seqlen, self.seconds.eval)
+        finally:
+            source.release_head()
+            give_back_memory()
+        return result, fingerprint
+
+    def details(self, held: dict[str, Any], embed_peak: int | None) -> dict[str, Any]:
+        """The pass's record: the plan's, where the states were held, the peaks of the steps
+        outside the layers (embedding, head), the calibration and its seconds, each layer's
+        record (or, quantized without data, what was replaced in total)."""
+        plan = self.plan
+        details: dict[str, Any] = {**plan.record, "hidden_states": held}
+        if self.start:
+            details["resumed_at_layer"] = self.start
+        details["peak_rss_bytes"] = {"embed": embed_peak, "head": self.rss.peak()}
+        if self.sink is not None:
+            details["save_seconds"] = self.seconds.save
         if plan.calibration is not None:
             details["calibration"] = plan.calibration.to_dict() | {"sequential": plan.sequential}
             if plan.arithmetic != "exact":
                 details["calibration"]["arithmetic"] = plan.arithmetic
-            details["calibration_seconds"] = {"capture_forward": t_fwd, "solve": t_solve}
-        if plan.calibration is not None:
-            details["layers"] = records
-        elif records:
-            # layers quantized without data: what was replaced, in total
+            details["calibration_seconds"] = {
+                "capture_forward": self.seconds.forward,
+                "solve": self.seconds.solve,
+            }
+            details["layers"] = self.records
+        elif self.records:
             totals: dict[str, int] = {}
-            for rec in records:
+            for rec in self.records:
                 for k, n in rec.get("replaced", {}).items():
                     totals[k] = totals.get(k, 0) + n
             details["replaced"] = totals
-        if progress_file is not None:
-            progress_file.clear()  # done: the row is the record now
-        return StreamedRun(details, t_quant, result, per_layer, fingerprint)
-    finally:
-        rss.close()
-        for store in stores:  # the disk store's folder goes with its first store
+        return details
+
+    def close(self) -> None:
+        self.rss.close()
+        for store in self.stores:  # the disk store's folder goes with its first store
             store.close()
 
 

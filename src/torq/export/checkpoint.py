@@ -58,8 +58,7 @@ from torq.models.fingerprint import (
 )
 from torq.models.loading import MANIFEST
 from torq.paths import usual_permissions
-from torq.rotations.block_transform import BlockMatrices
-from torq.rotations.transform import BlockRotation
+from torq.rotations.transform import saved_transform
 from torq.surgery.qlinear import ActivationQuantizer, QuantExperts, QuantLinear
 from torq.version import __version__
 
@@ -68,14 +67,6 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CHECKPOINT_FORMAT = "torq-quantized"
 CHECKPOINT_VERSION = 1
-TRANSFORM_TENSORS = (
-    "r_inter",
-    "r_intra",
-    "channel_scale",
-    "intra_factor0",
-    "intra_factor1",
-    "channel_perm",
-)
 # token ids of the fingerprint when no tokenizer is given
 _FALLBACK_FINGERPRINT_LEN = 16
 
@@ -111,26 +102,15 @@ def _store(
 
 
 def _transform_entry(t: nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> dict:
-    if isinstance(t, BlockMatrices):  # one matrix per block (WUSH)
-        tensors[f"torq.transforms.{index}.matrices"] = t.matrices.detach().cpu().contiguous()
-        return {
-            "kind": "block_matrices",
-            "block_size": t.block_size,
-            "n_blocks": t.n_blocks,
-            "tensors": ["matrices"],
-        }
-    if not isinstance(t, BlockRotation):
-        raise TorqError(
-            f"cannot save an online transform of type {type(t).__name__}; "
-            "only torq's BlockRotation and BlockMatrices are serialisable"
-        )
-    names = []
-    for n in TRANSFORM_TENSORS:
-        v = getattr(t, n, None)
-        if isinstance(v, torch.Tensor):
-            tensors[f"torq.transforms.{index}.{n}"] = v.detach().cpu().contiguous()
-            names.append(n)
-    return {"block_size": t.block_size, "n_blocks": t.n_blocks, "tensors": names}
+    """The manifest entry of the online transform ``t`` (:func:`saved_transform`), its
+    tensors stored under ``torq.transforms.<index>.<name>``."""
+    try:
+        entry, parts = saved_transform(t)
+    except ValueError as exc:
+        raise TorqError(str(exc)) from None
+    for name, value in parts.items():
+        tensors[f"torq.transforms.{index}.{name}"] = value
+    return entry
 
 
 def _fingerprint_input(model: nn.Module, tokenizer: Any | None) -> torch.Tensor:

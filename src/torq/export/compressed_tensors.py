@@ -66,8 +66,6 @@ from torq.export.reading import (
 )
 from torq.formats.packing import decode_e4m3
 from torq.models.architecture import is_fused_experts
-from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation
 from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
@@ -148,17 +146,10 @@ def _rotation_kind(t: nn.Module | None, name: str) -> str | None:
     """:func:`_transform_kind` of an online transform ``t``."""
     if t is None:
         return None
-    if (
-        isinstance(t, BlockRotation)
-        and t.kernel_form(32) == "block_matrix"
-        and torch.equal(t.r_intra.cpu(), hadamard_matrix(32, dtype=t.r_intra.dtype))
-    ):
-        return "had32"
-    what = (
-        "torq's channel balancing, done online (quantize with --fold-balance to fold it)"
-        if isinstance(t, BlockRotation) and t.channel_scale is not None
-        else "TORQ's calibrated rotations or QuaRot's full-width Hadamard"
-    )
+    form = t.served_form() if hasattr(t, "served_form") else None
+    if form is not None:
+        return form
+    what = t.unserved_reason() if hasattr(t, "unserved_reason") else type(t).__name__
     raise TorqError(
         f"{name}: its online transform ({what}) has no compressed-tensors form yet; "
         f"compressed-tensors holds: {CT_HOLDS}"
@@ -380,39 +371,15 @@ def export_saved_compressed_tensors(
     size. The same tensors as the whole-model export, bit for bit. Returns the folder."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     manifest = read_manifest(folder)
     tensors = _StoredTensors(_checkpoint_files(folder))
-    transforms = _built_transforms(manifest, tensors)
     modules: dict[str, dict[str, Any]] = manifest["modules"]
-    kinds: dict[str, str | None] = {}
-    acts, formats = set(), set()
-    biased: list[str] = []
-    for name, entry in modules.items():
-        if entry["kind"] != "linear":
-            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
-        w, a = entry["weight"], entry["activation"]
-        quantizer = manifest["quantizers"][entry["quantizer"]]
-        formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))
-        if entry["storage"] != "packed":
-            raise TorqError(
-                f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
-                "kept its tensor scale, or one off the format's grid); nothing written"
-            )
-        t_index = manifest["quantizers"][entry["quantizer"]]["transform"]
-        t = None if t_index is None else transforms[t_index]
-        kind = kinds[name] = _rotation_kind(t, name)
-        if kind is not None and entry["bias"]:
-            biased.append(name)
-        acts.add(a is not None)
-    if not modules:
-        raise TorqError(f"{folder} has no quantized linears")
-    if len(acts) > 1 or len(formats) > 1:
-        raise TorqError("the quantized linears differ in transform or format")
-    (kind, plain), activations, fmt = _one_kind(kinds), acts.pop(), formats.pop()
+    (kind, plain), activations, fmt, biased = _saved_linears(
+        folder, manifest, _built_transforms(manifest, tensors)
+    )
     parts_of = ("weight_packed", "weight_scale") + (
         ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
     )
@@ -432,10 +399,77 @@ def export_saved_compressed_tensors(
     del skeleton
     # the tensors below are written compressed (what compress_model would leave)
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
+    sources = _written_sources(manifest, tensors, fmt, activations, config.tie_word_embeddings)
+    missing = {k for k in expected if k not in sources}
+    missing -= {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
+    unexpected = set(sources) - expected
+    if missing or unexpected:
+        raise TorqError(
+            f"{folder}: its tensors do not fit its architecture (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    out = Path(out_dir)
+    with _atomic_folder(out, overwrite) as tmp:
+        _write_shards(tmp, sources, tensors, manifest)
+        for extra in folder.iterdir():  # the tokenizer's and generation's files
+            if (
+                extra.is_file()
+                and extra.suffix in (".json", ".txt", ".model", ".jinja")
+                and extra.name not in (INDEX, "torq_quant.json", "config.json")
+            ):
+                shutil.copy2(extra, tmp / extra.name)
+        config.dtype = torch.bfloat16  # what the folder holds
+        config.save_pretrained(str(tmp))
+        compressor.update_config(str(tmp))
+        guard_for_transformers(tmp)
+    _say_biased(biased)
+    return out
 
-    # what each stored tensor becomes, grouped by decoder layer (the rest: one part)
-    aliases: dict[str, str] = manifest.get("aliases") or {}
-    sources: dict[str, tuple[str, str]] = {}  # written name -> (stored name, how)
+
+def _saved_linears(
+    folder: Path, manifest: dict[str, Any], transforms: list[nn.Module]
+) -> tuple[tuple[str | None, list[str]], bool, str, list[str]]:
+    """What a saved checkpoint's quantized linears hold, checked to be one scheme that
+    compressed-tensors holds: the transform's kind (:func:`_one_kind`), whether
+    activations are quantized, the format, and the linears with a bias under a transform."""
+    kinds: dict[str, str | None] = {}
+    acts, formats = set(), set()
+    biased: list[str] = []
+    for name, entry in manifest["modules"].items():
+        if entry["kind"] != "linear":
+            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
+        w, a = entry["weight"], entry["activation"]
+        quantizer = manifest["quantizers"][entry["quantizer"]]
+        formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))
+        if entry["storage"] != "packed":
+            raise TorqError(
+                f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
+                "kept its tensor scale, or one off the format's grid); nothing written"
+            )
+        t_index = quantizer["transform"]
+        t = None if t_index is None else transforms[t_index]
+        kind = kinds[name] = _rotation_kind(t, name)
+        if kind is not None and entry["bias"]:
+            biased.append(name)
+        acts.add(a is not None)
+    if not kinds:
+        raise TorqError(f"{folder} has no quantized linears")
+    if len(acts) > 1 or len(formats) > 1:
+        raise TorqError("the quantized linears differ in transform or format")
+    return _one_kind(kinds), acts.pop(), formats.pop(), biased
+
+
+def _written_sources(
+    manifest: dict[str, Any],
+    tensors: _StoredTensors,
+    fmt: str,
+    activations: bool,
+    tied: bool,
+) -> dict[str, tuple[str, str]]:
+    """What each tensor of the compressed folder is made from: its name → (the stored
+    tensor's name, how it is converted)."""
+    modules: dict[str, dict[str, Any]] = manifest["modules"]
+    sources: dict[str, tuple[str, str]] = {}
     for name in modules:
         sources[f"{name}.weight_packed"] = (f"{name}.weight_codes", "codes")
         sources[f"{name}.weight_scale"] = (
@@ -453,65 +487,60 @@ def export_saved_compressed_tensors(
         if key.startswith("torq.transforms.") or key in quantized_keys:
             continue
         sources[key] = (key, "bf16")
-    for alias, stored in aliases.items():
-        if not (config.tie_word_embeddings and alias.endswith("lm_head.weight")):
+    for alias, stored in (manifest.get("aliases") or {}).items():
+        if not (tied and alias.endswith("lm_head.weight")):
             sources[alias] = (stored, "bf16")
-    missing = {k for k in expected if k not in sources}
-    missing -= {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
-    unexpected = set(sources) - expected
-    if missing or unexpected:
-        raise TorqError(
-            f"{folder}: its tensors do not fit its architecture (missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]})"
-        )
+    return sources
+
+
+def _written_value(
+    stored: str, how: str, tensors: _StoredTensors, manifest: dict[str, Any]
+) -> torch.Tensor:
+    """A tensor of the compressed folder from the stored one (:func:`_written_sources`)."""
+    if how == "input_global":
+        quantizer = manifest["quantizers"][manifest["modules"][stored]["quantizer"]]
+        g_a = torch.tensor(quantizer["tensor_scale"], dtype=torch.float32)
+        return (1.0 / g_a).reshape(1)
+    value = tensors[stored]
+    if how == "codes":
+        return _ct_codes(value)
+    if how == "e4m3":  # torq stores the E4M3 bits as bytes
+        return value.view(torch.float8_e4m3fn)
+    if how == "global":  # the loaders divide by it: torq's scale inverted
+        return (1.0 / value.to(torch.float32)).reshape(1)
+    if how == "bf16":
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _write_shards(
+    tmp: Path,
+    sources: dict[str, tuple[str, str]],
+    tensors: _StoredTensors,
+    manifest: dict[str, Any],
+) -> None:
+    """The compressed folder's tensors, a shard per decoder layer (the rest: one shard),
+    and their index."""
+    from safetensors.torch import save_file
+
     parts: dict[str, list[str]] = {}
     for key in sorted(sources):
         m = _LAYER_KEY.search(key)
         parts.setdefault("outer" if m is None else f"layer-{int(m.group(1)):05d}", []).append(key)
-
-    out = Path(out_dir)
-    with _atomic_folder(out, overwrite) as tmp:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for part, keys in parts.items():
-            shard: dict[str, torch.Tensor] = {}
-            for key in keys:
-                stored, how = sources[key]
-                if how == "input_global":
-                    quantizer = manifest["quantizers"][modules[stored]["quantizer"]]
-                    g_a = torch.tensor(quantizer["tensor_scale"], dtype=torch.float32)
-                    value = (1.0 / g_a).reshape(1)
-                else:
-                    value = tensors[stored]
-                if how == "codes":
-                    value = _ct_codes(value)
-                elif how == "e4m3":  # torq stores the E4M3 bits as bytes
-                    value = value.view(torch.float8_e4m3fn)
-                elif how == "global":  # the loaders divide by it: torq's scale inverted
-                    value = (1.0 / value.to(torch.float32)).reshape(1)
-                elif how == "bf16":
-                    value = value.to(torch.bfloat16)
-                shard[key] = value.contiguous()
-                total += value.numel() * value.element_size()
-            file = f"model-{part}.safetensors"
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(keys, file))
-            del shard
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        for extra in folder.iterdir():  # the tokenizer's and generation's files
-            if (
-                extra.is_file()
-                and extra.suffix in (".json", ".txt", ".model", ".jinja")
-                and extra.name not in (INDEX, "torq_quant.json", "config.json")
-            ):
-                shutil.copy2(extra, tmp / extra.name)
-        config.dtype = torch.bfloat16  # what the folder holds
-        config.save_pretrained(str(tmp))
-        compressor.update_config(str(tmp))
-        guard_for_transformers(tmp)
-    _say_biased(biased)
-    return out
+    weight_map: dict[str, str] = {}
+    total = 0
+    for part, keys in parts.items():
+        shard: dict[str, torch.Tensor] = {}
+        for key in keys:
+            value = _written_value(*sources[key], tensors, manifest).contiguous()
+            shard[key] = value
+            total += value.numel() * value.element_size()
+        file = f"model-{part}.safetensors"
+        save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+        del shard
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def is_compressed_tensors_folder(folder: str | Path) -> bool:

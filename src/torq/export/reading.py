@@ -35,8 +35,7 @@ from torq.models.fingerprint import (
 )
 from torq.models.loading import MANIFEST
 from torq.models.streaming import return_free_heap
-from torq.rotations.block_transform import BlockMatrices
-from torq.rotations.transform import BlockRotation
+from torq.rotations.transform import transform_from_saved
 from torq.surgery.qlinear import ActivationQuantizer, QuantConfig, QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
@@ -187,26 +186,15 @@ def _checkpoint_files(root: Path) -> list[Path]:
 
 
 def _built_transforms(manifest: dict[str, Any], tensors: _StoredTensors) -> list[nn.Module]:
-    """The online transforms ``T`` (Algorithm 3, steps 2–3), once each."""
+    """The online transforms ``T`` (Algorithm 3, steps 2–3), once each, each built back by
+    its kind (:func:`torq.rotations.transform.transform_from_saved`)."""
     built: list[nn.Module] = []
     for i, t in enumerate(manifest["transforms"]):
         parts = {n: _take(tensors, f"torq.transforms.{i}.{n}") for n in t["tensors"]}
-        if t.get("kind") == "block_matrices":  # one matrix per block (WUSH)
-            built.append(BlockMatrices(parts["matrices"], dtype=parts["matrices"].dtype))
-            continue
-        factors = [parts[n] for n in ("intra_factor0", "intra_factor1") if n in parts]
-        dtype = next(v.dtype for v in parts.values() if v.is_floating_point())
-        built.append(
-            BlockRotation(
-                t["block_size"],
-                r_inter=parts.get("r_inter"),
-                r_intra=parts.get("r_intra"),
-                dtype=dtype,
-                channel_scale=parts.get("channel_scale"),
-                intra_factors=factors or None,
-                channel_perm=parts.get("channel_perm"),
-            )
-        )
+        try:
+            built.append(transform_from_saved(t, parts))
+        except ValueError as exc:
+            raise TorqError(f"online transform {i} of the manifest: {exc}") from None
     return built
 
 
@@ -379,97 +367,20 @@ def load_quantized(
     tensors = _StoredTensors(_checkpoint_files(root))
     model = _empty_model(root)
     transforms = _built_transforms(manifest, tensors)
-    quantizers = [
-        ActivationQuantizer(
-            _spec(q["activation"]),
-            None if q["transform"] is None else transforms[q["transform"]],
-            tensor_scale=q.get("tensor_scale"),
-        )
-        for q in manifest["quantizers"]
-    ]
-    offload = None
-    if offload_dir is not None:
-        offload = _DiskOffload(Path(offload_dir), transforms)
-
-    modules: dict[str, dict[str, Any]] = manifest["modules"]
-    prefixes = tuple(f"{n}." for n in modules)
-    stored_float = [k for k in tensors if not k.startswith((*prefixes, "torq.transforms."))]
-    aliases: dict[str, str] = manifest["aliases"]
-    # in float32, as the layers compute (a part-by-part checkpoint keeps bf16 where exact)
-    # (one tensor per stored key, so that a tied head stays the embedding's tensor)
-    converted: dict[str, torch.Tensor] = {}
-
-    def float_state(keys: list[str], strip: str = "") -> dict[str, torch.Tensor]:
-        state = {}
-        for k in keys:
-            source = aliases.get(k, k)
-            if source not in converted:
-                v = _take(tensors, source)
-                converted[source] = v.to(torch.float32) if v.is_floating_point() else v
-            state[k[len(strip) :]] = converted[source]
-        return state
-
-    def build(names: list[str]) -> int:
-        n = 0
-        for name in names:
-            entry = modules[name]
-            layer = _quantized_module(
-                name, entry, tensors, quantizers, model.get_submodule(name), packed
-            )
-            _set_module(model, name, layer)
-            n += isinstance(layer, PackedMXFP4Linear)
-        return n
-
-    def check(missing: list[str], unexpected: list[str], skip: tuple[str, ...]) -> None:
-        missing = [k for k in missing if not k.startswith(skip)]
-        if unexpected or missing:
-            raise TorqError(
-                f"the checkpoint in {root} does not match the model of its config.json: "
-                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
-
-    layers = decoder_layers(model)
-    layers_name = next(n for n, m in model.named_modules() if m is layers)
-    n_packed_layers = 0
-    done: set[str] = set()
-    for i, layer in enumerate(layers):
-        p = f"{layers_name}.{i}."
-        names = [n for n in modules if n.startswith(p)]
-        n_packed_layers += build(names)
-        keys = [k for k in stored_float if k.startswith(p)] + [
-            a for a in aliases if a.startswith(p)
-        ]
-        result = layer.load_state_dict(float_state(keys, p), strict=False, assign=True)
-        check(result.missing_keys, result.unexpected_keys, tuple(f"{n[len(p) :]}." for n in names))
-        for k in keys:
-            converted.pop(aliases.get(k, k), None)
-        done.update(names, keys)
-        if offload is not None:
-            offload.add_layer(p[:-1], layer)
-    n_packed_layers += build([n for n in modules if n not in done])
-    keys = [k for k in (*stored_float, *aliases) if k not in done]
-    result = model.load_state_dict(float_state(keys), strict=False, assign=True)
-    check(result.missing_keys, result.unexpected_keys, (*prefixes, f"{layers_name}."))
+    offload = None if offload_dir is None else _DiskOffload(Path(offload_dir), transforms)
+    assembly = _Assembly(root, manifest, tensors, model, transforms, packed)
+    layers_name, n_layers = assembly.assemble(offload)
     model.eval()
     if offload is not None:
         where = torch.device(device)
         if where.type == "cuda" and where.index is None:
             where = torch.device("cuda", torch.cuda.current_device())
-        offload.dispatch(model, layers_name, len(layers), str(where))
+        offload.dispatch(model, layers_name, n_layers, str(where))
     else:
         model.to(device)
-
-    tokenizer = None
-    if (root / "tokenizer_config.json").is_file():
-        import transformers
-
-        # the class that was saved: AutoTokenizer may pick another from config.json's
-        # model type, which tokenizes differently
-        cls = getattr(transformers, manifest.get("tokenizer_class") or "", None)
-        if cls is None or not hasattr(cls, "from_pretrained"):
-            cls = transformers.AutoTokenizer
-        tokenizer = cls.from_pretrained(str(root))
-    manifest["load"] = {"packed_layers": n_packed_layers, "seconds": time.perf_counter() - t0}
+    tokenizer = _saved_tokenizer(root, manifest)
+    n_packed = assembly.n_packed
+    manifest["load"] = {"packed_layers": n_packed, "seconds": time.perf_counter() - t0}
     if offload is not None:
         manifest["load"]["offload_dir"] = str(offload.folder)
     if verify:
@@ -484,8 +395,113 @@ def load_quantized(
                 f"(its logits differ by {diff:.3g})"
             )
             on_gpu = torch.device(device).type == "cuda"
-            if n_packed_layers and on_gpu:
+            if n_packed and on_gpu:
                 log.warning("%s; the packed GPU kernels accumulate in another order", message)
             else:
                 raise TorqError(message)
     return model, tokenizer, manifest
+
+
+class _Assembly:
+    """A saved checkpoint's tensors put into its empty model one decoder layer at a time:
+    the quantized linears rebuilt (:func:`_quantized_module`), every other tensor in
+    float32, as the layers compute (one tensor per stored key, so that a tied head stays
+    the embedding's tensor)."""
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: dict[str, Any],
+        tensors: _StoredTensors,
+        model: nn.Module,
+        transforms: list[nn.Module],
+        packed: bool,
+    ) -> None:
+        self.root, self.tensors, self.model, self.packed = root, tensors, model, packed
+        self.quantizers = [
+            ActivationQuantizer(
+                _spec(q["activation"]),
+                None if q["transform"] is None else transforms[q["transform"]],
+                tensor_scale=q.get("tensor_scale"),
+            )
+            for q in manifest["quantizers"]
+        ]
+        self.modules: dict[str, dict[str, Any]] = manifest["modules"]
+        self.prefixes = tuple(f"{n}." for n in self.modules)
+        self.stored_float = [
+            k for k in tensors if not k.startswith((*self.prefixes, "torq.transforms."))
+        ]
+        self.aliases: dict[str, str] = manifest["aliases"]
+        self.converted: dict[str, torch.Tensor] = {}
+        self.n_packed = 0
+
+    def assemble(self, offload: _DiskOffload | None) -> tuple[str, int]:
+        """Every decoder layer, then the rest of the model; the decoder layers' name and
+        count."""
+        layers = decoder_layers(self.model)
+        layers_name = next(n for n, m in self.model.named_modules() if m is layers)
+        done: set[str] = set()
+        for i, layer in enumerate(layers):
+            p = f"{layers_name}.{i}."
+            names = [n for n in self.modules if n.startswith(p)]
+            self._build(names)
+            keys = [k for k in self.stored_float if k.startswith(p)]
+            keys += [a for a in self.aliases if a.startswith(p)]
+            result = layer.load_state_dict(self._float_state(keys, p), strict=False, assign=True)
+            skip = tuple(f"{n[len(p) :]}." for n in names)
+            self._check(result.missing_keys, result.unexpected_keys, skip)
+            for k in keys:
+                self.converted.pop(self.aliases.get(k, k), None)
+            done.update(names, keys)
+            if offload is not None:
+                offload.add_layer(p[:-1], layer)
+        self._build([n for n in self.modules if n not in done])
+        keys = [k for k in (*self.stored_float, *self.aliases) if k not in done]
+        result = self.model.load_state_dict(self._float_state(keys), strict=False, assign=True)
+        skip = (*self.prefixes, f"{layers_name}.")
+        self._check(result.missing_keys, result.unexpected_keys, skip)
+        return layers_name, len(layers)
+
+    def _float_state(self, keys: list[str], strip: str = "") -> dict[str, torch.Tensor]:
+        state = {}
+        for k in keys:
+            source = self.aliases.get(k, k)
+            if source not in self.converted:
+                v = _take(self.tensors, source)
+                self.converted[source] = v.to(torch.float32) if v.is_floating_point() else v
+            state[k[len(strip) :]] = self.converted[source]
+        return state
+
+    def _build(self, names: list[str]) -> None:
+        for name in names:
+            layer = _quantized_module(
+                name,
+                self.modules[name],
+                self.tensors,
+                self.quantizers,
+                self.model.get_submodule(name),
+                self.packed,
+            )
+            _set_module(self.model, name, layer)
+            self.n_packed += isinstance(layer, PackedMXFP4Linear)
+
+    def _check(self, missing: list[str], unexpected: list[str], skip: tuple[str, ...]) -> None:
+        missing = [k for k in missing if not k.startswith(skip)]
+        if unexpected or missing:
+            raise TorqError(
+                f"the checkpoint in {self.root} does not match the model of its config.json: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+
+
+def _saved_tokenizer(root: Path, manifest: dict[str, Any]) -> Any | None:
+    """The tokenizer saved with the checkpoint, of the class that was saved (AutoTokenizer
+    may pick another from config.json's model type, which tokenizes differently)."""
+    if not (root / "tokenizer_config.json").is_file():
+        return None
+    import transformers
+
+    cls = getattr(transformers, manifest.get("tokenizer_class") or "", None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(root))

@@ -28,7 +28,8 @@ from torch import nn
 
 from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.errors import TorqError
-from torq.methods.registry import Method, MethodContext, TransformBuilder, register
+from torq.knobs import knob
+from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
 from torq.methods.settings import linear_names, names_a_member
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation
@@ -78,12 +79,12 @@ class HadamardSettings:
     # (calibrating, with GPTQ's weights: the group of linears reading one input, when it
     # names one of them): vLLM runs no transform on a linear with a bias (Qwen2's q/k/v).
     # ``None``: every linear gets it
-    unrotated: tuple[str, ...] | None = None
+    unrotated: tuple[str, ...] | None = knob(None, flag="--unrotated", help=None)
     # the inputs of the linears reading a norm's output (q/k/v, gate/up) rotated offline, by
     # the block Hadamard of the residual stream fused into the weights (the norms' weights
     # folded into their readers), not online: none of them runs a transform, so vLLM
     # serves a q/k/v with a bias rotated. The other inputs (o_proj, down_proj) keep theirs
-    residual: bool = False
+    residual: bool = knob(False, flag="--residual-hadamard", help=None)
 
     def __post_init__(self) -> None:
         if self.unrotated is not None:
@@ -142,7 +143,7 @@ class BlockHadamard(TransformBuilder):
         return self.fixed(group.width, qconfig, ctx), {}
 
     def key_settings(
-        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+        self, run: RunKey, settings: dict[str, Any] | None, capture: dict[str, Any]
     ) -> dict[str, Any]:
         # absent when every linear is rotated, so the keys made before settings stay
         unrotated = (settings or {}).get("unrotated")

@@ -17,7 +17,7 @@ from torch import nn
 
 from torq.errors import TorqError
 from torq.methods.hadamard import block_hadamard
-from torq.methods.registry import Method, MethodContext, TransformBuilder, register
+from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
 from torq.rotations.hadamard import hadamard_matrix
 from torq.surgery.fusion import ResidualRotation, check_supported, random_hadamard
 from torq.surgery.qlinear import QuantConfig
@@ -71,12 +71,12 @@ class QuaRotTransform(TransformBuilder):
         }
 
     def key_settings(
-        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+        self, run: RunKey, settings: dict[str, Any] | None, capture: dict[str, Any]
     ) -> dict[str, Any]:
         # the random signs follow the run's seed; "signs" marks QuaRot's Q = diag(s)·H, so
         # models kept or carried from torq's earlier H·diag(s) (whose signs had no effect,
         # docs/research-log.md §6.1) are never taken for this one
-        return {"seed": run.get("seed", 0), "signs": "before-hadamard"}
+        return {"seed": run.seed, "signs": "before-hadamard"}
 
 
 QUAROT = register(

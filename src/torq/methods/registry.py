@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -124,6 +124,22 @@ class LayerPlan:
     arithmetic: str = "exact"
 
 
+@dataclass(frozen=True)
+class RunKey:
+    """What of a run makes a method's quantized model besides the method's own settings:
+    the model, its formats, the window length and the run's seed (QuaRot's signs); a part of
+    every settings key (:meth:`Method.settings_key`)."""
+
+    model: str | None = None
+    weight_format: str | None = "mxfp4"
+    act_format: str | None = "mxfp4"
+    scale_mode: str = "ocp"
+    act_scale: str = "dynamic"
+    seqlen: int | None = 2048
+    gguf_dtype: str = "float32"
+    seed: int = 0
+
+
 class TransformBuilder:
     """The online transform ``T`` of each input group (its inverse fused into the weights,
     ``W' = W Tᵀ``). Fixed builders answer :meth:`fixed` from the width alone; calibrating
@@ -191,11 +207,11 @@ class TransformBuilder:
         return None
 
     def key_settings(
-        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+        self, run: RunKey, settings: dict[str, Any] | None, capture: dict[str, Any]
     ) -> dict[str, Any]:
-        """What of its own ``settings`` (``asdict`` of its settings type), the run's
-        ``capture`` and the run (``asdict(RunConfig)``: its seed…) makes this transform, for
-        the settings key."""
+        """What of its own ``settings`` (``asdict`` of its settings type, as records keep
+        them), the run's ``capture`` and the run (its seed…) makes this transform, for the
+        settings key."""
         return {}
 
     def capture_block(self, ctx: MethodContext) -> int:
@@ -285,20 +301,23 @@ class Method:
 
     def settings_key(
         self,
-        run: dict[str, Any],
+        run: RunKey,
         settings: dict[str, Any] | None,
         gptq: dict[str, Any] | None,
         capture: dict[str, Any],
     ) -> str:
         """What makes two rows of this method the same quantized model: the model, formats
-        and window length (``run``: ``asdict(RunConfig)``), plus what its transform keys of
-        its own ``settings`` and, with GPTQ, its ``gptq`` settings and the ``capture``."""
+        and window length (``run``), plus what its transform keys of its own ``settings``
+        and, with GPTQ, its ``gptq`` settings and the ``capture`` (as records keep them)."""
         key: dict[str, Any] = {
-            k: run.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")
+            "model": run.model,
+            "weight_format": run.weight_format,
+            "act_format": run.act_format,
+            "scale_mode": run.scale_mode,
+            "seqlen": run.seqlen,
         }
-        key["seqlen"] = run.get("seqlen")
-        if run.get("gguf_dtype", "float32") != "float32":  # another float model
-            key["gguf_dtype"] = run["gguf_dtype"]
+        if run.gguf_dtype != "float32":  # another float model
+            key["gguf_dtype"] = run.gguf_dtype
         key.update(self.transform.key_settings(run, settings, capture))
         if self.gptq_enabled:
             key["gptq"] = gptq_key({**(gptq or {}), **dict(self.gptq_settings)})
@@ -309,10 +328,10 @@ class Method:
             # reduced-precision statistics make another model (absent at "exact", so the
             # keys made before stay)
             key["arithmetic"] = capture["arithmetic"]
-        if run.get("act_scale", "dynamic") != "dynamic":
+        if run.act_scale != "dynamic":
             # static activation scales: calibrated on the calibration windows (absent at
             # the default, so the keys made before stay)
-            key["act_scale"] = run["act_scale"]
+            key["act_scale"] = run.act_scale
             key["act_calibration"] = [capture.get(k) for k in ("calibration", "sequential")]
         return json.dumps([self.name, key], sort_keys=True, default=str)
 
@@ -419,22 +438,3 @@ def method_specs(names: list[Any], *given: Any) -> list[MethodSpec]:
             raise TorqError(f"methods: {twice}")
         seen[spec.name] = named
     return specs
-
-
-def record_key(run: dict[str, Any], name: str) -> str:
-    """The settings key (:meth:`Method.settings_key`) of the method ``name`` in a run's
-    record (``asdict(RunConfig)``): from its spec, or, in records made before runs held
-    specs, from the run's TORQ and GPTQ settings, which then held the capture too."""
-    method = get_method(name)
-    spec = next(
-        (m for m in run.get("methods") or [] if isinstance(m, dict) and m["name"] == method.name),
-        None,
-    )
-    if spec is None and "torq" not in run:  # a bare name: its settings' defaults
-        spec = asdict(method_spec(method.name))
-    if spec is not None:
-        capture = run.get("capture") or asdict(CaptureSettings())
-        return method.settings_key(run, spec["settings"], spec["gptq"], capture)
-    torq = run["torq"]
-    capture = {k: torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")}
-    return method.settings_key(run, torq, run.get("gptq"), capture)

@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import argparse
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from torq.calibration.capture import LinearGroup
+from torq.knobs import knob, paper_values, strength, strength_or_none
 from torq.rotations.inter_block import InterBlockConfig
 from torq.rotations.intra_block import IntraBlockConfig
 from torq.surgery.fusion import RESIDUAL_READERS
@@ -34,6 +36,16 @@ def linear_names(value: Any, setting: str, what: str) -> tuple[str, ...]:
     return names
 
 
+def parse_linear_names(value: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated linear layer names (``o_proj,down_proj``)."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names or not all(LINEAR_NAME.fullmatch(n) for n in names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated linear layer names such as o_proj, got '{value}'"
+        )
+    return names
+
+
 def names_a_member(names: tuple[str, ...] | None, members: list[str]) -> bool:
     """Whether ``names`` (linear names within a decoder layer) names one of ``members``
     (dotted paths, ``self_attn.q_proj``)."""
@@ -41,6 +53,10 @@ def names_a_member(names: tuple[str, ...] | None, members: list[str]) -> bool:
 
 
 SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")
+
+# TORQ's block sizes K: the divisors of 32 with at least two columns, so K divides every
+# width a 32-element MX block does (and NVFP4's 16) and has a Sylvester Hadamard matrix
+ROTATION_BLOCKS: tuple[int, ...] = (2, 4, 8, 16, 32)
 
 # the powers ``β`` of the balancing scales ``s`` the balancing check chooses from, per group
 # (``s^β``: 0 no balancing, 1 the full strength ``α``)
@@ -62,58 +78,160 @@ class TorqSettings:
 
     use_inter: bool = True
     use_intra: bool = True
-    inter: InterBlockConfig = field(default_factory=InterBlockConfig)
-    intra: IntraBlockConfig = field(default_factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS))
-    block_size: int = 32
-    balance: float | None = 0.5
+    inter: InterBlockConfig = knob(factory=InterBlockConfig)
+    # torq's Algorithm 2: from the block Hadamard with every column a candidate (the paper:
+    # from I with K/2 candidates, docs/research-log.md §3)
+    intra: IntraBlockConfig = knob(
+        factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS),
+        paper=lambda intra: replace(intra, init="identity", k_top=None),
+    )
+    block_size: int = knob(
+        32,
+        flag="--rotation-block",
+        type=int,
+        choices=ROTATION_BLOCKS,
+        metavar="K",
+        help="TORQ's block size K, the order of its rotations and of torq-had32's Hadamard "
+        "(default 32, the MX block; 16 matches NVFP4's block)",
+    )
+    balance: float | None = knob(
+        0.5,
+        paper=None,
+        flag="--balance",
+        type=strength_or_none,
+        help="channel balancing strength α before the rotations (torq's addition; "
+        "0.5 is optimal), or 'none' for the paper's TORQ",
+    )
     # the fraction of each group's sampled tokens held back to check the calibrated
     # transform against the balanced Hadamard (module doc); ``None``: no check
-    guard: float | None = None
+    guard: float | None = knob(
+        None,
+        paper=None,
+        flag="--torq-guard",
+        type=float,
+        metavar="FRACTION",
+        help="hold back this fraction of each group's sampled tokens and keep TORQ's "
+        "calibrated transform only where it lowers the W4A4 output error there, else the "
+        "balanced 32-block Hadamard (torq-guard uses 0.25)",
+    )
     # choose each group's balancing strength: the scales ``s^β`` with ``β`` in
     # :data:`BALANCE_POWERS` (``β = 0``: no balancing), the one with the lowest W4A4 output
     # error of the group on its sampled tokens (the 32-block Hadamard as probe, the weights
     # ``balance_probe``'s); ``False``: every group balanced in full (``β = 1``)
-    balance_check: bool = False
+    balance_check: bool = knob(
+        False, paper=False, flag="--balance-check", help=None, value=lambda probe: True
+    )
     # the balancing check's weights (:data:`BALANCE_PROBES`): "rtn", or "gptq", GPTQ's on the
     # group's Hessian after the probe transform
-    balance_probe: str = "rtn"
+    balance_probe: str = knob(
+        "rtn",
+        paper="rtn",
+        flag="--balance-check",
+        nargs="?",
+        const="rtn",
+        choices=BALANCE_PROBES,
+        metavar="WEIGHTS",
+        help="choose each group's balancing strength (the scales to the power 0, 1/2 or 1; "
+        "0: none) by its W4A4 output error on the sampled tokens, the 32-block Hadamard as "
+        "probe and WEIGHTS: rtn (the default) or gptq, GPTQ's on the group's Hessian "
+        "(default: every group balanced in full)",
+    )
     # do the balancing's ``x ⊘ s`` in the module that produces each group's input (the norm,
     # v_proj's or up_proj's rows; o_proj's scales tied across the query heads of a value
     # head) instead of online: what an exported model needs (:mod:`torq.rotations.fold`)
-    fold: bool = False
+    fold: bool = knob(
+        False,
+        paper=False,
+        flag="--fold-balance",
+        action="store_true",
+        help="do the channel balancing's division in the module that produces each input "
+        "(the norm, v_proj's or up_proj's rows; o_proj's scales tied across the query heads "
+        "of a value head) instead of online: torq-had32 can then be exported",
+    )
     # the groups that get the calibrated rotations, by the name of a member linear
     # ("o_proj": attention's output projection only); the others get torq-had32's transform
     # (the balancing and H₃₂). ``None``: every group (docs/research-log.md §10.3)
-    calibrate: tuple[str, ...] | None = None
+    calibrate: tuple[str, ...] | None = knob(
+        None,
+        paper=None,
+        flag="--torq-calibrate",
+        type=parse_linear_names,
+        metavar="NAMES",
+        help="comma-separated linear layers (e.g. o_proj) whose input groups get TORQ's "
+        "calibrated rotations; the other groups get the balanced 32-block Hadamard "
+        "(default: every group)",
+    )
     # the groups, by the name of a member linear ("q_proj"), that get no rotation: the
     # balancing alone, which ``fold`` moves into the module producing their input, so that
     # they run with no online transform (vLLM runs no transform on a linear with a bias,
     # Qwen2's q/k/v). ``None``: every group rotated
-    unrotated: tuple[str, ...] | None = None
+    unrotated: tuple[str, ...] | None = knob(
+        None,
+        paper=None,
+        flag="--unrotated",
+        type=parse_linear_names,
+        metavar="NAMES",
+        help="comma-separated linear layers (e.g. q_proj) whose input groups get no rotation: "
+        "TORQ's methods their balancing alone (with --fold-balance: no online transform), the "
+        "block Hadamards none; vLLM runs no transform on a linear with a bias (default: every "
+        "group rotated)",
+    )
     # the balancing strength ``α`` of the ``unrotated`` groups (no rotation after it to
     # spread what stays in the activations); ``None``: ``balance``'s
-    unrotated_balance: float | None = None
+    unrotated_balance: float | None = knob(
+        None,
+        paper=None,
+        flag="--unrotated-balance",
+        type=strength,
+        metavar="ALPHA",
+        help="the balancing strength α of the --unrotated groups (default: --balance's)",
+    )
     # the groups reading a norm's output (q/k/v, gate/up) rotated offline, by the 32-block
     # Hadamard of the residual stream fused into the weights (the norms' weights folded into
     # their readers), and then balanced, folded into the norm: no online transform, so vLLM
     # serves them with a bias. The other groups as the method makes them
-    residual: bool = False
+    residual: bool = knob(
+        False,
+        paper=False,
+        flag="--residual-hadamard",
+        action="store_true",
+        help="q/k/v and gate/up rotated offline, by the 32-block Hadamard of the residual "
+        "stream fused into the weights (the norms' weights folded into their readers), not "
+        "online; TORQ's methods then balance them, folded into the norm; o_proj and down_proj "
+        "keep their online transform (vLLM runs no transform on a linear with a bias)",
+    )
     # a channel permutation after the balancing that gives each block an equal share of
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
     # tokens the intra-block level fits on; intra-block level only (docs/research-log.md §10.3)
-    permute: bool = False
+    permute: bool = knob(False, paper=False)
     # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
     # pooled, instead of one per expert from the tokens routed to it (the cheap variant)
-    expert_down_shared: bool = False
+    expert_down_shared: bool = knob(
+        False,
+        flag="--expert-down",
+        choices=("per-expert", "shared"),
+        value=lambda how: how == "shared",
+        help="fused MoE experts: one down_proj input transform per expert, fitted on the "
+        "tokens routed to it (default), or one shared, fitted on all experts' inputs pooled",
+    )
     # where the two solvers (Algorithms 1 and 2) run: "calibration", the device the
     # calibration statistics are summed on (a GPU when calibrating on one; there the angle
     # search prepares all pairs of a step at once), or "cpu". On an H200 the GPU's solvers
     # took one 8B-shaped layer's solve step 2.2x faster than 16 CPU threads, with the same
     # GPTQ loss (docs/records/gpu/gpu-bench-3-torq-solvers-h200.md); on a CPU run the two
     # are the same computation, bit for bit
-    solver_device: str = "calibration"
+    solver_device: str = knob(
+        "calibration",
+        flag="--solver-device",
+        choices=SOLVER_DEVICES,
+        help="where TORQ's inter- and intra-block solvers run: the device the calibration "
+        "runs on (default; a GPU with --device cuda) or the CPU",
+    )
 
     def __post_init__(self) -> None:
+        if self.intra.k_top == TORQ_INTRA_DEFAULTS["k_top"] and self.block_size < self.intra.k_top:
+            # torq's default: every column of the block a candidate, whatever its size
+            object.__setattr__(self, "intra", replace(self.intra, k_top=self.block_size))
         if self.solver_device not in SOLVER_DEVICES:
             raise ValueError(
                 f"solver_device must be one of {', '.join(SOLVER_DEVICES)}, "
@@ -187,22 +305,10 @@ class TorqSettings:
         return asdict(self)
 
     def paper(self) -> TorqSettings:
-        """These settings with the paper's method: no balancing, Algorithm 2 from the
-        identity with ``K/2`` candidate columns."""
-        return replace(
-            self,
-            balance=None,
-            balance_check=False,
-            balance_probe="rtn",
-            guard=None,
-            fold=False,
-            calibrate=None,
-            unrotated=None,
-            unrotated_balance=None,
-            residual=False,
-            permute=False,
-            intra=replace(self.intra, init="identity", k_top=None),
-        )
+        """These settings with the paper's method: every field that declares the paper's
+        value (``knob(paper=…)``) set to it: no balancing or other addition of torq's,
+        Algorithm 2 from the identity with ``K/2`` candidate columns."""
+        return paper_values(self)
 
 
 def torq_key(settings: dict[str, Any], capture: dict[str, Any] | None = None) -> dict[str, Any]:

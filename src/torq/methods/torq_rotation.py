@@ -43,7 +43,7 @@ from torch import nn
 from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.errors import TorqError
 from torq.formats import FormatSpec, fake_quantize
-from torq.methods.registry import Method, MethodContext, TransformBuilder, register
+from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
 from torq.methods.settings import BALANCE_POWERS, TorqSettings, torq_key
 from torq.rotations.balance import (
     balance_covariance,
@@ -114,16 +114,69 @@ def build_group_transform(
         raise ValueError("TORQ settings select no transform (no inter, intra or balancing)")
     perm = None
     if settings.permute:
-        if scales is None or weight is None or settings.use_inter:
-            raise ValueError("the block-mass permutation needs the balancing and no inter level")
-        x_rms = (fit_sample.to(torch.float64) / scales).pow(2).mean(0).sqrt()
-        w_norm = (weight.detach().to(torch.float64) * scales).pow(2).sum(0).sqrt()
-        mass = x_rms * w_norm
-        perm = block_mass_permutation(mass, k)
-        record["permutation"] = {
-            "block_mass_sq_before": float(mass.reshape(-1, k).sum(1).pow(2).sum()),
-            "block_mass_sq_after": float(mass[perm].reshape(-1, k).sum(1).pow(2).sum()),
+        perm = _block_mass_permutation(fit_sample, weight, scales, settings, record)
+    r_inter, r_intra = _rotations(
+        covariance, fit_sample, scales, perm, settings, solver_device, record
+    )
+    transform = BlockRotation(
+        k,
+        r_inter,
+        r_intra,
+        dtype=torch.float32,
+        channel_scale=None if scales is None else scales.to(torch.float32),
+        channel_perm=perm,
+    )
+    if held is not None:
+        assert weight is not None
+        transform = _guarded(transform, held, weight, scales, k, fmt, weight_fmt, record)
+    if fmt is not None and stats.sample.shape[0]:
+        # Diagnostic: relative activation quantization error on the sampled tokens, without
+        # and with the transform (relative to each one's own energy: with balancing T is not
+        # orthogonal).
+        x = stats.sample
+        record["act_rel_err"] = {
+            "rtn": relative_quant_error(x, fmt),
+            "transformed": relative_quant_error(transform(x), fmt),
         }
+    return transform, record
+
+
+def _block_mass_permutation(
+    fit_sample: torch.Tensor,
+    weight: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    settings: TorqSettings,
+    record: dict[str, Any],
+) -> torch.Tensor:
+    """The channel permutation that gives each block an equal share of ``rms(x_j)·‖w_j‖``
+    after the balancing (:func:`block_mass_permutation`), recorded with the blocks' mass."""
+    k = settings.block_size
+    if scales is None or weight is None or settings.use_inter:
+        raise ValueError("the block-mass permutation needs the balancing and no inter level")
+    x_rms = (fit_sample.to(torch.float64) / scales).pow(2).mean(0).sqrt()
+    w_norm = (weight.detach().to(torch.float64) * scales).pow(2).sum(0).sqrt()
+    mass = x_rms * w_norm
+    perm = block_mass_permutation(mass, k)
+    record["permutation"] = {
+        "block_mass_sq_before": float(mass.reshape(-1, k).sum(1).pow(2).sum()),
+        "block_mass_sq_after": float(mass[perm].reshape(-1, k).sum(1).pow(2).sum()),
+    }
+    return perm
+
+
+def _rotations(
+    covariance: torch.Tensor,
+    fit_sample: torch.Tensor,
+    scales: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    settings: TorqSettings,
+    solver_device: torch.device | None,
+    record: dict[str, Any],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The inter-block rotations ``R_k`` from the balanced ``Σ_k`` (Algorithm 1) and
+    ``R_intra`` (Algorithm 2) on the balanced, permuted, inter-rotated blocks of the
+    sample, each where its settings ask for it, recorded."""
+    k = settings.block_size
     r_inter = None
     if settings.use_inter:
         r_inter, info = inter_block_rotations(covariance.to(solver_device), settings.inter)
@@ -148,41 +201,36 @@ def build_group_transform(
             "stop_reason": result.stop_reason,
             "samples": result.n_samples,
         }
-    transform = BlockRotation(
+    return r_inter, r_intra
+
+
+def _guarded(
+    transform: BlockRotation,
+    held: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    k: int,
+    fmt: FormatSpec | None,
+    weight_fmt: FormatSpec | None,
+    record: dict[str, Any],
+) -> BlockRotation:
+    """The guard: the calibrated ``transform`` or the balanced ``H_K`` (torq-had32's:
+    Algorithm 2 from ``H_K``, no step), whichever has the lower W4A4 output error on the
+    ``held`` tokens, recorded."""
+    fallback = BlockRotation(
         k,
-        r_inter,
-        r_intra,
+        None,
+        hadamard_matrix(k, dtype=torch.float64),
         dtype=torch.float32,
         channel_scale=None if scales is None else scales.to(torch.float32),
-        channel_perm=perm,
     )
-    if held is not None:
-        assert weight is not None
-        fallback = BlockRotation(
-            k,
-            None,
-            hadamard_matrix(k, dtype=torch.float64),  # torq-had32's: Algorithm 2 from H_K, no step
-            dtype=torch.float32,
-            channel_scale=None if scales is None else scales.to(torch.float32),
-        )
-        errors = {
-            "calibrated": output_error(held, weight, transform, fmt, weight_fmt),
-            "hadamard": output_error(held, weight, fallback, fmt, weight_fmt),
-        }
-        chosen = "calibrated" if errors["calibrated"] < errors["hadamard"] else "hadamard"
-        record["guard"] = {"held_tokens": held.shape[0], "error": errors, "chosen": chosen}
-        if chosen == "hadamard":
-            transform = fallback
-    if fmt is not None and stats.sample.shape[0]:
-        # Diagnostic: relative activation quantization error on the sampled tokens, without
-        # and with the transform (relative to each one's own energy: with balancing T is not
-        # orthogonal).
-        x = stats.sample
-        record["act_rel_err"] = {
-            "rtn": relative_quant_error(x, fmt),
-            "transformed": relative_quant_error(transform(x), fmt),
-        }
-    return transform, record
+    errors = {
+        "calibrated": output_error(held, weight, transform, fmt, weight_fmt),
+        "hadamard": output_error(held, weight, fallback, fmt, weight_fmt),
+    }
+    chosen = "calibrated" if errors["calibrated"] < errors["hadamard"] else "hadamard"
+    record["guard"] = {"held_tokens": held.shape[0], "error": errors, "chosen": chosen}
+    return fallback if chosen == "hadamard" else transform
 
 
 @torch.no_grad()
@@ -408,7 +456,7 @@ class TorqTransform(TransformBuilder):
         return block_hadamard_residual(ctx.model_config.hidden_size, settings.block_size)
 
     def key_settings(
-        self, run: dict[str, Any], settings: dict[str, Any] | None, capture: dict[str, Any]
+        self, run: RunKey, settings: dict[str, Any] | None, capture: dict[str, Any]
     ) -> dict[str, Any]:
         own = dict(settings if settings is not None else asdict(TorqSettings()))
         if self.fixed_hadamard:

@@ -12,11 +12,13 @@ the captured graph stays valid from one token to the next.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torq.errors import TorqError
 from torq.models.architecture import cache_argument
 
 
@@ -154,3 +156,96 @@ def _restore(counters: list[tuple[Any, str, Any]]) -> None:
             getattr(layer, name).copy_(value)
         else:
             setattr(layer, name, value)
+
+
+def timed_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    cuda_graph: bool = False,
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """Greedy text after ``prompt`` and its timing (:func:`torq.api.generate`, which
+    checks the arguments): transformers' ``generate``, or :func:`greedy_decode` over a
+    static cache (``cuda_graph``: the step as a CUDA graph; ``compiled``: through
+    ``torch.compile``)."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    if ids.shape[1] == 0:
+        raise TorqError("the prompt is empty")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    class Clock:  # transformers' streamer interface: the prompt, then each new token
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(now())
+
+        def end(self) -> None:
+            pass
+
+    clock = Clock()
+    t0 = now()
+    if cuda_graph or compiled:
+        clock.put(ids)  # as generate's streamer: the prompt first
+        step = None
+        dynamo_errors: tuple[type[Exception], ...] = ()  # (none caught without compiling)
+        if compiled:  # (compiled once: a later call on the same model reuses it)
+            # imported here: dynamo takes a second to import, for plain decoding
+            from torch._dynamo.exc import TorchDynamoException
+
+            dynamo_errors = (TorchDynamoException,)
+            step = torch.compile(model, fullgraph=True, dynamic=False)
+        try:
+            new = greedy_decode(
+                model,
+                ids,
+                max_new_tokens,
+                cuda_graph=cuda_graph,
+                eos_token_id=tokenizer.eos_token_id,
+                on_token=lambda: clock.put(None),
+                step_forward=step,
+                cache_length=(
+                    compiled_cache_length(ids.shape[1] + max_new_tokens, model.config)
+                    if compiled
+                    else None
+                ),
+            )[0]
+        except GraphCaptureError as exc:
+            raise TorqError(
+                f"the decoding step could not be captured as a CUDA graph: {exc}"
+            ) from None
+        except dynamo_errors as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TorqError(f"torch.compile could not compile the decoding step: {first}") from None
+    else:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                streamer=clock,
+            )
+        new = out[0, ids.shape[1] :]
+    seconds = now() - t0
+    tokens = clock.times[1:]  # the first put is the prompt
+    decode = None
+    if len(tokens) >= 2 and tokens[-1] > tokens[0]:
+        decode = (len(tokens) - 1) / (tokens[-1] - tokens[0])
+    return {
+        "text": tokenizer.decode(new, skip_special_tokens=True),
+        "new_tokens": int(new.numel()),
+        "seconds": seconds,
+        "tokens_per_s": int(new.numel()) / seconds if seconds > 0 else float("inf"),
+        "prefill_seconds": (tokens[0] - t0) if tokens else seconds,
+        "decode_tokens_per_s": decode,
+    }

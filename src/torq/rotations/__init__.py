@@ -2,6 +2,9 @@
 structured transform."""
 
 from torq.rotations.angle_search import codebook_occupancy_loss, exact_angle_search
+
+# every saved kind of online transform registered once the package is imported
+from torq.rotations.block_transform import BlockMatrices
 from torq.rotations.hadamard import hadamard_matrix, has_hadamard
 from torq.rotations.inter_block import (
     InterBlockConfig,
@@ -18,6 +21,7 @@ from torq.rotations.intra_block import (
 from torq.rotations.transform import BlockRotation
 
 __all__ = [
+    "BlockMatrices",
     "BlockRotation",
     "InterBlockConfig",
     "IntraBlockConfig",

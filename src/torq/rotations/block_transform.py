@@ -16,12 +16,16 @@ not orthogonal, so the weights take ``T⁻¹`` (not ``Tᵀ``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from torq.rotations.hadamard import hadamard_matrix
+from torq.rotations.transform import saved_as
 
 
+@saved_as("block_matrices")
 class BlockMatrices(nn.Module):
     """The online forward transform ``z_b = T_b x_b``, one invertible ``K×K`` matrix per
     block of ``K`` channels (``matrices``: ``[n_blocks, K, K]``)."""
@@ -32,6 +36,23 @@ class BlockMatrices(nn.Module):
             raise ValueError(f"block matrices are [n_blocks, K, K], got {tuple(matrices.shape)}")
         self.register_buffer("matrices", matrices.to(dtype).contiguous())
         self.n_blocks, self.block_size = int(matrices.shape[0]), int(matrices.shape[1])
+
+    def saved_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Its manifest entry and tensors (:func:`torq.rotations.transform.saved_transform`)."""
+        entry = {"block_size": self.block_size, "n_blocks": self.n_blocks}
+        return entry, {"matrices": self.matrices.detach().cpu().contiguous()}
+
+    @classmethod
+    def from_saved(cls, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> BlockMatrices:
+        """Built back from :meth:`saved_state`'s entry and tensors."""
+        return cls(tensors["matrices"], dtype=tensors["matrices"].dtype)
+
+    def served_form(self) -> str | None:
+        """compressed-tensors holds no per-block matrices (:meth:`unserved_reason`)."""
+        return None
+
+    def unserved_reason(self) -> str:
+        return "WUSH's per-block matrices"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from torq.knobs import knob
 from torq.rotations.hadamard import hadamard_matrix, has_hadamard
 
 ANGLE_RULES = ("exact", "paper")
@@ -38,9 +39,21 @@ CONSTRUCTIONS = ("givens", "closed_form")
 class InterBlockConfig:
     """How to build the inter-block rotations."""
 
-    construction: str = "givens"
-    angle: str = "exact"
-    shared: bool = False
+    construction: str = knob(
+        "givens", flag="--inter", choices=CONSTRUCTIONS, help="inter-block construction"
+    )
+    angle: str = knob(
+        "exact",
+        flag="--angle",
+        choices=ANGLE_RULES,
+        help="Givens angle rule: exact equalization, or Algorithm 1's literal angle",
+    )
+    shared: bool = knob(
+        False,
+        flag="--shared-inter",
+        action="store_true",
+        help="one inter-block R for all positions",
+    )
     tol: float = 1e-9
     ridge: float = 1e-8
 

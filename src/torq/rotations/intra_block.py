@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torq.formats.config import SCALE_MODES
+from torq.knobs import knob, positive_int
 from torq.rotations.angle_search import (
     N_CODES,
     _check_choice,
@@ -58,19 +59,40 @@ class IntraBlockConfig:
     ``objective="mse"``.
     """
 
-    max_iter: int = 10
-    pairs_per_step: int | None = None
-    lam: float = 1.0
-    k_top: int | None = None
-    objective: str = "occupancy"
+    max_iter: int = knob(10, flag="--max-iter", type=int, help="intra-block MaxIter")
+    pairs_per_step: int | None = knob(
+        None, flag="--pairs", type=positive_int, help="intra-block P (default K/4)"
+    )
+    lam: float = knob(1.0, flag="--lam", type=float, help="pair-selection weight λ")
+    k_top: int | None = knob(
+        None,
+        flag="--k-top",
+        type=positive_int,
+        help="intra-block candidate columns (default torq's: every column of the block, 32; "
+        "the paper: K/2 = 16)",
+    )
+    objective: str = knob(
+        "occupancy", flag="--objective", choices=OBJECTIVES, help="intra-block loss"
+    )
     scale_mode: str = "ocp"
     tol: float = 1e-6
-    seed: int = 0
-    max_samples: int | None = None
+    # the calibration's seed (its windows, each group's token sample) seeds the subsample
+    seed: int = knob(0, flag="--calib-seed", help=None)
+    max_samples: int | None = knob(
+        None,
+        flag="--intra-samples",
+        type=positive_int,
+        help="blocks the intra-block solver fits on (default: all sampled)",
+    )
     mse_grid: int = 128
     mse_refine: int = 32
     dtype: str = "float64"
-    init: str = "identity"
+    init: str = knob(
+        "identity",
+        flag="--intra-init",
+        choices=INITS,
+        help="start Algorithm 2 from the block Hadamard (torq) or from I (the paper)",
+    )
 
     def __post_init__(self) -> None:
         _check_int("max_iter", self.max_iter, minimum=0)

@@ -30,11 +30,13 @@ what form the GPU kernels and compressed-tensors can take it in
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+
+from torq.rotations.hadamard import hadamard_matrix
 
 # What the kernels can take a transform as (BlockRotation.kernel_form): one block matrix for
 # every block (inside any kernel, and compressed-tensors' transform), the integer GEMV's
@@ -42,6 +44,53 @@ from torch import nn
 KernelForm = Literal["block_matrix", "prepass", "module"]
 
 
+# the online transforms a checkpoint can hold, by the ``kind`` its manifest names: each
+# class answers for itself what it saves (``saved_state``) and how it is built back
+# (``from_saved``), so saving and reading loop over this table (:func:`saved_transform`,
+# :func:`transform_from_saved`) and a new transform is its class alone
+SAVED_TRANSFORMS: dict[str, type[nn.Module]] = {}
+_T = TypeVar("_T", bound=type)
+
+
+def saved_as(kind: str) -> Callable[[_T], _T]:
+    """Register an online transform class under ``kind`` in :data:`SAVED_TRANSFORMS`."""
+
+    def register(cls: _T) -> _T:
+        if kind in SAVED_TRANSFORMS:
+            raise ValueError(f"online transform kind '{kind}' is registered twice")
+        cls.kind = kind  # type: ignore[attr-defined]
+        SAVED_TRANSFORMS[kind] = cls
+        return cls
+
+    return register
+
+
+def saved_transform(t: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What a checkpoint keeps of the online transform ``t``: its manifest entry (its
+    ``kind`` and shape) and its tensors by name; a transform of no registered kind is
+    refused with a message naming the kinds."""
+    kind = getattr(type(t), "kind", None)
+    if SAVED_TRANSFORMS.get(kind) is not type(t):
+        raise ValueError(
+            f"cannot save an online transform of type {type(t).__name__}; the kinds saved "
+            f"are {', '.join(c.__name__ for c in SAVED_TRANSFORMS.values())}"
+        )
+    entry, tensors = t.saved_state()  # type: ignore[operator]
+    return {"kind": kind, **entry, "tensors": list(tensors)}, tensors
+
+
+def transform_from_saved(entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The online transform of a manifest ``entry`` and its ``tensors`` (an entry without a
+    kind, as the first checkpoints wrote, is a :class:`BlockRotation`)."""
+    kind = entry.get("kind", "block_rotation")
+    if kind not in SAVED_TRANSFORMS:
+        raise ValueError(
+            f"unknown online transform kind '{kind}'; known: {', '.join(SAVED_TRANSFORMS)}"
+        )
+    return SAVED_TRANSFORMS[kind].from_saved(entry, tensors)  # type: ignore[attr-defined]
+
+
+@saved_as("block_rotation")
 class BlockRotation(nn.Module):
     """The online forward transform ``z = T x`` (channel scale, inter-block, intra-block)."""
 
@@ -168,6 +217,55 @@ class BlockRotation(nn.Module):
         if self.r_inter is None and self.channel_scale is None and self.r_intra is not None:
             return "block_matrix"
         return "prepass"
+
+    # the tensors a checkpoint keeps of it, those it has
+    SAVED_TENSORS = (
+        "r_inter",
+        "r_intra",
+        "channel_scale",
+        "intra_factor0",
+        "intra_factor1",
+        "channel_perm",
+    )
+
+    def saved_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Its manifest entry and tensors (:func:`saved_transform`)."""
+        tensors = {
+            n: v.detach().cpu().contiguous()
+            for n in self.SAVED_TENSORS
+            if isinstance(v := getattr(self, n, None), torch.Tensor)
+        }
+        return {"block_size": self.block_size, "n_blocks": self.n_blocks}, tensors
+
+    @classmethod
+    def from_saved(cls, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> BlockRotation:
+        """Built back from :meth:`saved_state`'s entry and tensors."""
+        factors = [tensors[n] for n in ("intra_factor0", "intra_factor1") if n in tensors]
+        dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
+        return cls(
+            entry["block_size"],
+            r_inter=tensors.get("r_inter"),
+            r_intra=tensors.get("r_intra"),
+            dtype=dtype,
+            channel_scale=tensors.get("channel_scale"),
+            intra_factors=factors or None,
+            channel_perm=tensors.get("channel_perm"),
+        )
+
+    def served_form(self) -> str | None:
+        """What compressed-tensors calls this transform: ``"had32"`` when it is the
+        32-block Hadamard alone, else ``None`` (:meth:`unserved_reason` says why)."""
+        if self.kernel_form(32) == "block_matrix" and torch.equal(
+            self.r_intra.cpu(), hadamard_matrix(32, dtype=self.r_intra.dtype)
+        ):
+            return "had32"
+        return None
+
+    def unserved_reason(self) -> str:
+        """What in it compressed-tensors cannot hold, in words."""
+        if self.channel_scale is not None:
+            return "torq's channel balancing, done online (quantize with --fold-balance to fold it)"
+        return "TORQ's calibrated rotations or QuaRot's full-width Hadamard"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]

@@ -12,7 +12,7 @@ import torch
 from torq.eval.perplexity import paired_log_ratio
 from torq.models.loading import LoadedModel
 from torq.results import command_line, machine_info, now_iso, versions
-from torq.runs.config import RunConfig, resolve_device
+from torq.runs.config import resolve_device
 from torq.runs.store import eval_dataset_label
 from torq.surgery.qlinear import QuantConfig
 
@@ -46,7 +46,7 @@ def peak_memory(device: torch.device | None = None) -> dict[str, int]:
 
 
 def run_record(
-    config: RunConfig,
+    settings: dict[str, Any],
     qconfig: QuantConfig,
     loaded: LoadedModel,
     windows: torch.Tensor | None,
@@ -55,7 +55,8 @@ def run_record(
     complete: bool,
     window_sample: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The result record of a run (``torq run --out``): its config and command, the model,
+    """The result record of a run (``torq run --out``): its settings (``settings``, as
+    :meth:`~torq.runs.config.RunConfig.record` gives them) and command, the model,
     the evaluation's windows (``window_sample``: which of the test's windows a seeded
     sample took) and tasks, one row per method done so far (``complete`` once every method
     has run), time, memory, versions and machine."""
@@ -64,23 +65,23 @@ def run_record(
         "complete": complete,
         "date": now_iso(),
         "command": command_line(),
-        "config": asdict(config),
+        "config": settings,
         "quant_config": qconfig.to_dict(),
         "model": loaded.describe(),
         "eval": {
-            "dataset": eval_dataset_label(config.eval_corpus),
+            "dataset": eval_dataset_label(settings["eval_corpus"]),
             "n_windows": 0 if windows is None else int(windows.shape[0]),
             "window_sample": window_sample,
-            "seqlen": config.seqlen,
-            "zeroshot_tasks": list(config.tasks),
-            "zeroshot_limit": config.task_limit,
+            "seqlen": settings["seqlen"],
+            "zeroshot_tasks": list(settings["tasks"]),
+            "zeroshot_limit": settings["task_limit"],
             "zeroshot_subset": None
-            if config.task_subset is None
-            else {"n": config.task_subset, "seed": config.task_subset_seed},
+            if settings["task_subset"] is None
+            else {"n": settings["task_subset"], "seed": settings["task_subset_seed"]},
         },
         "rows": [asdict(r) for r in rows],
         "wall_seconds": time.perf_counter() - t_start,
-        "peak_memory": peak_memory(resolve_device(config.device)),
+        "peak_memory": peak_memory(resolve_device(settings["device"])),
         "versions": versions(),
         "machine": machine_info(),
     }

@@ -7,7 +7,7 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from torq.export import is_quantized_checkpoint, read_manifest
 from torq.export.compressed_tensors import compressed_tensors_manifest, is_compressed_tensors_folder
 from torq.paths import check_destination
 from torq.results import command_line, now_iso
-from torq.runs.config import RunConfig
+from torq.runs.config import Outputs, RunConfig
 
 
 @contextlib.contextmanager
@@ -62,22 +62,23 @@ class SavedMethod:
         self.name = manifest.get("method") or "saved"
 
 
-def saved_config(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
+def saved_run(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
     """``config`` with the saved model's formats; its methods must name the saved method."""
     name = manifest.get("method") or "saved"
     if config.method_names() != [name]:
         raise TorqError(
-            f"{config.model} holds a model already quantized with '{name}'; evaluate it with "
-            f"--methods {name} (or without --methods). To compare other methods, start from "
-            "the float model."
+            f"{config.source.model} holds a model already quantized with '{name}'; evaluate "
+            f"it with --methods {name} (or without --methods). To compare other methods, "
+            "start from the float model."
         )
     formats = saved_formats(manifest)
     if formats is None:
         return config
     weight_format, act_format, scale_mode = formats
-    return replace(
-        config, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
+    saved = replace(
+        config.formats, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
     )
+    return replace(config, formats=saved)
 
 
 def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:
@@ -95,35 +96,36 @@ def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str
     return name_of(linear["weight"]), name_of(linear["activation"]), scale_mode
 
 
-def saved_model_dir(config: RunConfig, method: str) -> Path:
+def saved_model_dir(outputs: Outputs, model: str, method: str) -> Path:
     """``<save_dir>/<model>-<method>``: where ``--save-dir`` writes one method's model."""
-    if config.save_dir is None:
+    if outputs.save_dir is None:
         raise TorqError("no save directory configured")
-    stem = Path(config.model).name or config.model
-    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
-    return Path(config.save_dir) / f"{model}-{method.replace('+', '-')}"
+    stem = Path(model).name or model
+    slug = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
+    return Path(outputs.save_dir) / f"{slug}-{method.replace('+', '-')}"
 
 
-def streamed_save_dir(config: RunConfig, method: str) -> Path:
+def streamed_save_dir(outputs: Outputs, model: str, method: str) -> Path:
     """Where a streamed run writes a method's torq checkpoint as the layers are done: its
     ``--save-dir`` folder, or for ``--save-format compressed-tensors`` a staging folder beside
     it (``.<name>.torq``) that is exported and removed once the model is whole."""
-    out = saved_model_dir(config, method)
-    if config.save_format == "compressed-tensors":
+    out = saved_model_dir(outputs, model, method)
+    if outputs.save_format == "compressed-tensors":
         return out.with_name(f".{out.name}.torq")
     return out
 
 
 def saved_info(
-    config: RunConfig, source: str, quantize_seconds: float, details: dict[str, Any]
+    record: dict[str, Any], source: str, quantize_seconds: float, details: dict[str, Any]
 ) -> dict[str, Any]:
-    """What a saved checkpoint's manifest keeps of the run that made it."""
+    """What a saved checkpoint's manifest keeps of the run that made it (``record``: the
+    run's settings as its record keeps them)."""
     return {
-        "model": config.model,
+        "model": record["model"],
         "source": source,
         "quantize_seconds": quantize_seconds,
         "details": {k: v for k, v in details.items() if k not in ("kept_model", "save_seconds")},
-        "config": asdict(config),
+        "config": record,
         "command": command_line(),
         "saved_at": now_iso(),
     }

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from torq.calibration.data import CaptureSettings
 from torq.data import DEFAULT_EVAL_CORPUS
 from torq.errors import TorqError
-from torq.methods.registry import record_key
+from torq.methods.registry import RunKey, get_method, method_spec
 from torq.paths import write_json_atomic
-from torq.runs.config import RunConfig
 from torq.runs.kept import record_setting
 
 
@@ -65,34 +65,66 @@ def _slug_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in name)[:40]
 
 
-def setting_key(config: dict[str, Any], method: str) -> str:
-    """What makes two rows of one method the same quantized model (``config`` is
-    ``asdict(RunConfig)``): the method's own settings key, :func:`record_key`."""
-    return record_key(config, method)
+def run_key(record: dict[str, Any]) -> RunKey:
+    """The :class:`RunKey` of a run's record (``RunConfig.record()``, or a record made
+    before the run's settings were typed: the same keys)."""
+    given = {k: record.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
+    rest = {k: record[k] for k in ("act_scale", "seqlen", "gguf_dtype", "seed") if k in record}
+    return RunKey(**given, **rest)
 
 
-def setting_digest(config: dict[str, Any], method: str) -> str:
-    """The short hash of :func:`setting_key` that names a method's resume folder (``config``
-    is ``asdict(RunConfig)``, as a run's record keeps it): the same settings find the same
-    kept answers."""
-    return hashlib.sha1(setting_key(config, method).encode()).hexdigest()[:10]
+def record_key(record: dict[str, Any], name: str) -> str:
+    """The settings key (:meth:`~torq.methods.registry.Method.settings_key`) of the method
+    ``name`` in a run's record: from its spec, or, in records made before runs held specs,
+    from the run's TORQ and GPTQ settings, which then held the capture too."""
+    method = get_method(name)
+    spec = next(
+        (
+            m
+            for m in record.get("methods") or []
+            if isinstance(m, dict) and m["name"] == method.name
+        ),
+        None,
+    )
+    if spec is None and "torq" not in record:  # a bare name: its settings' defaults
+        spec = asdict(method_spec(method.name))
+    if spec is not None:
+        capture = record.get("capture") or asdict(CaptureSettings())
+        return method.settings_key(run_key(record), spec["settings"], spec["gptq"], capture)
+    torq = record["torq"]
+    capture = {k: torq.get(k) for k in ("calibration", "sequential", "reservoir_tokens")}
+    return method.settings_key(run_key(record), torq, record.get("gptq"), capture)
 
 
-def method_resume_dir(config: RunConfig, method: str) -> str:
+def setting_key(record: dict[str, Any], method: str) -> str:
+    """What makes two rows of one method the same quantized model (``record``: the run's
+    record, ``RunConfig.record()``): the method's own settings key, :func:`record_key`."""
+    return record_key(record, method)
+
+
+def setting_digest(record: dict[str, Any], method: str) -> str:
+    """The short hash of :func:`setting_key` that names a method's resume folder: the same
+    settings find the same kept answers."""
+    return hashlib.sha1(setting_key(record, method).encode()).hexdigest()[:10]
+
+
+def method_resume_dir(resume_dir: str | None, record: dict[str, Any], method: str) -> str:
     """``<resume_dir>/<model>/<method>-<hash of its setting key>``: one quantized model's
     kept evaluation (the fingerprints stored there guard against a stale directory)."""
-    if config.resume_dir is None:
+    if resume_dir is None:
         raise TorqError("no resume directory configured")
-    digest = setting_digest(asdict(config), method)
-    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in config.model)
-    return str(Path(config.resume_dir) / model / f"{method}-{digest}")
+    digest = setting_digest(record, method)
+    model = "".join(c if c.isalnum() or c in "-._" else "_" for c in record["model"])
+    return str(Path(resume_dir) / model / f"{method}-{digest}")
 
 
-def open_method_resume_dir(config: RunConfig, method: str) -> Path | None:
+def open_method_resume_dir(
+    resume_dir: str | None, record: dict[str, Any], method: str
+) -> Path | None:
     """The method's resume folder (:func:`method_resume_dir`) with its setting key written
     in it (:func:`torq.runs.kept.record_setting`), or ``None`` when the run keeps none."""
-    if config.resume_dir is None:
+    if resume_dir is None:
         return None
-    resume = Path(method_resume_dir(config, method))
-    record_setting(resume, setting_key(asdict(config), method))
+    resume = Path(method_resume_dir(resume_dir, record, method))
+    record_setting(resume, setting_key(record, method))
     return resume

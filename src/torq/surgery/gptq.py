@@ -44,6 +44,7 @@ from torq.formats.reference import (
     round_to_e2m1,
     round_to_int4,
 )
+from torq.knobs import knob
 from torq.surgery.qlinear import nvfp4_weight_tensor_scale
 
 SCALE_SEARCHES: tuple[str, ...] = ("amax", "mse")
@@ -68,13 +69,24 @@ _KEYLESS_AT_DEFAULT = {
 class GPTQConfig:
     """GPTQ's knobs (defaults: the GPTQ paper's)."""
 
-    damp: float = 0.01
+    damp: float = knob(0.01, flag="--gptq-damp", type=float, help="GPTQ dampening (× mean diag H)")
     damp_scale: str = "mean-diagonal"
-    act_order: bool = False
+    act_order: bool = knob(
+        False,
+        flag="--act-order",
+        action="store_true",
+        help="GPTQ: columns by decreasing Hessian diagonal",
+    )
     lazy_batch: int = 128
     # how each block's scale is chosen: the format's rule from the block's amax, or the
     # candidate exponent around it with the least Σ|w − q|^mse_norm (MR-GPTQ)
-    scale_search: str = "amax"
+    scale_search: str = knob(
+        "amax",
+        flag="--gptq-scales",
+        choices=SCALE_SEARCHES,
+        help="GPTQ: each MX block's scale by the format's rule from its amax, or the "
+        "power of two around it that rounds the block with the least error (as mr-gptq)",
+    )
     mse_norm: float = 2.4
     # GPTAQ's asymmetric calibration (module doc): the weight of the float model's output
     # in the target, 0 (GPTQ: the quantized inputs' own output) to 1; it needs the inputs
