@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torq.logs import quiet_libraries
+from torq.experimental import quiet_libraries
 
 quiet_libraries()  # before the scripts import torchao (its notes come at import time)
 

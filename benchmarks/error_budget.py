@@ -27,16 +27,27 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, CaptureSettings
-from torq.driver import apply_method
-from torq.eval import load_wikitext2_test, perplexity, windows_from_text
-from torq.formats import FormatSpec, fake_quantize, get_format
-from torq.methods import TorqSettings
-from torq.methods.registry import method_spec
-from torq.models import load
-from torq.results import command_line, machine_info, now_iso, versions
-from torq.rotations.intra_block import IntraBlockConfig
-from torq.surgery import QuantConfig, QuantLinear
+from torq.experimental import (
+    CalibrationConfig,
+    CaptureSettings,
+    FormatSpec,
+    IntraBlockConfig,
+    QuantConfig,
+    QuantLinear,
+    TorqSettings,
+    apply_method,
+    command_line,
+    fake_quantize,
+    get_format,
+    load,
+    load_wikitext2_test,
+    machine_info,
+    method_spec,
+    now_iso,
+    perplexity,
+    versions,
+    windows_from_text,
+)
 
 GROUPS = {
     "q/k/v": ("q_proj", "k_proj", "v_proj"),

@@ -36,17 +36,24 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, CaptureSettings
-from torq.data import load_wikitext2_test
-from torq.driver import apply_method
-from torq.eval.perplexity import perplexity, windows_from_text
-from torq.export.compressed_tensors import export_compressed_tensors, load_compressed_tensors
-from torq.methods import TorqSettings
-from torq.methods.registry import method_spec
-from torq.models import load
-from torq.results import command_line, machine_info, now_iso
-from torq.runs.config import resolve_device
-from torq.surgery import QuantConfig
+from torq.experimental import (
+    CalibrationConfig,
+    CaptureSettings,
+    QuantConfig,
+    TorqSettings,
+    apply_method,
+    command_line,
+    export_compressed_tensors,
+    load,
+    load_compressed_tensors,
+    load_wikitext2_test,
+    machine_info,
+    method_spec,
+    now_iso,
+    perplexity,
+    resolve_device,
+    windows_from_text,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

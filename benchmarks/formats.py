@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-import torq.formats as tf
 from benchmarks.common import time_runs
-from torq.formats import cpu_kernel, kernels
-from torq.formats.reference import fake_quantize_reference
+from torq.experimental import cpu_kernel, fake_quantize_reference, kernels
+from torq.experimental import formats as tf
 
 SHAPES = ((4096, 4096), (2048, 576), (2048, 1536))
 

@@ -20,11 +20,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import save
-from torq.data import load_wikitext2_test
-from torq.formats import get_format, quantize
-from torq.kernels import MXFP4Weight
-from torq.kernels.config import FP8_EXACT_SPAN
-from torq.models.loading import load
+from torq.experimental import (
+    FP8_EXACT_SPAN,
+    MXFP4Weight,
+    get_format,
+    load,
+    load_wikitext2_test,
+    quantize,
+)
 
 
 def row_spreads(x: torch.Tensor) -> torch.Tensor:

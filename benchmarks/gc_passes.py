@@ -20,12 +20,15 @@ import sys
 import time
 from typing import Any
 
-import torq.models.streaming as streaming
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, CaptureSettings
-from torq.models.streaming import ResidentPeak
-from torq.pipeline import run
-from torq.runs.config import RunConfig
+from torq.experimental import (
+    CalibrationConfig,
+    CaptureSettings,
+    ResidentPeak,
+    RunConfig,
+    run,
+    streaming,
+)
 
 
 class _TimedCollections:

@@ -24,10 +24,16 @@ import torch
 
 from benchmarks.common import save
 from benchmarks.humaneval import quantize
-from torq.eval.generation import evaluate_gsm8k, generate_humaneval
-from torq.eval.humaneval import load_humaneval, score
-from torq.models import load
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import (
+    command_line,
+    evaluate_gsm8k,
+    generate_humaneval,
+    load,
+    load_humaneval,
+    machine_info,
+    now_iso,
+    score,
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,8 +22,7 @@ from pathlib import Path
 _SCRIPT = r"""
 import json, sys, time, torch
 from pathlib import Path
-from torq.models.loading import resolve_embedded_gguf
-from torq.models.gguf import GGUF_DTYPES, convert_gguf_tensorwise
+from torq.experimental import GGUF_DTYPES, convert_gguf_tensorwise, resolve_embedded_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 def status(key):

@@ -172,14 +172,17 @@ def streamed_calibration(
     """``method`` (a recipe name or a method name) through every layer of ``folder`` on
     ``device`` with torq's streaming driver: the driver's own per-layer seconds
     (``solver_device``: where a TORQ method's solvers run)."""
-    from torq.calibration.data import CalibrationConfig, CaptureSettings
-    from torq.driver import run_layerwise
-    from torq.methods.layers import layer_plan
-    from torq.methods.recipes import RECIPES
-    from torq.methods.registry import method_spec
-    from torq.methods.settings import TorqSettings
-    from torq.models.streaming import LayerStream
-    from torq.surgery.qlinear import QuantConfig
+    from torq.experimental import (
+        RECIPES,
+        CalibrationConfig,
+        CaptureSettings,
+        LayerStream,
+        QuantConfig,
+        TorqSettings,
+        layer_plan,
+        method_spec,
+        run_layerwise,
+    )
 
     if method in RECIPES:
         recipe = RECIPES[method]
@@ -223,7 +226,7 @@ def next_layer_load(folder: Path, device: torch.device) -> float:
     """Seconds to load the second decoder layer of ``folder`` once the first is loaded, as
     the driver does: on a GPU the stream reads it in the background meanwhile (waited for
     here, where a calibration's layer would take seconds), so this is the copy alone."""
-    from torq.models.streaming import LayerStream
+    from torq.experimental import LayerStream
 
     source = LayerStream(folder, device)
     source.load_layer(0)
@@ -241,8 +244,7 @@ def anatomy(folder: Path, windows: int, device: torch.device) -> dict[str, Any]:
     (one window's states repeated): a forward pass of the float layer, and the statistics
     of one input group of each width (the block covariances, ``Σ x xᵀ`` and GPTAQ's cross
     term, in float64, and the reservoir)."""
-    from torq.calibration.capture import BlockStatistics
-    from torq.models.streaming import LayerStream, embed_windows
+    from torq.experimental import BlockStatistics, LayerStream, embed_windows
 
     source = LayerStream(folder, device)
     ids = random_windows(1, 2048, source.model.config.vocab_size)
@@ -321,7 +323,7 @@ def graphed_decode_speed(
     first, as one graph (``fullgraph``: its norms, rotary embeddings and attention fused
     around torq's products, each one operator, :mod:`torq.kernels.ops`), then captured.
     Raises where the step cannot be compiled or captured."""
-    from torq.models.decoding import greedy_decode
+    from torq.experimental import greedy_decode
 
     forward = None
     if compiled:
@@ -396,9 +398,7 @@ def decode(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import torq
-    from torq.driver import apply_method
-    from torq.methods import MethodContext, get_method
-    from torq.surgery import QuantConfig
+    from torq.experimental import MethodContext, QuantConfig, apply_method, get_method
 
     config = AutoConfig.for_model("llama", **{**dims, "num_hidden_layers": layers})
     torch.manual_seed(0)
@@ -434,7 +434,7 @@ def checkpoint(args: argparse.Namespace, out: dict[str, Any], save: Callable[[],
     """A real model through the product's path, on ``--device`` (module doc, part 6), into
     ``out`` (``save`` called after each step)."""
     import torq
-    from torq.export.loading import load_model
+    from torq.experimental import load_model
 
     device, root = torch.device(args.device), Path(args.dir)
 

@@ -44,17 +44,26 @@ import torch
 from torch import nn
 
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, calibration_windows
-from torq.formats import get_format
-from torq.methods.torq_rotation import output_error
-from torq.models.architecture import decoder_layers
-from torq.models.loading import load
-from torq.results import command_line, machine_info, now_iso, versions
-from torq.rotations.balance import balance_scales, block_mass_permutation
-from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
-from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
-from torq.rotations.transform import BlockRotation
+from torq.experimental import (
+    BlockRotation,
+    CalibrationConfig,
+    InterBlockConfig,
+    IntraBlockConfig,
+    balance_scales,
+    block_mass_permutation,
+    calibration_windows,
+    command_line,
+    decoder_layers,
+    fit_intra_block_rotation,
+    get_format,
+    hadamard_matrix,
+    inter_block_rotations,
+    load,
+    machine_info,
+    now_iso,
+    output_error,
+    versions,
+)
 
 K = 32
 

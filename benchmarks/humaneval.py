@@ -36,30 +36,37 @@ from typing import Any
 import torch
 
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, CaptureSettings
-from torq.driver import apply_method
-from torq.errors import TorqError
-from torq.eval.generation import (
+from torq.experimental import (
     MAX_GEN_TOKS,
     PROMPTS,
+    CalibrationConfig,
+    CaptureSettings,
+    FolderStore,
+    QuantConfig,
+    RunKey,
+    TorqError,
+    TorqSettings,
+    apply_method,
     check_problem_count,
     check_problem_indices,
     check_prompt,
+    command_line,
     evaluate_gsm8k,
     evaluate_humaneval,
+    fingerprint_ids,
+    get_method,
     gsm8k_test_size,
+    keep_model,
+    load,
+    load_humaneval,
+    load_kept_model,
+    machine_info,
+    method_rng,
+    method_spec,
+    now_iso,
+    record_setting,
+    sessions_seconds,
 )
-from torq.eval.humaneval import load_humaneval
-from torq.eval.zeroshot import sessions_seconds
-from torq.methods import TorqSettings, get_method
-from torq.methods.registry import RunKey, method_spec
-from torq.models import load
-from torq.models.fingerprint import fingerprint_ids
-from torq.results import command_line, machine_info, now_iso
-from torq.runs.kept import keep_model, load_kept_model, record_setting
-from torq.runs.store import FolderStore
-from torq.seeding import method_rng
-from torq.surgery import QuantConfig
 
 
 def parser() -> argparse.ArgumentParser:
@@ -350,7 +357,7 @@ def _setting(args: argparse.Namespace, rows: list[dict]) -> str:
     """The quantization the rows share, for the table's title: the format only where a row
     quantizes, the calibration corpus and seed only where one calibrates (an FP-only record
     has neither)."""
-    from torq.methods import get_method
+    from torq.experimental import get_method
 
     methods = [get_method(r["method"]) for r in rows]
     if not any(m.quantizes for m in methods):

@@ -13,8 +13,7 @@ import argparse
 import time
 
 from benchmarks.common import save
-from torq.eval.humaneval import load_humaneval, score
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import command_line, load_humaneval, machine_info, now_iso, score
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,9 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks.common import save
-from torq.errors import TorqError
-from torq.eval.paired import paired_difference
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import TorqError, command_line, machine_info, now_iso, paired_difference
 
 GSM8K_FILTERS = ("flexible-extract", "strict-match")
 

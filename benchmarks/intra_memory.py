@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
-from torq.methods.settings import TORQ_INTRA_DEFAULTS
-from torq.models.streaming import ResidentPeak
-from torq.rotations.intra_block import IntraBlockConfig, fit_intra_block_rotation
+from torq.experimental import (
+    TORQ_INTRA_DEFAULTS,
+    IntraBlockConfig,
+    ResidentPeak,
+    fit_intra_block_rotation,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,9 +34,9 @@ from types import ModuleType
 
 import torch
 
-import torq.rotations.intra_block as ib
 from benchmarks.common import save
-from torq.results import machine_info
+from torq.experimental import intra_block as ib
+from torq.experimental import machine_info
 
 SHAPES = {"smollm2 576": 18432, "smollm2 1536": 49152}
 LARGE = {"8b 4096": 131072, "8b 14336": 458752}

@@ -27,16 +27,19 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import save
-from torq.kernels import KernelConfig, MXFP4Weight, mxfp4_linear, reference_linear
-from torq.kernels import config as kernel_config
-from torq.kernels.config import TUNED_CONFIGS
-from torq.kernels.launch import (
+from torq.experimental import (
+    TUNED_CONFIGS,
+    BlockRotation,
+    KernelConfig,
+    MXFP4Weight,
     dequantize_weight_fp8,
+    hadamard_matrix,
+    mxfp4_linear,
     quantize_activation,
     quantize_activation_fp8,
+    reference_linear,
 )
-from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation
+from torq.experimental import config as kernel_config
 
 # Llama-3-8B: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, 32 layers.
 LLAMA3_8B = {

@@ -34,9 +34,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import save
 from benchmarks.kernel_speed import device_info, graph_time
-from torq.kernels.experts import GROUPED_MAX_SLOTS, PackedMXFP4Experts
-from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation
+from torq.experimental import GROUPED_MAX_SLOTS, BlockRotation, PackedMXFP4Experts, hadamard_matrix
 
 # Qwen3-30B-A3B (config.json): hidden 2048, moe_intermediate 768, 128 experts, 8 per token,
 # 48 layers, all sparse.

@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from torq.errors import TorqError
-from torq.eval.perplexity import paired_log_ratio
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import TorqError, command_line, machine_info, now_iso, paired_log_ratio
 
 
 def windows_of(record: dict[str, Any]) -> dict[str, Any]:

@@ -91,7 +91,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def smollm2_folder() -> Path:
-    from torq.models.loading import convert_gguf, resolve_embedded_gguf
+    from torq.experimental import convert_gguf, resolve_embedded_gguf
 
     return convert_gguf(resolve_embedded_gguf("smollm2-135m"))
 

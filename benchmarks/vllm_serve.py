@@ -23,10 +23,15 @@ import time
 import torch
 
 from benchmarks.common import save
-from torq.data import load_wikitext2_test
-from torq.eval.perplexity import perplexity, windows_from_text
-from torq.export.compressed_tensors import load_compressed_tensors
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import (
+    command_line,
+    load_compressed_tensors,
+    load_wikitext2_test,
+    machine_info,
+    now_iso,
+    perplexity,
+    windows_from_text,
+)
 
 
 def vllm_perplexity(llm, windows: torch.Tensor) -> tuple[float, float]:

@@ -25,10 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from torq.errors import TorqError
-from torq.eval.paired import Answer, build_questions, compare_rows, question_scores
-from torq.eval.zeroshot import TASKS, parse_tasks
-from torq.results import command_line, machine_info, now_iso
+from torq.experimental import (
+    TASKS,
+    Answer,
+    TorqError,
+    build_questions,
+    command_line,
+    compare_rows,
+    machine_info,
+    now_iso,
+    parse_tasks,
+    question_scores,
+)
 
 ANSWERS_DB = "requests_rank0.db"  # lm-eval's CachingLM file for the stem "requests"
 

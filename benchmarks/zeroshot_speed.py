@@ -20,9 +20,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import save
-from torq.eval.zeroshot import parse_tasks, prepare_tasks
-from torq.models import load
-from torq.results import command_line, machine_info, now_iso, versions
+from torq.experimental import (
+    command_line,
+    load,
+    machine_info,
+    now_iso,
+    parse_tasks,
+    prepare_tasks,
+    versions,
+)
 
 
 def task_requests(task_name: str, data_dir: str | None, docs: int) -> list[Any]:
@@ -50,7 +56,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from lm_eval.models.huggingface import HFLM
 
-    from torq.eval.shared_context import SharedContextHFLM
+    from torq.experimental import SharedContextHFLM
 
     loaded = load(args.model)
     model = loaded.model.eval()

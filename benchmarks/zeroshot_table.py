@@ -30,16 +30,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from torq.calibration.data import CalibrationConfig, CaptureSettings
-from torq.errors import TorqError
-from torq.eval.figure import accuracy_perplexity_figure
-from torq.eval.zeroshot import parse_tasks
-from torq.paths import check_destination
-from torq.pipeline import run
-from torq.results import command_line
-from torq.runs.config import RunConfig
-from torq.runs.report import markdown_table
-from torq.runs.store import setting_key
+from torq.experimental import (
+    CalibrationConfig,
+    CaptureSettings,
+    RunConfig,
+    TorqError,
+    accuracy_perplexity_figure,
+    check_destination,
+    command_line,
+    markdown_table,
+    parse_tasks,
+    run,
+    setting_key,
+)
 
 
 def earlier_perplexities(

@@ -63,3 +63,19 @@ def test_a_window_sample_is_torq_runs_draw_of_the_whole_test() -> None:
 def test_conflicting_window_choices_stop_in_one_line(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         peer_common.eval_windows(_args(*argv), TEXT, CharTokenizer())
+
+
+def test_a_checkout_is_imported_without_the_import_path_and_never_shadows(tmp_path) -> None:
+    """A peer's checkout: its top-level packages import one another from it, the import
+    path stays as it was, and a name an installed module takes is refused, not shadowed."""
+    repo = tmp_path / "checkout"
+    (repo / "torqpeer_pkg").mkdir(parents=True)
+    (repo / "torqpeer_pkg" / "__init__.py").write_text("from torqpeer_helper import VALUE\n")
+    (repo / "torqpeer_helper.py").write_text("VALUE = 7\n")
+    (repo / "json").mkdir()
+    (repo / "json" / "__init__.py").write_text("SHADOW = True\n")
+    before = list(sys.path)
+    (pkg,) = peer_common.import_from_checkout(repo, "torqpeer_pkg")
+    assert pkg.VALUE == 7 and sys.path == before
+    with pytest.raises(SystemExit, match="not from"):
+        peer_common.import_from_checkout(repo, "json")

@@ -65,8 +65,28 @@ def test_a_planted_library_name_is_found(tmp_path: Path) -> None:
 
 def test_the_benchmarks_run_as_modules_of_a_package() -> None:
     """torq's own benchmarks are the ``benchmarks`` package, run as ``python -m
-    benchmarks.NAME``: none puts a folder on ``sys.path`` (the peers' scripts, which run in
-    the peers' own environments beside their checkouts, live apart in ``peers/``)."""
-    own = [p for p in (ROOT / "benchmarks").rglob("*.py") if "peers" not in p.parts]
+    benchmarks.NAME``; no script (the peers' included, which import their checkouts through
+    ``import_from_checkout``) puts a folder on the import path."""
+    scripts = list((ROOT / "benchmarks").rglob("*.py"))
     assert (ROOT / "benchmarks" / "__init__.py").is_file()
-    assert [str(p.relative_to(ROOT)) for p in own if "sys.path" in p.read_text()] == []
+    assert [str(p.relative_to(ROOT)) for p in scripts if "sys.path" in p.read_text()] == []
+
+
+def test_the_benchmarks_import_torq_and_torq_experimental_only() -> None:
+    """The scripts read torq through its public API (``torq``) and the one module of research
+    building blocks (:mod:`torq.experimental`), never a module of the package's own
+    layout, so that the layout can change without them."""
+    import ast
+
+    stray = []
+    for path in (ROOT / "benchmarks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("torq.") and name != "torq.experimental":
+                    stray.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert stray == []

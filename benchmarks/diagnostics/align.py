@@ -7,11 +7,15 @@ import numpy as np
 import torch
 
 from benchmarks.diagnostics.diag_common import calib_windows, setup
-from torq.driver import calibrate_layerwise
-from torq.formats import fake_quantize, get_format
-from torq.methods.hadamard import block_hadamard
-from torq.rotations.inter_block import InterBlockConfig, inter_block_rotations
-from torq.rotations.transform import BlockRotation
+from torq.experimental import (
+    BlockRotation,
+    InterBlockConfig,
+    block_hadamard,
+    calibrate_layerwise,
+    fake_quantize,
+    get_format,
+    inter_block_rotations,
+)
 
 lm = setup(default_threads=2)
 win = calib_windows(lm, default=4)

@@ -10,9 +10,14 @@ import os
 
 import torch
 
-from torq.calibration.data import CalibrationConfig, calibration_windows
-from torq.eval import load_wikitext2_test, windows_from_text
-from torq.models import LoadedModel, load
+from torq.experimental import (
+    CalibrationConfig,
+    LoadedModel,
+    calibration_windows,
+    load,
+    load_wikitext2_test,
+    windows_from_text,
+)
 
 
 def data_dir() -> str:

@@ -22,8 +22,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from torq.cli import main as torq_main
-from torq.methods.registry import QRONOS_SETTINGS, get_method, register
+from torq.experimental import QRONOS_SETTINGS, get_method, register
+from torq.experimental import main as torq_main
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,13 @@ from pathlib import Path
 
 import torch
 
-from torq.data import resolve_data_dir
-from torq.eval.generation import GSM8K_FILES, GSM8K_TASK, gsm8k_task_yaml
-from torq.eval.zeroshot import _lm_eval_tasks_dir
+from torq.experimental import (
+    GSM8K_FILES,
+    GSM8K_TASK,
+    gsm8k_task_yaml,
+    lm_eval_tasks_dir,
+    resolve_data_dir,
+)
 
 
 def prompts(n: int, seed: int, task_dir: Path, total: int) -> dict[int, str]:
@@ -47,7 +51,7 @@ def main() -> None:
     sizes = sorted(int(s) for s in args.sizes.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         task_dir = Path(tmp)
-        builtin = _lm_eval_tasks_dir() / "gsm8k" / "gsm8k.yaml"
+        builtin = lm_eval_tasks_dir() / "gsm8k" / "gsm8k.yaml"
         (task_dir / "gsm8k.yaml").write_text(gsm8k_task_yaml(builtin, files))
         by_size = {n: prompts(n, args.seed, task_dir, total) for n in sizes}
     small = by_size[sizes[0]]

@@ -7,7 +7,7 @@ profiler saw (docs/research-log.md §12.3). Needs a CUDA GPU:
 
 import torch
 
-from torq.kernels import MXFP4Weight, mxfp4_linear
+from torq.experimental import MXFP4Weight, mxfp4_linear
 
 torch.manual_seed(0)
 w = MXFP4Weight.from_float(torch.randn(1536, 2048, device="cuda"))

@@ -6,10 +6,7 @@ import sys
 
 from benchmarks.diagnostics import msepatch
 from benchmarks.diagnostics.diag_common import eval_windows, setup
-from torq.eval import perplexity
-from torq.methods.hadamard import block_hadamard
-from torq.surgery.apply import quantize_model
-from torq.surgery.qlinear import QuantConfig
+from torq.experimental import QuantConfig, block_hadamard, perplexity, quantize_model
 
 sm = os.environ.get("SM", "ocp")
 lm = setup(default_threads=1)

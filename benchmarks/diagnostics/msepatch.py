@@ -6,8 +6,8 @@ import os
 
 import torch
 
-import torq.surgery.qlinear as ql
-from torq.formats.reference import round_to_e2m1
+from torq.experimental import qlinear as ql
+from torq.experimental import round_to_e2m1
 
 _orig = ql.fake_quantize
 MODE = os.environ.get("MSEMODE", "")  # "", "w", "a", "wa"
@@ -43,7 +43,7 @@ ql.fake_quantize = patched
 
 
 if __name__ == "__main__":
-    from torq.formats import fake_quantize, get_format
+    from torq.experimental import fake_quantize, get_format
 
     torch.manual_seed(0)
     x = torch.randn(4096, 576)

@@ -23,10 +23,14 @@ import torch
 from torch import nn
 
 from benchmarks.diagnostics.diag_common import calib_windows, setup
-from torq.calibration.capture import BlockStatistics, LinearGroup
-from torq.driver import calibrate_layerwise
-from torq.formats import fake_quantize, get_format
-from torq.methods.hadamard import block_hadamard
+from torq.experimental import (
+    BlockStatistics,
+    LinearGroup,
+    block_hadamard,
+    calibrate_layerwise,
+    fake_quantize,
+    get_format,
+)
 
 lm = setup(default_threads=2)
 win = calib_windows(lm, default=4)

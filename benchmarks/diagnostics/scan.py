@@ -4,11 +4,13 @@ import copy
 import sys
 
 from benchmarks.diagnostics.diag_common import eval_windows, setup
-from torq.eval import perplexity
-from torq.methods.hadamard import block_hadamard
-from torq.models.architecture import decoder_layers
-from torq.surgery.apply import quantize_model
-from torq.surgery.qlinear import QuantConfig
+from torq.experimental import (
+    QuantConfig,
+    block_hadamard,
+    decoder_layers,
+    perplexity,
+    quantize_model,
+)
 
 lm = setup(default_threads=2)
 win = eval_windows(lm)

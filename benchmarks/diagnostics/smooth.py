@@ -12,13 +12,16 @@ import sys
 
 from benchmarks.diagnostics import msepatch
 from benchmarks.diagnostics.diag_common import calib_windows, eval_windows, setup
-from torq.driver import calibrate_layerwise
-from torq.eval import perplexity
-from torq.methods.layers import GroupSolver
-from torq.rotations.balance import balance_scales, channel_energy
-from torq.rotations.hadamard import hadamard_matrix
-from torq.rotations.transform import BlockRotation
-from torq.surgery.qlinear import QuantConfig
+from torq.experimental import (
+    BlockRotation,
+    GroupSolver,
+    QuantConfig,
+    balance_scales,
+    calibrate_layerwise,
+    channel_energy,
+    hadamard_matrix,
+    perplexity,
+)
 
 lm = setup(default_threads=2)
 win = eval_windows(lm)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="the record (JSON; markdown beside it)")
     args = ap.parse_args(argv[:split])
     run_args = argv[split + 1 :]
-    from torq.cli import main as torq_main
+    from torq.experimental import main as torq_main
 
     out = Path(args.out)
     with EmulatedTF32():

@@ -5,9 +5,7 @@ import collections
 
 import torch
 
-from torq.formats import fake_quantize, get_format
-from torq.models import load
-from torq.rotations.hadamard import hadamard_matrix
+from torq.experimental import fake_quantize, get_format, hadamard_matrix, load
 
 torch.set_num_threads(1)
 lm = load("smollm2-135m")

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,7 +67,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
-from peer_common import mxfp4_ste
+from peer_common import import_from_checkout, mxfp4_ste
 
 PEER = "flatquant"
 
@@ -125,7 +124,7 @@ def load_float_model(folder: str) -> torch.nn.Module:
 def run(args: argparse.Namespace) -> int:
     from peer_common import evaluate, package_versions, save_run_record
 
-    from torq.formats import get_format
+    from torq.experimental import get_format
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
         substitutes["torch.Tensor.cuda"] = "returns the tensor itself (no GPU here)"
-    sys.path.insert(0, str(args.flatquant_repo))
-    import flatquant.quant_utils as quant_utils
+    (quant_utils,) = import_from_checkout(Path(args.flatquant_repo), "flatquant.quant_utils")
 
     fmt = get_format("mxfp4", args.scale_mode)
     install_mxfp4(quant_utils, fmt)

@@ -12,9 +12,13 @@ that downloads nothing and takes seconds. Its perplexity means nothing beyond "f
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import math
 import os
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -25,10 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from torq.eval import load_wikitext2_test, perplexity, windows_from_text
-from torq.eval.perplexity import sample_windows
-from torq.paths import write_json_atomic
-from torq.results import command_line, machine_info, now_iso, versions
+from torq.experimental import (
+    command_line,
+    load_wikitext2_test,
+    machine_info,
+    now_iso,
+    perplexity,
+    sample_windows,
+    versions,
+    windows_from_text,
+    write_json_atomic,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +192,7 @@ def load_subject(args: argparse.Namespace) -> Subject:
             "num_parameters": sum(p.numel() for p in model.parameters()),
         }
         return Subject(model.to(args.device), windows, describe, tiny=True)
-    from torq.models import load
+    from torq.experimental import load
 
     lm = load(args.model)
     text = load_wikitext2_test(resolve_data_dir(args.data_dir))
@@ -204,7 +215,7 @@ def calibration_tokens(args: argparse.Namespace, subject: Subject) -> torch.Tens
         gen = torch.Generator().manual_seed(args.calib_seed + 1)
         vocab = subject.describe["vocab_size"]
         return torch.randint(0, vocab, (args.calib_samples, args.calib_seqlen), generator=gen)
-    from torq.calibration.data import CalibrationConfig, calibration_windows
+    from torq.experimental import CalibrationConfig, calibration_windows
 
     config = CalibrationConfig(
         corpus=args.calib_corpus,
@@ -361,7 +372,7 @@ def mxfp4_ste(x: torch.Tensor, fmt: Any) -> torch.Tensor:
     """MXFP4 quantize-dequantize along the last dim with the straight-through gradient that
     the peers' integer quantizers use (FlatQuant's ``round_ste``, SpinQuant's
     ``STEQuantize``): forward the quantized value, backward the identity."""
-    from torq.formats.fake_quant import fake_quantize
+    from torq.experimental import fake_quantize
 
     return x + (fake_quantize(x, fmt) - x).detach()
 
@@ -431,3 +442,33 @@ def save_run_record(
         "machine": machine_info(),
     }
     write_json_atomic(Path(args.out), payload)
+
+
+class _Checkout(importlib.abc.MetaPathFinder):
+    """Finds the top-level packages and modules of a peer's source checkout after every
+    other finder: an installed library is never shadowed by the checkout, and the checkout
+    is never put on the import path."""
+
+    def __init__(self, repo: Path) -> None:
+        self.repo = str(repo)
+
+    def find_spec(
+        self, name: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None:  # a submodule: found on its package's own path
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, [self.repo])
+
+
+def import_from_checkout(repo: Path, *names: str) -> list[Any]:
+    """The modules ``names`` of a peer's source checkout ``repo`` (its own imports of its
+    other top-level packages are found there too); refused in one line when an installed
+    module of the same name is found instead."""
+    if not any(isinstance(f, _Checkout) and f.repo == str(repo) for f in sys.meta_path):
+        sys.meta_path.append(_Checkout(repo))
+    modules = [importlib.import_module(n) for n in names]
+    for m in modules:
+        where = Path(getattr(m, "__file__", "") or "").resolve()
+        if not where.is_relative_to(repo.resolve()):
+            raise SystemExit(f"error: imported {m.__name__} from {where}, not from {repo}")
+    return modules

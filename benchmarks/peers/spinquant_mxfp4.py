@@ -72,7 +72,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from peer_common import mxfp4_ste
+from peer_common import import_from_checkout, mxfp4_ste
 
 PEER = "spinquant"
 PAPER = {"windows": 800, "steps": 100, "batch": 8, "learning_rate": 1.5}
@@ -166,8 +166,7 @@ def install_mxfp4(quant_utils: ModuleType, fmt: Any) -> None:
     (``find_params`` on each block of 32 columns as the column loop reaches it, then
     ``fake_quantize`` of one column ``[rows, 1]`` at a time with that block's scales).
     """
-    from torq.formats.packing import exact_pow2
-    from torq.formats.reference import mx_scale_exponent, round_to_e2m1
+    from torq.experimental import exact_pow2, mx_scale_exponent, round_to_e2m1
 
     block = fmt.block_size
 
@@ -353,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         save_run_record,
     )
 
-    from torq.formats import get_format
+    from torq.experimental import get_format
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -379,8 +378,7 @@ def run(args: argparse.Namespace) -> int:
         substitutes["Tensor.to / Tensor.cuda"] = '"cuda" mapped to the CPU while its code runs'
     install_fast_hadamard_stub()
     install_datasets_stub()
-    sys.path.insert(0, str(args.spinquant_repo))
-    import utils.quant_utils as quant_utils
+    (quant_utils,) = import_from_checkout(Path(args.spinquant_repo), "utils.quant_utils")
 
     fmt = get_format("mxfp4", args.scale_mode)
     install_mxfp4(quant_utils, fmt)

@@ -67,6 +67,7 @@ from peer_common import (
     add_common_args,
     calibration_tokens,
     evaluate,
+    import_from_checkout,
     load_subject,
     package_versions,
     resolve_data_dir,
@@ -86,17 +87,16 @@ def prepare_triton(device: str) -> None:
 
 def import_wush(repo: Path) -> dict[str, ModuleType]:
     """WUSH's modules, imported from its checkout (its packages are named ``src`` and
-    ``inference_lib``, so the checkout goes first on ``sys.path``)."""
+    ``inference_lib``: :func:`import_from_checkout`)."""
     if not (repo / "src" / "quantization" / "wush_gptq.py").is_file():
         raise SystemExit(f"error: {repo} is not a WUSH checkout (no src/quantization/)")
-    sys.path.insert(0, str(repo))
-    import inference_lib.src.fp_quant.module.triton.mxfp4 as mxfp4_module
-    import src.quantization.accumulate_hessian as hessian_module
-    import src.quantization.wush_gptq as gptq_module
-    import src.utils.wush_utils as utils_module
-
-    if not Path(gptq_module.__file__).resolve().is_relative_to(repo.resolve()):
-        raise SystemExit(f"error: imported {gptq_module.__file__}, not WUSH's from {repo}")
+    mxfp4_module, hessian_module, gptq_module, utils_module = import_from_checkout(
+        repo,
+        "inference_lib.src.fp_quant.module.triton.mxfp4",
+        "src.quantization.accumulate_hessian",
+        "src.quantization.wush_gptq",
+        "src.utils.wush_utils",
+    )
     return {
         "gptq": gptq_module,
         "utils": utils_module,
@@ -232,8 +232,7 @@ def keep_biases(modules: dict[str, ModuleType], model: torch.nn.Module) -> int:
 def zeroshot(args: argparse.Namespace, model: torch.nn.Module, subject: Any) -> dict[str, Any]:
     """torq's zero-shot scoring of the quantized model (lm-eval, in process), its answers
     kept in ``--answers-dir`` for a paired comparison with torq's rows."""
-    from torq.eval.zeroshot import evaluate_zeroshot, parse_tasks
-    from torq.runs.store import FolderStore
+    from torq.experimental import FolderStore, evaluate_zeroshot, parse_tasks
 
     result = evaluate_zeroshot(
         model,
