@@ -6,13 +6,12 @@ Importing it also quiets the libraries' notes as the ``torq`` command does
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torq.experimental import quiet_libraries
+from torq.experimental import quiet_libraries, write_record
 
 quiet_libraries()  # before the scripts import torchao (its notes come at import time)
 
@@ -33,7 +32,7 @@ def save(out: str | Path, record: dict[str, Any], markdown: str) -> Path:
     print(markdown)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**record, "markdown": markdown}, indent=2, default=str) + "\n")
+    write_record(path, {**record, "markdown": markdown})
     path.with_suffix(".md").write_text(markdown + "\n")
     print(f"wrote {path}")
     return path

@@ -21,7 +21,6 @@ Usage: ``python -m benchmarks.formats [--out results/bench_formats.json]``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import time_runs
-from torq.experimental import cpu_kernel, fake_quantize_reference, kernels
+from torq.experimental import cpu_kernel, fake_quantize_reference, kernels, write_record
 from torq.experimental import formats as tf
 
 SHAPES = ((4096, 4096), (2048, 576), (2048, 1536))
@@ -159,7 +158,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
     md = "\n\n".join(f"### {k}\n\n{v}" for k, v in tables.items())
     out.with_suffix(".md").write_text(f"`{record['command']}`\n\n{md}\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")

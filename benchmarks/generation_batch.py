@@ -15,7 +15,6 @@ The first batch size is the reference; each time is of this process, measured in
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from torq.experimental import (
     load_humaneval,
     machine_info,
     now_iso,
+    read_record,
     score,
 )
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--batch-sizes: positive numbers, not {args.batch_sizes!r}")
     kept = None  # read first: a bad record fails before the generation
     if args.reference_record is not None:
-        rows = json.loads(Path(args.reference_record).read_text())["rows"]
+        rows = read_record(Path(args.reference_record))["rows"]
         row = next((r for r in rows if r["method"] == args.method), None)
         if row is None:
             raise SystemExit(f"--reference-record has no '{args.method}' row")

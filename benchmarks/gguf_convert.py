@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torq.experimental import write_record
+
 _SCRIPT = r"""
 import json, sys, time, torch
 from pathlib import Path
@@ -84,7 +86,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_record(out, result)
     lines = [
         f"GGUF conversion of {args.model} ({rows[0]['gguf_bytes'] / 2**20:.0f} MiB GGUF)",
         "",

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from benchmarks.scale import SHAPES
+from torq.experimental import write_record
 
 TINY = {
     "hidden_size": 256,
@@ -755,7 +756,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def save() -> None:
-        (out / "gpu.json").write_text(json.dumps(rec, indent=1))
+        write_record(out / "gpu.json", rec)
         (out / "gpu.md").write_text(markdown(rec))
 
     parts = args.parts.split(",")

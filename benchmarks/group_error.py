@@ -34,7 +34,6 @@ Writes JSON and a markdown table (``<out>.md``), with the solve seconds of each 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +61,7 @@ from torq.experimental import (
     machine_info,
     now_iso,
     output_error,
+    read_record,
     versions,
 )
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown --labels {sorted(unknown)}; known: {', '.join(LABELS)}")
     if args.render:
-        print(markdown(json.loads(Path(args.render).read_text())["rows"]))
+        print(markdown(read_record(Path(args.render))["rows"]))
         return 0
     torch.set_num_threads(args.threads)
     fmt = get_format("mxfp4")

@@ -64,6 +64,7 @@ from torq.experimental import (
     method_rng,
     method_spec,
     now_iso,
+    read_record,
     record_setting,
     sessions_seconds,
 )
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    rows = read_record(out)["rows"] if out.is_file() else []
     done = {r["method"] for r in rows}
     if args.calib_seed < 0:
         ap.error(f"--calib-seed must be 0 or more, not {args.calib_seed}")

@@ -12,7 +12,7 @@ Rows of one model and one task compare. GSM8K rows compare only within one subse
 (``--n`` and ``--seed``) and one batch size, and others are refused: lm-eval draws each
 problem's five examples in turn over the subset, so a problem's prompt differs between
 subsets (at n = 50 and n = 200, seed 0, none of the 50 shared problems had the same prompt;
-docs/research-log.md §12.1), and the batch changes W4A4 answers. A row is named by its
+docs/research/paper-tables.md §12.1), and the batch changes W4A4 answers. A row is named by its
 method, with its
 calibration corpus, seed and prompt where they are not the defaults (``torq (seed 1)``); a
 name found in two records is refused (say which record to take). Writes JSON and a markdown
@@ -22,10 +22,11 @@ With ``--seed-means`` the rows of one method (and corpus and prompt) measured wi
 calibration seeds are replaced by one row, ``torq (mean of seeds 0, 1)``: its score on each
 problem is the mean over the seeds, so the comparison is between methods rather than between
 one calibration draw of each (on Qwen2.5-Coder-0.5B a second seed moved one method by 6
-points, docs/research-log.md §12.1). The paired standard error is still over problems: it does
-not cover a shift that a seed gives every problem alike, so each such row also lists its
-seeds' own pass@1 (their spread is that shift, seen directly); its "only a / only b" count
-problems where one row's mean is higher, and its p is then the exact sign test over them.
+points, docs/research/paper-tables.md §12.1). The paired standard error is still over
+problems: it does not cover a shift that a seed gives every problem alike, so each such row
+also lists its seeds' own pass@1 (their spread is that shift, seen directly); its "only a /
+only b" count problems where one row's mean is higher, and its p is then the exact sign
+test over them.
 Each pair then also has an error that covers the calibration draw, ``stderr_with_seeds``:
 the paired error over problems combined with each averaged side's seed error, the standard
 deviation of its seeds' scores over √(number of seeds) (:func:`seed_stderr`). It is a little
@@ -37,14 +38,20 @@ with one seed has no seed error to add, so a pair with such a row understates th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks.common import save
-from torq.experimental import TorqError, command_line, machine_info, now_iso, paired_difference
+from torq.experimental import (
+    TorqError,
+    command_line,
+    machine_info,
+    now_iso,
+    paired_difference,
+    read_record,
+)
 
 GSM8K_FILTERS = ("flexible-extract", "strict-match")
 
@@ -154,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     scores: dict[str, dict[int, float]] = {}
     models, tasks, protocols = set(), set(), set()
     for path in args.records:
-        record = json.loads(Path(path).read_text())
+        record = read_record(Path(path))
         task = record.get("task", "humaneval")
         if task not in ("humaneval", "gsm8k"):
             raise TorqError(f"{path} is neither a HumanEval nor a GSM8K record")

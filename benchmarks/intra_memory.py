@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +32,7 @@ from torq.experimental import (
     IntraBlockConfig,
     ResidentPeak,
     fit_intra_block_rotation,
+    write_record,
 )
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    write_record(out, record)
     gib = "n/a" if peak is None else f"{(peak - start) / 2**30:.2f}"
     line = (
         f"| {args.blocks} blocks × 32, {args.max_iter} iterations, {args.recipe}'s start "

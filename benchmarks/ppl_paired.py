@@ -14,13 +14,19 @@ from the per-window differences, with its 95 % interval
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
-from torq.experimental import TorqError, command_line, machine_info, now_iso, paired_log_ratio
+from torq.experimental import (
+    TorqError,
+    command_line,
+    machine_info,
+    now_iso,
+    paired_log_ratio,
+    read_record,
+)
 
 
 def windows_of(record: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +69,7 @@ def load_rows(paths: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, An
     rows: dict[str, dict[str, Any]] = {}
     windows = None
     for p in paths:
-        record = json.loads(Path(p).read_text())
+        record = read_record(Path(p))
         this = windows_of(record)
         if windows is not None and this != windows:
             raise TorqError(f"{p} scored other windows than {paths[0]}")

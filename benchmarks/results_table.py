@@ -1,4 +1,4 @@
-"""Merge ``torq run`` result JSONs into one markdown table (for ``docs/research-log.md``).
+"""Merge ``torq run`` result JSONs into one markdown table (for ``docs/research/``).
 
 Each row keeps the command that produced it; ``×FP`` is relative to the ``fp`` row found
 among the inputs (same model and windows). The calibration column is the method's
@@ -12,9 +12,10 @@ Usage: ``python -m benchmarks.results_table results/full/*.json [--sort ppl]``
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
+
+from torq.experimental import read_record
 
 
 def calibration_tokens(row: dict[str, Any]) -> int | None:
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--sort", choices=["input", "ppl"], default="input")
     args = ap.parse_args()
-    print(table([json.loads(p.read_text()) for p in args.results], args.sort))
+    print(table([read_record(p) for p in args.results], args.sort))
 
 
 if __name__ == "__main__":

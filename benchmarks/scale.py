@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from torq.experimental import read_record, write_record
+
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3-8B: 32 layers, hidden 4096, FFN 14336, 32 query / 8 KV heads, vocab 128256
     "llama3-8b": {
@@ -174,7 +176,7 @@ def reload_saved(saved: Path, method: str, how: str, args: argparse.Namespace, o
     ]  # fmt: skip
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
-    record = json.loads(out.read_text())
+    record = read_record(out)
     return {
         "how": how,
         "ppl": record["rows"][0]["ppl"],
@@ -211,7 +213,7 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t0
-    record = json.loads(out.read_text())
+    record = read_record(out)
     row = record["rows"][0]
     reloads = []
     if args.reload:
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "cpu_count": os.cpu_count(),
         }
-        out.write_text(json.dumps(result, indent=2))
+        write_record(out, result)
     lines = [
         f"{args.shape}: {disk / 1e9:.2f} GB on disk, {args.calib_samples} calibration windows, "
         f"{args.eval_windows} evaluation windows of 2048 tokens, {args.threads} threads",

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import save
-from torq.experimental import command_line, machine_info, now_iso
+from torq.experimental import command_line, machine_info, now_iso, write_record
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
@@ -109,7 +109,7 @@ def vllm_side(folder: str, windows_path: str, out: str) -> None:
     ppl, seconds = vllm_perplexity(llm, windows)
     record = {"ppl": ppl, "seconds": seconds, "load_seconds": load_seconds}
     record["vllm"] = vllm.__version__
-    Path(out).write_text(json.dumps(record))
+    write_record(out, record)
 
 
 def main(argv: list[str] | None = None) -> None:

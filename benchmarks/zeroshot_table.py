@@ -25,7 +25,6 @@ times), a markdown table beside it, and the figure as ``<out>.png``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from torq.experimental import (
     command_line,
     markdown_table,
     parse_tasks,
+    read_record,
     run,
     setting_key,
 )
@@ -53,7 +53,7 @@ def earlier_perplexities(
     ``max_windows``."""
     found: dict[str, tuple[float, str, int]] = {}
     for p in paths:
-        rec = json.loads(Path(p).read_text())
+        rec = read_record(Path(p))
         if rec.get("kind") != "torq.run" or rec["config"].get("max_windows") != max_windows:
             continue  # another set of windows: another number
         for row in rec["rows"]:
@@ -130,9 +130,9 @@ def main() -> None:
     template: dict[str, Any] | None = None  # the first record read: the frame of a table
     merged_commands: list[str] = []
     if out.exists():
-        record = json.loads(out.read_text())
+        record = read_record(out)
     for source in [out] * out.exists() + [Path(m) for m in args.merge_from]:
-        other = json.loads(source.read_text())
+        other = read_record(source)
         template = template or other
         same = (
             other["eval"]["zeroshot_tasks"] == list(base.zeroshot.tasks)

@@ -16,6 +16,7 @@ from tests.export.test_compressed_tensors import _folder_tensors
 from torq.cli import main
 from torq.errors import TorqError
 from torq.methods.recipes import RECIPES
+from torq.results import read_record
 from torq.surgery.qlinear import QuantLinear
 
 pytest.importorskip("compressed_tensors")
@@ -103,7 +104,7 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     said = capsys.readouterr().out
     assert f"wrote {out} (compressed-tensors" in said and "torq.load" in said
     assert not list(tmp_path.glob(".q*")), "the staging folder is removed"
-    record = json.loads((out / "torq_quantize.json").read_text())
+    record = read_record(out / "torq_quantize.json")
     assert record["recipe"] == "default" and record["method"] == "torq-had32+gptaq"
     model = torq.quantize(str(tiny_checkpoint), data_dir=data, progress=False, **CALIB)
     ref = torq.save(model, tmp_path / "api")
@@ -115,7 +116,7 @@ def test_quantize_command_streams_the_same_model_as_the_api(
     assert main([*evaluated, "--data-dir", data, "--no-progress"]) == 0
     (res,) = (tmp_path / "results").glob("run-*.json")
     assert res.with_suffix(".md").is_file()
-    row = json.loads(res.read_text())["rows"][0]
+    row = read_record(res)["rows"][0]
     direct = torq.evaluate(torq.load(out), seqlen=32, max_windows=2, data_dir=data, progress=False)
     assert row["method"] == "torq-had32+gptaq" and row["ppl"] == pytest.approx(direct["ppl"])
 
@@ -144,7 +145,7 @@ def test_the_servable_recipes_leave_linears_with_a_bias_unrotated(
     (group,) = config["transform_config"]["config_groups"].values()
     assert all("model.layers.1.self_attn.k_proj" in a["ignore"] for a in group["apply"])
     assert all("model.layers.1.self_attn.o_proj" not in a["ignore"] for a in group["apply"])
-    record = json.loads((out / "torq_quantize.json").read_text())["record"]
+    record = read_record(out / "torq_quantize.json")["record"]
     assert record["config"]["methods"][0]["settings"]["unrotated"] == ["k_proj", "q_proj", "v_proj"]
     model = torq.quantize(str(folder), recipe, data_dir=data, progress=False, **CALIB)
     assert model.model.layers[0].self_attn.q_proj.input_quantizer.transform is None
@@ -338,7 +339,7 @@ def test_eval_of_a_float_model_evaluates_it_as_it_is(tiny_checkpoint, tiny_data_
     out = tmp_path / "e.json"
     argv = ["eval", "--model", str(tiny_checkpoint), "--seqlen", "32", "--max-windows", "1"]
     assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress", "--out", str(out)]) == 0
-    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["fp"]
+    assert [r["method"] for r in read_record(out)["rows"]] == ["fp"]
 
 
 def test_compare_runs_methods_side_by_side_and_refuses_new_formats_for_a_saved_model(
@@ -356,7 +357,7 @@ def test_compare_runs_methods_side_by_side_and_refuses_new_formats_for_a_saved_m
         save_dir=str(tmp_path / "saved"), **common,
     )  # fmt: skip
     assert [r["method"] for r in record["rows"]] == ["fp", "rtn"]
-    assert json.loads(out.read_text())["table"] == record["table"]
+    assert read_record(out)["table"] == record["table"]
     assert "| rtn |" in out.with_suffix(".md").read_text()
     saved = record["rows"][1]["details"]["saved"]["path"]
     again = torq.compare(saved, **common)  # evaluated as it is, with its own formats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import subprocess
@@ -14,6 +13,7 @@ import torch
 
 from tests.conftest import TF32_TINY_REL
 from torq.cli import main
+from torq.results import read_record
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -206,7 +206,7 @@ def test_run_end_to_end_on_a_tiny_checkpoint(
 
     assert "Loading weights" not in stderr and "it/s]" not in stderr
     assert hf_logging.is_progress_bar_enabled()
-    res = json.loads(out.read_text())
+    res = read_record(out)
     assert [r["method"] for r in res["rows"]] == ["fp", "rtn"]
     fp, rtn = res["rows"]
     assert math.isfinite(fp["ppl"]) and math.isfinite(rtn["ppl"]) and fp["ppl"] != rtn["ppl"]
@@ -246,7 +246,7 @@ def test_a_window_sample_scores_the_same_windows_for_every_row(
     argv = ["run", *common, "--methods", "fp,rtn", "--window-sample", "3"]
     code, stdout, _ = _run([*argv, "--window-sample-seed", "5", "--out", str(sample_out)], capsys)
     assert code == 0
-    whole, sample = json.loads(whole_out.read_text()), json.loads(sample_out.read_text())
+    whole, sample = read_record(whole_out), read_record(sample_out)
     drawn = sample["eval"]["window_sample"]
     assert drawn["n"] == 3 and drawn["seed"] == 5 and drawn["of"] == whole["eval"]["n_windows"]
     assert drawn["ids"] == sorted(drawn["ids"]) and sample["eval"]["n_windows"] == 3
@@ -287,7 +287,7 @@ def test_weight_only_flag(tiny_checkpoint, tiny_data_dir, tmp_path, capsys) -> N
         "--no-progress",
     ]
     assert _run(argv, capsys)[0] == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = read_record(out)["rows"][0]
     assert (row["weights"], row["activations"]) == ("nvfp4", "fp")
 
 
@@ -337,7 +337,7 @@ def test_real_model_fp_and_rtn(shared_data, tmp_path, capsys) -> None:
         "--no-progress",
     ]
     assert _run(argv, capsys)[0] == 0
-    fp, rtn = json.loads(out.read_text())["rows"]
+    fp, rtn = read_record(out)["rows"]
     lm = load("smollm2-135m")
     w = windows_from_text(load_wikitext2_test(shared_data), lm.tokenizer, 512, 1)
     with torch.no_grad():
@@ -398,7 +398,7 @@ def test_torq_defaults_and_paper_flag_are_recorded(
         "--out", str(out), "--no-progress",
     ] + (["--paper"] if paper else [])  # fmt: skip
     assert _run(argv, capsys)[0] == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = read_record(out)["rows"][0]
     settings = row["details"]["settings"]
     if paper:
         assert settings["balance"] is None
@@ -425,7 +425,7 @@ def test_a_rotation_block_of_16_for_nvfp4(tiny_checkpoint, tiny_data_dir, tmp_pa
         "--save-dir", str(tmp_path / "saved"), "--no-progress",
     ]  # fmt: skip
     assert _run(argv, capsys)[0] == 0
-    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["method"]: r for r in read_record(out)["rows"]}
     assert rows["had16"]["details"]["group_by_width"] == {"64": 16, "128": 16}
     for method in ("torq-had32", "torq"):
         settings = rows[method]["details"]["settings"]
@@ -581,7 +581,7 @@ def test_default_methods_are_fp_and_the_default_recipe(
     out = tmp_path / "res.json"
     code, _, _ = _run([*base, "--out", str(out)], capsys)
     assert code == 0
-    record = json.loads(out.read_text())
+    record = read_record(out)
     rows = record["rows"]
     assert [r["method"] for r in rows] == ["fp", recipe.method]
     assert math.isfinite(rows[1]["ppl"]) and rows[1]["ppl"] != rows[0]["ppl"]
@@ -589,7 +589,7 @@ def test_default_methods_are_fp_and_the_default_recipe(
     flags = ["--methods", recipe.method, "--fold-balance", "--scale-mode", recipe.scale_mode]
     code, _, _ = _run([*base, *flags, "--out", str(named)], capsys)
     assert code == 0
-    assert json.loads(named.read_text())["rows"][0]["ppl"] == rows[1]["ppl"]
+    assert read_record(named)["rows"][0]["ppl"] == rows[1]["ppl"]
     code, listing, _ = _run(["methods"], capsys)
     assert code == 0 and "without it, fp and the default recipe" in listing
     # the help names the recipe literally (the parser does not import the methods): keep it so
@@ -610,7 +610,6 @@ def test_a_restart_reuses_each_finished_row(
     """With ``--resume-dir`` each method's finished row is kept: a run stopped in its third
     method keeps the first two rows (saved as it went), and the same command again
     quantizes only the third; every row is the row of a run never stopped."""
-    import json
 
     import torq.pipeline
 
@@ -636,17 +635,17 @@ def test_a_restart_reuses_each_finished_row(
     keep = ["--resume-dir", str(tmp_path / "keep")]
     with pytest.raises(_Stop):
         main([*args, *keep, "--out", str(tmp_path / "a.json")])
-    partial = json.loads((tmp_path / "a.json").read_text())  # saved after each method
+    partial = read_record(tmp_path / "a.json")  # saved after each method
     assert not partial["complete"]
     assert [r["method"] for r in partial["rows"]] == ["fp", "had32"]
     calls.clear()
     stop.clear()
     assert main([*args, *keep, "--out", str(tmp_path / "b.json")]) == 0
     assert calls == ["torq"]
-    again = json.loads((tmp_path / "b.json").read_text())["rows"]
+    again = read_record(tmp_path / "b.json")["rows"]
     assert [r["details"].get("finished_row") is not None for r in again] == [True, True, False]
     assert main([*args, "--out", str(tmp_path / "c.json")]) == 0
-    never = json.loads((tmp_path / "c.json").read_text())["rows"]
+    never = read_record(tmp_path / "c.json")["rows"]
     assert [r["ppl"] for r in again] == [r["ppl"] for r in never]
     # another window count is another row: measured, not taken from the kept one
     calls.clear()
@@ -678,7 +677,6 @@ def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) ->
     """``--eval-corpus wikipedia-en`` measures the first windows of the held-out Wikipedia
     text (the number a direct evaluation of those windows gives), records which text, keeps
     its windows apart from WikiText-2's in a resume folder, and streams to the same numbers."""
-    import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -699,9 +697,7 @@ def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) ->
     ]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "wiki2.json")]) == 0
     assert main([*args, "--eval-corpus", "wikipedia-en", "--out", str(tmp_path / "wp.json")]) == 0
-    results = {
-        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("wiki2", "wp")
-    }
+    results = {name: read_record(tmp_path / f"{name}.json") for name in ("wiki2", "wp")}
     assert results["wiki2"]["eval"]["dataset"] == "wikitext-2-raw test"
     assert results["wp"]["eval"]["dataset"] == "wikipedia-en"
     ppl = {name: {r["method"]: r["ppl"] for r in res["rows"]} for name, res in results.items()}
@@ -714,7 +710,7 @@ def test_perplexity_on_another_text(tiny_checkpoint, tiny_data_dir, tmp_path) ->
     # beside the other's, and each holds its own perplexity
     kept = sorted((tmp_path / "keep").glob("*/fp-*/row-*.json"))
     assert len(kept) == 2
-    assert sorted(json.loads(p.read_text())["ppl"] for p in kept) == sorted(
+    assert sorted(read_record(p)["ppl"] for p in kept) == sorted(
         [ppl["wp"]["fp"], ppl["wiki2"]["fp"]]
     )
 
@@ -723,7 +719,6 @@ def test_moe_checkpoint_experts_calibrated(tiny_tokenizer, tiny_data_dir, tmp_pa
     """A Qwen3-MoE folder through ``torq run``: TORQ + GPTQ transform and quantize its
     experts (recorded per layer), ``--expert-down shared`` gives one down_proj transform
     and is recorded, and the streamed run gives the same numbers."""
-    import json
 
     from tests.conftest import tiny_model
 
@@ -739,7 +734,7 @@ def test_moe_checkpoint_experts_calibrated(tiny_tokenizer, tiny_data_dir, tmp_pa
         "--expert-down", "shared", "--no-progress",
     ]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "a.json")]) == 0
-    rows = [json.loads((tmp_path / "a.json").read_text())["rows"][0]]
+    rows = [read_record(tmp_path / "a.json")["rows"][0]]
     assert rows[0]["details"]["settings"]["expert_down_shared"] is True
     layers = [r for r in rows[0]["details"]["layers"] if "experts" in r]
     assert len(layers) == 2

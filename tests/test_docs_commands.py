@@ -18,7 +18,6 @@ from torq.cli.arguments import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-HISTORY = {"research-log.md"}
 _FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 _SHELL_OPS = ("|", "||", "&&", ";", ">", ">>", "2>&1", "&")
 
@@ -94,7 +93,6 @@ def problems(pages: list[Path]) -> list[str]:
     return [
         f"{page.name}: `{command}`: {why}"
         for page in pages
-        if page.name not in HISTORY
         for command, whole in commands_in(page.read_text())
         if (why := problem(command, whole))
     ]
@@ -127,10 +125,50 @@ def test_every_documented_benchmark_module_exists() -> None:
     named = {
         m
         for page in PAGES
-        if page.name not in HISTORY
         for m in re.findall(r"python3? -m (benchmarks(?:\.\w+)+)", page.read_text())
     }
     assert named
     named.discard("benchmarks.NAME")  # the placeholder of the page that says how they run
     missing = [m for m in sorted(named) if not (ROOT / (m.replace(".", "/") + ".py")).is_file()]
     assert missing == []
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces
+    as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """Each relative link of ``pages`` whose file, or whose heading in that file, is not
+    there."""
+    out = []
+    for page in pages:
+        text = _FENCE.sub("", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                out.append(f"{page.name}: {target}: no such file")
+            elif anchor and path.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", _FENCE.sub("", path.read_text()), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    out.append(f"{page.name}: {target}: no such heading")
+    return out
+
+
+def test_every_link_of_the_docs_leads_somewhere() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [p for p in pages if "records" not in p.parts]
+    assert broken_links(pages) == []
+
+
+def test_a_planted_broken_link_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n## Part two\n\n[ok](#part-two) [gone](#part-three) [no](x.md)\n")
+    assert broken_links([page]) == [
+        "page.md: #part-three: no such heading",
+        "page.md: x.md: no such file",
+    ]

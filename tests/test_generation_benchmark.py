@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import SHARED_DATA
+from torq.results import read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 # `python -m benchmarks.NAME` finds the package from anywhere
@@ -42,10 +43,10 @@ def test_the_same_command_again_reuses_the_kept_model_and_answers(
     for _ in range(2):
         out.unlink(missing_ok=True)  # the record would skip the method: run it again
         done = subprocess.run(
-        [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
-    )
+            [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-2000:]
-        rows.append(json.loads(out.read_text())["rows"][0])
+        rows.append(read_record(out)["rows"][0])
     first, again = rows
     (kept,) = resume.glob("gsm8k-rtn-*")
     assert (kept / "quantized-model.pt").is_file()
@@ -91,19 +92,21 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     script = "-m", "benchmarks.humaneval_paired"
     done = subprocess.run(
         [sys.executable, *script, str(fp), str(q), "--out", str(out)],
-        env=RUN_ENV, capture_output=True,
+        env=RUN_ENV,
+        capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    (pair,) = json.loads(out.read_text())["pairs"]
+    (pair,) = read_record(out)["pairs"]
     assert (pair["a"], pair["b"], pair["n"]) == ("q", "fp", 6)
     assert (pair["only_a"], pair["only_b"]) == (1, 2)
     assert abs(pair["diff"] - (3 / 6 - 4 / 6)) < 1e-12
     assert abs(pair["p_mcnemar"] - 1.0) < 1e-12  # 1 against 2: binomial, two-sided
     twice = subprocess.run(
         [sys.executable, *script, str(fp), str(fp), "--out", str(out)],
-        env=RUN_ENV, capture_output=True,
+        env=RUN_ENV,
+        capture_output=True,
         text=True,
         timeout=300,
     )
@@ -112,12 +115,13 @@ def test_humaneval_rows_are_compared_problem_by_problem(
     again = _record(tmp_path / "q-seed1.json", "q", [0, 0, 0, 0, 1, 1], calib_seed=1)
     seeds = subprocess.run(
         [sys.executable, *script, str(fp), str(q), str(again), "--out", str(out)],
-        env=RUN_ENV, capture_output=True,
+        env=RUN_ENV,
+        capture_output=True,
         text=True,
         timeout=300,
     )
     assert seeds.returncode == 0, seeds.stderr[-2000:]
-    pairs = {(p["a"], p["b"]): p for p in json.loads(out.read_text())["pairs"]}
+    pairs = {(p["a"], p["b"]): p for p in read_record(out)["pairs"]}
     assert set(pairs) == {("q", "fp"), ("q (seed 1)", "fp"), ("q", "q (seed 1)")}
     assert (pairs["q", "q (seed 1)"]["only_a"], pairs["q", "q (seed 1)"]["only_b"]) == (1, 0)
     names = [
@@ -166,7 +170,7 @@ def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> 
 
     done = paired(fp, q)
     assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads(out.read_text())
+    record = read_record(out)
     (pair,) = record["pairs"]
     assert (pair["a"], pair["b"], pair["n"]) == ("q", "fp", 5)
     assert (pair["only_a"], pair["only_b"]) == (1, 2)
@@ -177,7 +181,7 @@ def test_gsm8k_rows_compare_only_within_one_subset_and_batch(tmp_path: Path) -> 
     )
     strict = paired(fp, q, extra=("--filter", "strict-match"))
     assert strict.returncode == 0, strict.stderr[-2000:]
-    assert json.loads(out.read_text())["rows"]["fp"]["score"] == 0.0
+    assert read_record(out)["rows"]["fp"]["score"] == 0.0
     other_n = _gsm8k_record(tmp_path / "r.json", "r", [1, 1, 0, 1, 0], n=50)
     refused = paired(fp, other_n)
     assert refused.returncode != 0 and "5-shot" in refused.stderr
@@ -192,7 +196,7 @@ def _seed_means(monkeypatch: pytest.MonkeyPatch, out: Path, *records: Path) -> d
     process); the record it wrote."""
     paired = _benchmark(monkeypatch, "humaneval_paired")
     paired.main([*map(str, records), "--seed-means", "--out", str(out)])
-    return json.loads(out.read_text())
+    return read_record(out)
 
 
 def test_seed_means_compare_methods_rather_than_calibration_draws(
@@ -347,7 +351,8 @@ def test_bad_arguments_are_refused_before_any_work(
     no_model = ["-m", "benchmarks.humaneval", "--model", str(tmp_path / "none"), "--out", str(out)]
     done = subprocess.run(
         [sys.executable, *no_model, "--methods", "fp", *data],
-        env=RUN_ENV, capture_output=True,
+        env=RUN_ENV,
+        capture_output=True,
         text=True,
         timeout=300,
     )
@@ -405,7 +410,7 @@ def test_batched_generation_gives_the_answers_of_one_at_a_time(
         [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads(out.read_text())
+    record = read_record(out)
     one, three = record["runs"]
     assert (one["batch_size"], three["batch_size"], record["problems"]) == (1, 3, 3)
     assert set(one["texts"]) == set(three["texts"]) and len(one["texts"]) == 3

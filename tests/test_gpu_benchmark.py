@@ -3,9 +3,9 @@ measure; on a CPU the accelerated model's NLL is the fake-quant model's exactly.
 
 from __future__ import annotations
 
-import json
-
 from benchmarks.gpu import main
+
+from torq.results import read_record
 
 
 def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
@@ -14,7 +14,7 @@ def test_the_gpu_benchmark_runs_on_a_cpu_with_the_tiny_shape(tmp_path) -> None:
     parts = "calibration,calibration-tf32,decode,torq+gptq,torq+gptq-device-solvers,steps"
     args += ["--layers", "2", "--new-tokens", "2", "--parts", parts]
     main([*args, "--dir", str(tmp_path / "ck"), "--out", str(out)])
-    rec = json.loads((out / "gpu.json").read_text())
+    rec = read_record(out / "gpu.json")
     cal, fast, torq_cpu, torq_device = rec["calibration"]
     assert cal["method"] == "torq-had32+gptaq" and cal["layers"] == 2 and cal["windows"] == 2
     assert cal["estimate"]["full_model_seconds"] > 0
@@ -50,7 +50,7 @@ def test_the_arithmetic_part_quantizes_a_checkpoint_both_ways(
     args += ["--data-dir", str(tiny_calibration_data_dir), "--calib-samples", "2"]
     args += ["--seqlen", "32", "--eval-windows", "2", "--dir", str(tmp_path / "ck")]
     main([*args, "--out", str(out)])
-    rec = json.loads((out / "gpu.json").read_text())["arithmetic"]
+    rec = read_record(out / "gpu.json")["arithmetic"]
     for how in ("exact", "tf32"):
         assert rec[how]["windows"] == 2 and rec[how]["seconds"] > 0
         assert rec[how]["ppl"] > 1.0

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torq.results import read_record
+
 ROOT = Path(__file__).resolve().parents[1]
 # `python -m benchmarks.NAME` finds the package from anywhere
 RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -53,7 +55,7 @@ def test_rows_of_two_records_compare_with_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
     done = _run(str(a), str(b), "--out", str(out))
     assert done.returncode == 0, done.stderr
-    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["row"]: r for r in read_record(out)["rows"]}
     # the same difference on every window: the ratio is exact, its interval a point
     assert rows["b:default"]["ratio"] == math.exp(1.0 / 10)
     assert rows["a:rtn"]["ratio"] == math.exp(5.0 / 10)
@@ -74,7 +76,7 @@ def test_a_peer_scripts_record_pairs_with_a_torq_run(tmp_path: Path) -> None:
     ids = [2, 5, 6]
     fp = [20.0, 30.0, 25.0]
     torq_run = _record(tmp_path / "torq.json", ids, {"fp": fp})
-    record = json.loads(torq_run.read_text())
+    record = read_record(torq_run)
     peer = {
         "peer": "wush",
         "model": {"name": "tiny", **record["model"]},
@@ -87,7 +89,7 @@ def test_a_peer_scripts_record_pairs_with_a_torq_run(tmp_path: Path) -> None:
         str(torq_run), str(tmp_path / "peer.json"), "--reference", "torq:fp", "--out", str(out)
     )
     assert done.returncode == 0, done.stderr
-    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["row"]: r for r in read_record(out)["rows"]}
     assert rows["peer:wush"]["ratio"] == math.exp(2.0 / 10)
     # another model's record on the same window ids is refused
     peer["model"]["num_parameters"] = 100

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from torq.paths import usual_permissions, write_json_atomic
+from torq.results import COLUMNS, read_record, write_record
 
 
 @pytest.fixture
@@ -47,3 +49,49 @@ def test_usual_permissions_on_a_folder(tmp_path, umask) -> None:
     usual_permissions(folder)
     assert folder.stat().st_mode & 0o777 == 0o755
     assert (folder / "f").stat().st_mode & 0o777 == 0o644
+
+
+def _layer(i: int) -> dict:
+    return {
+        "layer": i,
+        "groups": [{"name": "qkv", "width": 576}, {"name": "down", "width": 1536}],
+        "qkv": {"seconds": 0.1 * i, "gptq": {"q": {"proxy_loss": i / 7}}},
+        "stop": "tolerance" if i % 2 else None,
+    }
+
+
+def test_a_record_is_read_back_exactly_as_it_was_written(tmp_path) -> None:
+    record = {
+        "rows": [
+            {"method": "fp", "details": {"layers": [_layer(i) for i in range(5)]}},
+            {"method": "rtn", "details": {}},
+        ],
+        "mixed": [{"a": 1}, {"b": 2}, [{"c": 3}]],
+        "one": [{"a": 1}],
+        "numbers": [1.5, 2.5],
+    }
+    out = write_record(tmp_path / "run.json", record)
+    assert read_record(out) == record
+    text = out.read_text()
+    assert "\n" not in text.rstrip("\n") and ": " not in text  # no indentation, no spaces
+    # the five layers' shared groups are stored once
+    assert text.count("1536") == 1
+    stored = json.loads(text)["rows"]["of"]["details"]  # two rows whose details differ
+    assert stored[0]["layers"][COLUMNS] == 5
+
+
+def test_an_older_indented_record_reads_as_it_is(tmp_path) -> None:
+    out = write_json_atomic(tmp_path / "old.json", {"rows": [{"method": "fp"}, {"method": "x"}]})
+    assert read_record(out) == {"rows": [{"method": "fp"}, {"method": "x"}]}
+
+
+def test_every_kept_record_is_stored_compactly_and_docs_fit_in_10_mb() -> None:
+    """The records beside the docs stay in the compact form (:func:`write_record`), so that
+    every one of them is kept: the docs' files (as git stores them) hold at most 10 MB."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    records = sorted((docs / "records").rglob("*.json"))
+    assert len(records) > 100
+    indented = [p.name for p in records if "\n " in p.read_text()]
+    assert indented == []
+    total = sum(p.stat().st_size for p in docs.rglob("*") if p.is_file())
+    assert total <= 10 * 2**20, f"docs/ holds {total / 2**20:.1f} MiB"

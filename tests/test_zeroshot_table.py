@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torq.results import read_record
+
 ROOT = Path(__file__).resolve().parents[1]
 # `python -m benchmarks.NAME` finds the package from anywhere
 RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -34,11 +36,11 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
         [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    merged = json.loads(out.read_text())
+    merged = read_record(out)
     # the record says which command wrote it, not the first merged run's
     assert merged["command"].startswith("zeroshot_table.py ")
     assert "--merge-from" in merged["command"]
-    originals = [json.loads(s.read_text()) for s in sources]
+    originals = [read_record(s) for s in sources]
     for original in originals:
         assert original["command"] in merged["commands"]
     assert merged["commands"][-1] == merged["command"]
@@ -53,7 +55,7 @@ def test_merge_only_record_names_its_own_command(tmp_path: Path) -> None:
         [sys.executable, *args], env=RUN_ENV, capture_output=True, text=True, timeout=600
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    rerun = json.loads(out.read_text())
+    rerun = read_record(out)
     assert len(rerun["commands"]) == len(set(rerun["commands"])) == len(merged["commands"])
     assert rerun["commands"][-1] == rerun["command"]
 
@@ -63,9 +65,7 @@ def test_perplexities_are_reused_only_from_the_same_windows(tmp_path: Path) -> N
     same windows (the full test, or the same first N), never from another set."""
     from benchmarks import zeroshot_table as table
 
-    config = json.loads(
-        (ROOT / "docs" / "records" / "formats" / "smollm2-nvfp4-16w.json").read_text()
-    )
+    config = read_record(ROOT / "docs" / "records" / "formats" / "smollm2-nvfp4-16w.json")
     paths = {}
     for windows, ppl, n in ((16, 26.75, 16), (None, 19.5, 140), (8, 30.0, 8)):
         rec = {

@@ -1,7 +1,7 @@
 """What a GSM8K row lost: the answer's form or its arithmetic. For each row of a
 ``benchmarks/humaneval.py --task gsm8k`` record, how many answers end in lm-eval's
 ``#### N`` form (the strict filter found a number), how many of those are right, how many
-the flexible filter gets right, and the answers' mean length (docs/research-log.md §12.1):
+the flexible filter gets right, and the answers' mean length (docs/research/paper-tables.md §12.1):
 ``python -m benchmarks.diagnostics.gsm8k_answers docs/records/gsm8k/qwen-coder-200.json``.
 No model: it reads the answers kept in the record.
 """
@@ -9,9 +9,10 @@ No model: it reads the answers kept in the record.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
+
+from torq.experimental import read_record
 
 INVALID = "[invalid]"  # lm-eval's filters' answer when their pattern finds nothing
 
@@ -50,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("record", type=Path)
     args = ap.parse_args()
-    record = json.loads(args.record.read_text())
+    record = read_record(args.record)
     if record.get("task") != "gsm8k":
         raise SystemExit(f"{args.record}: not a GSM8K record (task {record.get('task')!r})")
     print(table(record))

@@ -1,8 +1,8 @@
 """Whether a GSM8K problem's 5-shot prompt depends on the subset it is asked in: builds
 lm-eval's requests for the seeded subsets of ``--sizes`` (``torq.eval.generation``'s draw,
 no model) and counts the problems of the smallest whose prompt is the same in each larger
-one (docs/research-log.md §12.1; why ``benchmarks/humaneval_paired.py`` compares GSM8K rows of
-one subset only):
+one (docs/research/paper-tables.md §12.1; why ``benchmarks/humaneval_paired.py`` compares
+GSM8K rows of one subset only):
 ``python -m benchmarks.diagnostics.gsm8k_fewshot_prompts --sizes 50,200 --seed 0``.
 """
 

@@ -2,7 +2,7 @@
 records, how many pass, fail a test (``AssertionError``: a program that runs and computes
 something else), are not Python (``SyntaxError``, ``IndentationError``), raise another
 error, or reach a limit (time, memory); how many completions are caught in a repetition
-loop (:func:`in_a_loop`); and the completions' mean length (docs/research-log.md §12.1):
+loop (:func:`in_a_loop`); and the completions' mean length (docs/research/paper-tables.md §12.1):
 ``python -m benchmarks.diagnostics.humaneval_failures
 docs/records/humaneval/qwen-coder-{fp,rtn}.json``.
 No model: it reads the sandbox's verdicts kept in the records.
@@ -11,12 +11,12 @@ No model: it reads the sandbox's verdicts kept in the records.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from benchmarks.humaneval_paired import row_name
+from torq.experimental import read_record
 
 KINDS = ("passed", "wrong result", "not Python", "other error", "a limit")
 
@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     records = []
     for path in args.records:
-        record = json.loads(path.read_text())
+        record = read_record(path)
         rows = record.get("rows")
         if record.get("task", "humaneval") != "humaneval" or not isinstance(rows, list):
             raise SystemExit(f"{path}: not a record of benchmarks/humaneval.py's HumanEval rows")

@@ -1,7 +1,7 @@
 """Whether the MXFP4 kernels ran, and how far they are from the fake-quant reference, on
 one Qwen3-30B-A3B expert's gate_up shape (1536×2048, random weights), float32 and bf16 input,
 1–2048 tokens: prints the relative difference, whether it is bit-equal, and the kernels the
-profiler saw (docs/research-log.md §12.3). Needs a CUDA GPU:
+profiler saw (docs/research/paper-tables.md §12.3). Needs a CUDA GPU:
 ``PYTHONPATH=src python -m benchmarks.diagnostics.kernel_fp32_probe``.
 """
 

@@ -21,7 +21,6 @@ record with this command and the emulation added) and a markdown table beside it
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from torq.experimental import read_record, write_record
 
 # the products whose every tensor argument is an operand, and those whose first is added
 OPERANDS = {
@@ -89,13 +90,13 @@ def main(argv: list[str] | None = None) -> None:
         status = torq_main(["run", *run_args, "--out", str(out)])
     if status:
         raise SystemExit(status)
-    record = json.loads(out.read_text())
+    record = read_record(out)
     record["command"] = "python -m benchmarks.diagnostics.tf32_emulation " + " ".join(argv)
     record["emulation"] = (
         "TF32 rounding (10-bit significand, nearest-even) of every float32 product's "
         "operands while torch.backends.cuda.matmul.allow_tf32 is on, on the CPU"
     )
-    out.write_text(json.dumps(record, indent=1))
+    write_record(out, record)
     lines = [
         f"Command: `{record['command']}`",
         "",

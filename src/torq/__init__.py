@@ -2,7 +2,7 @@
 
 The Python API (:mod:`torq.api`): ``torq.quantize``, ``torq.save``, ``torq.load``,
 ``torq.accelerate``, ``torq.generate``, ``torq.evaluate``, ``torq.quantize_checkpoint`` and
-``torq.compare``;
+``torq.compare``, and ``torq.read_record`` for the records ``torq run --out`` writes;
 imported on first use, so that ``import torq`` stays light.
 """
 
@@ -20,8 +20,9 @@ _API = (
     "quantize_checkpoint",
     "compare",
 )
+_RECORDS = ("read_record",)
 
-__all__ = ["__version__", *_API]
+__all__ = ["__version__", *_API, *_RECORDS]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from torq import api
 
         return getattr(api, name)
+    if name in _RECORDS:
+        from torq import results
+
+        return getattr(results, name)
     raise AttributeError(f"module 'torq' has no attribute {name!r}")

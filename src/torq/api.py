@@ -43,8 +43,9 @@ from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from torq.models.architecture import biased_linears
 from torq.models.loading import model_folder
 from torq.models.streaming import LayerStream
-from torq.paths import check_destination, write_json_atomic
+from torq.paths import check_destination
 from torq.pipeline import run
+from torq.results import write_record
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
 
@@ -466,7 +467,7 @@ def compare(
         record["table"] = markdown_table(record)
         if path is None:
             return
-        write_json_atomic(path, record)
+        write_record(path, record)
         status = "" if record["complete"] else "\n\n(partial: not every method has run yet)"
         path.with_suffix(".md").write_text(f"`{record['command']}`\n\n{record['table']}{status}\n")
 

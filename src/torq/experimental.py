@@ -72,7 +72,14 @@ from torq.models.loading import convert_gguf, resolve_embedded_gguf
 from torq.models.streaming import LayerStream, ResidentPeak, embed_windows
 from torq.paths import check_destination, write_json_atomic
 from torq.pipeline import run
-from torq.results import command_line, machine_info, now_iso, versions
+from torq.results import (
+    command_line,
+    machine_info,
+    now_iso,
+    read_record,
+    versions,
+    write_record,
+)
 from torq.rotations import intra_block
 from torq.rotations.balance import balance_scales, block_mass_permutation, channel_energy
 from torq.rotations.hadamard import hadamard_matrix
@@ -197,6 +204,7 @@ __all__ = [
     "quantize_model",
     "question_scores",
     "quiet_libraries",
+    "read_record",
     "record_setting",
     "reference_linear",
     "register",
@@ -214,4 +222,5 @@ __all__ = [
     "versions",
     "windows_from_text",
     "write_json_atomic",
+    "write_record",
 ]

@@ -88,17 +88,20 @@ def exclusive(target: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, compact: bool = False) -> Path:
     """Write ``obj`` as JSON so that a reader (or a stop) never sees half a file: into a
     temporary file of its own beside ``path`` (its folders made as needed), renamed into
-    place; a value JSON has no form for is written as its ``str``. A failure leaves what
-    was there before, and no temporary file."""
+    place; a value JSON has no form for is written as its ``str``; ``compact``: without
+    indentation or spaces. A failure leaves what was there before, and no temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, default=str)
+            if compact:
+                json.dump(obj, fh, separators=(",", ":"), default=str)
+            else:
+                json.dump(obj, fh, indent=1, default=str)
             fh.write("\n")
         usual_permissions(Path(tmp))
         os.replace(tmp, path)

@@ -66,7 +66,7 @@ from torq.runs.source import (
     saved_info,
     saved_manifest,
     saved_model_dir,
-    saved_run,
+    saved_run_formats,
     streamed_save_dir,
 )
 from torq.runs.store import FolderStore, open_method_resume_dir, ppl_record_name, setting_key
@@ -97,7 +97,10 @@ def run(
     with offload_scratch(config.source.offload_dir) as scratch:
         saved = saved_manifest(config.source.model)
         if saved is not None:
-            config = saved_run(config, saved)
+            formats = saved_run_formats(
+                config.source.model, config.method_names(), config.formats, saved
+            )
+            config = replace(config, formats=formats)
         else:  # each method with its own settings, as the record keeps them
             config = replace(config, methods=tuple(config.specs()))
         # every check before the model is loaded (a saved model's method is not checked: it

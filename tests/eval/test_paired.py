@@ -28,6 +28,7 @@ from torq.runs.store import FolderStore
 pytest.importorskip("lm_eval")
 
 from tests.eval.test_zeroshot import _zeroshot_dir
+from torq.results import read_record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,7 +136,7 @@ def test_kept_answers_are_scored_as_lm_eval_scores_them(
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # python -m benchmarks.NAME from anywhere
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
-    record = json.loads(record_path.read_text())
+    record = read_record(record_path)
     assert record["command"].startswith("zeroshot_paired.py --model tiny")
     right = int(sum(scores["piqa"].values()))
     assert record["methods"]["fp"]["means"]["piqa"] == pytest.approx(right / 6)

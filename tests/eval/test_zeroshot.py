@@ -10,6 +10,7 @@ import pytest
 from torq.cli import main
 from torq.errors import TorqError
 from torq.eval import zeroshot as zs
+from torq.results import read_record
 from torq.runs.store import FolderStore
 
 pytest.importorskip("lm_eval")
@@ -89,7 +90,7 @@ def test_eval_command_on_a_tiny_checkpoint(tiny_checkpoint, tiny_data_dir, tmp_p
     stdout = capsys.readouterr().out
     assert code == 0
     assert "| ARC-E | PIQA | Avg |" in stdout
-    res = json.loads(out.read_text())
+    res = read_record(out)
     for row in res["rows"]:
         z = row["zeroshot"]
         assert set(z["tasks"]) == {"arc_easy", "piqa"}
@@ -135,7 +136,7 @@ def test_streamed_methods_run_their_tasks_on_their_quantized_checkpoint(
     }.items():
         out = tmp_path / f"{name}.json"
         assert main([*common, *extra, "--out", str(out)]) == 0
-        runs[name] = json.loads(out.read_text())["rows"]
+        runs[name] = read_record(out)["rows"]
     assert list((tmp_path / "tmp").iterdir()) == []  # the temporary checkpoints are gone
     for plain, saved, packed, offloaded, with_kept in zip(*runs.values(), strict=True):
         assert plain["ppl"] == saved["ppl"] == packed["ppl"] == offloaded["ppl"]
@@ -157,7 +158,7 @@ def test_streamed_methods_run_their_tasks_on_their_quantized_checkpoint(
     assert not off.exists()  # the run's scratch folder, and the folder it made for it
     out = tmp_path / "fp.json"
     assert main([*common, "--methods", "fp", "--out", str(out)]) == 0  # the last --methods
-    fp = json.loads(out.read_text())["rows"][0]
+    fp = read_record(out)["rows"][0]
     assert fp["method"] == "fp" and set(fp["zeroshot"]["tasks"]) == {"piqa"}
     assert "zeroshot_model" not in fp["details"]
 
@@ -238,10 +239,10 @@ def test_eval_command_keeps_one_cache_per_method(tiny_checkpoint, tiny_data_dir,
     assert main(args) == 0
     dirs = sorted(p.name.split("-")[0] for p in cache.glob("*/*") if p.is_dir())
     assert dirs == ["fp", "rtn"]
-    rows = json.loads((tmp_path / "zs.json").read_text())["rows"]
+    rows = read_record(tmp_path / "zs.json")["rows"]
     assert [r["zeroshot"]["request_cache"]["entries_after"] for r in rows] == [4, 4]
     assert main(args) == 0  # again: each finished row is taken as it was kept
-    again = json.loads((tmp_path / "zs.json").read_text())["rows"]
+    again = read_record(tmp_path / "zs.json")["rows"]
     assert all(r["details"].get("finished_row") for r in again)
     assert [r["zeroshot"]["tasks"] for r in again] == [r["zeroshot"]["tasks"] for r in rows]
 
@@ -277,7 +278,7 @@ def test_eval_command_with_a_seeded_subset(tiny_checkpoint, tiny_data_dir, tmp_p
     ]  # fmt: skip
     assert main([*args, "--subset", "4", "--subset-seed", "2"]) == 0
     assert "4 questions per task drawn with seed 2" in capsys.readouterr().out
-    res = json.loads(out.read_text())
+    res = read_record(out)
     assert res["eval"]["zeroshot_subset"] == {"n": 4, "seed": 2}
     row = res["rows"][0]
     assert row["zeroshot"]["subset"]["questions"] == {"arc_easy": 4, "piqa": 4}

@@ -18,6 +18,7 @@ from torq.export import MANIFEST, is_quantized_checkpoint, load_quantized, save_
 from torq.formats import get_format
 from torq.kernels.linear import PackedMXFP4Linear
 from torq.methods import MethodContext, get_method
+from torq.results import read_record
 from torq.rotations.transform import BlockRotation
 from torq.surgery import QuantConfig, QuantLinear
 from torq.surgery.qlinear import QuantExperts
@@ -316,7 +317,7 @@ def test_cli_saves_and_evaluates_a_saved_model(
     first = tmp_path / "a.json"
     argv = ["run", "--model", str(tiny_checkpoint), "--methods", "fp,rtn,had32"]
     assert main([*argv, *common, "--save-dir", str(save_dir), "--out", str(first)]) == 0
-    rows = {r["method"]: r for r in json.loads(first.read_text())["rows"]}
+    rows = {r["method"]: r for r in read_record(first)["rows"]}
     assert sorted(p.name for p in save_dir.iterdir()) == ["tiny-llama-had32", "tiny-llama-rtn"]
     saved = save_dir / "tiny-llama-had32"
     assert rows["had32"]["details"]["saved"]["path"] == str(saved)
@@ -325,7 +326,7 @@ def test_cli_saves_and_evaluates_a_saved_model(
 
     second = tmp_path / "b.json"
     assert main(["run", "--model", str(saved), *common, "--out", str(second)]) == 0
-    res = json.loads(second.read_text())
+    res = read_record(second)
     (row,) = res["rows"]
     assert row["method"] == "had32" and (row["weights"], row["activations"]) == ("mxfp4",) * 2
     assert row["ppl"] == pytest.approx(rows["had32"]["ppl"], rel=1e-6)
@@ -352,14 +353,14 @@ def test_cli_saves_and_evaluates_a_saved_model(
         main(["run", "--model", str(saved), "--w-format", "mxfp4", *common, "--out", str(third)])
         == 0
     )
-    assert json.loads(third.read_text())["rows"][0]["ppl"] == row["ppl"]
+    assert read_record(third)["rows"][0]["ppl"] == row["ppl"]
     # its layers kept on disk while it is evaluated: the same perplexity, bit for bit, and
     # the scratch folder removed after; a float model has nothing to offload
     off = tmp_path / "off"
     fourth = tmp_path / "d.json"
     argv = ["run", "--model", str(saved), *common, "--offload-dir", str(off), "--out", str(fourth)]
     assert main(argv) == 0
-    offloaded = json.loads(fourth.read_text())["rows"][0]
+    offloaded = read_record(fourth)["rows"][0]
     assert offloaded["ppl"] == row["ppl"]
     assert Path(offloaded["details"]["loaded_from"]["offload_dir"]).parent == off
     assert not off.exists()

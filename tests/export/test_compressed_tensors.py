@@ -15,6 +15,7 @@ from torq.driver import apply_method
 from torq.errors import TorqError
 from torq.formats import get_format, quantize
 from torq.methods import MethodContext, get_method
+from torq.results import read_record
 from torq.surgery import QuantConfig
 
 pytest.importorskip("compressed_tensors")
@@ -175,7 +176,7 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
         "--save-format", "compressed-tensors", "--scale-mode", "nearest",
     ]  # fmt: skip
     assert main([*base, "--methods", "rtn,had32", "--out", str(tmp_path / "r.json")]) == 0
-    row = json.loads((tmp_path / "r.json").read_text())["rows"][1]
+    row = read_record(tmp_path / "r.json")["rows"][1]
     assert row["details"]["saved"]["format"] == "compressed-tensors"
     model = load_compressed_tensors(row["details"]["saved"]["path"])
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -194,7 +195,7 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
     assert not (tmp_path / "t.json").exists()
     nv = [*base, "--methods", "rtn", "--w-format", "nvfp4", "--a-format", "none"]
     assert main([*nv, "--out", str(tmp_path / "n.json"), "--save-dir", str(tmp_path / "n")]) == 0
-    row = json.loads((tmp_path / "n.json").read_text())["rows"][0]
+    row = read_record(tmp_path / "n.json")["rows"][0]
     folder = Path(row["details"]["saved"]["path"])
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized"
@@ -202,7 +203,7 @@ def test_run_saves_compressed_tensors_or_refuses_before_any_work(
     w4a4 += ["--data-dir", str(tiny_calibration_data_dir), "--calib-samples", "2"]
     w4a4 += ["--calib-seqlen", "32"]
     assert main([*w4a4, "--out", str(tmp_path / "w.json"), "--save-dir", str(tmp_path / "w")]) == 0
-    row = json.loads((tmp_path / "w.json").read_text())["rows"][0]
+    row = read_record(tmp_path / "w.json")["rows"][0]
     qc = json.loads((Path(row["details"]["saved"]["path"]) / "config.json").read_text())
     assert (
         qc["quantization_config"]["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
@@ -230,14 +231,14 @@ def test_an_exported_folder_is_not_taken_for_a_float_model(
     out = tmp_path / "ct.json"
     as_is = [a for i, a in enumerate(args) if "--methods" not in args[max(i - 1, 0) : i + 1]]
     assert main([*as_is, "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = read_record(out)["rows"][0]
     assert row["method"] == "compressed-tensors" and row["ppl"] > 0
     # with --packed on torq's kernels (the CPU's reference arithmetic here): transformers'
     # bf16 model up to the kernels' float32 transform (measured on this tiny random model
     # and one window of 32 tokens: 431.0 against 421.6, 2.2 %)
     fast = tmp_path / "fast.json"
     assert main([*as_is, "--packed", "--out", str(fast)]) == 0
-    again = json.loads(fast.read_text())["rows"][0]
+    again = read_record(fast)["rows"][0]
     assert again["ppl"] != row["ppl"] and again["ppl"] == pytest.approx(row["ppl"], rel=0.05)
 
 
@@ -406,7 +407,7 @@ def test_a_streamed_run_saves_compressed_tensors_as_the_whole_run(
     )  # fmt: skip
     rows = {
         "whole": whole_model_run(whole)["rows"],
-        "streamed": json.loads((tmp_path / "streamed.json").read_text())["rows"],
+        "streamed": read_record(tmp_path / "streamed.json")["rows"],
     }
     assert [r["ppl"] for r in rows["whole"]] == [r["ppl"] for r in rows["streamed"]]
     for whole, streamed in zip(rows["whole"], rows["streamed"], strict=True):

@@ -67,7 +67,7 @@ def test_only_quarot_fuses_an_offline_rotation_part_by_part() -> None:
     assert layer_plan(get_method("quarot+gptq"), QuantConfig(None, None), ctx).parts is not None
 
 
-# The resume folders of SmolLM2-135M's full zero-shot rows (docs/research-log.md §5.0), named
+# The resume folders of SmolLM2-135M's full zero-shot rows (docs/research/zero-shot.md §5.0), named
 # by the hash of each method's settings key when they were measured.
 KEPT_ROWS = (
     "gptq-c8af7445d7", "had128-afc12e8be0", "hadfull-20ba38fe04", "quarot-3fa46f9946",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from torq.results import read_record
 from torq.runs.config import RunConfig
 from torq.runs.store import method_resume_dir, setting_digest, setting_key
 
@@ -18,7 +18,7 @@ def test_recorded_rows_keep_their_settings_keys(fmt: str) -> None:
     """A recorded row's settings key is the one its settings make today: a change to how
     settings are keyed would orphan every kept resume folder (their names are its hash);
     this fails first."""
-    record = json.loads((DOCS / f"smollm2-{fmt}-zs300.json").read_text())
+    record = read_record(DOCS / f"smollm2-{fmt}-zs300.json")
     for row in record["rows"]:
         assert setting_key(record["config"], row["method"]) == row["key"]
 

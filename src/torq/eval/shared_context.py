@@ -7,7 +7,7 @@ the model once per choice. :class:`SharedContextHFLM` runs the contexts of sever
 questions once, keeps their key/value cache, and runs the choices on the repeated cache
 rows in batches of similar length. The arithmetic per token is the same (causal attention:
 a context position never sees a continuation), so the scores agree with ``HFLM``'s to float
-rounding; HellaSwag runs 1.8× faster and ARC 2× (``docs/research-log.md`` §5.1).
+rounding; HellaSwag runs 1.8× faster and ARC 2× (``docs/research/zero-shot.md`` §5.1).
 
 Requests whose context is not shared (WinoGrande's partial scoring, LAMBADA), groups whose
 continuations are much longer than the shared context (PIQA: the saving is smaller than the

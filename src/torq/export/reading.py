@@ -312,7 +312,8 @@ class _DiskOffload:
             quiet.setLevel(level)
         # each layer's weights, read from disk and dropped again, leave the heap fragmented:
         # without giving it back the resident set grows by about a layer per layer (measured
-        # on the 0.92B shape: 1.2 GiB after one forward, docs/research-log.md §9.2)
+        # on the 0.92B shape: 1.2 GiB after one forward,
+        # docs/research/streaming-and-engineering.md §9.2)
         for layer in model.get_submodule(layers_name):
             layer.register_forward_hook(lambda *_: return_free_heap())
 

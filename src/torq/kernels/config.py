@@ -1,8 +1,8 @@
 """Kernel launch configurations: which kernel runs for how many tokens, with what tiles.
 
 The defaults are the fastest launches of ``benchmarks/kernel_speed.py`` on an H100 for the
-Llama-3-8B layer shapes (``docs/research-log.md`` §4); :data:`TUNED_CONFIGS` holds per-shape
-winners of that sweep. :mod:`torq.kernels.dispatch` picks a launch with
+Llama-3-8B layer shapes (``docs/research/kernels-and-gpus.md`` §4); :data:`TUNED_CONFIGS`
+holds per-shape winners of that sweep. :mod:`torq.kernels.dispatch` picks a launch with
 :func:`default_config`, :mod:`torq.kernels.launch` runs it.
 """
 
@@ -95,8 +95,8 @@ class KernelConfig:
             raise ValueError("gemv_i8 on several tokens needs its pre-pass (a_mode 1), split_k 1")
 
 
-# Defaults: the fastest launches of benchmarks/kernel_speed.py on an H100 (docs/research-log.md §4)
-# for the Llama-3-8B layer shapes.
+# Defaults: the fastest launches of benchmarks/kernel_speed.py on an H100 for the Llama-3-8B
+# layer shapes (docs/research/kernels-and-gpus.md §4).
 GEMV_CONFIG = KernelConfig(
     block_m=1,
     block_n=4,

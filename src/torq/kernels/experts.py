@@ -10,7 +10,7 @@ same hidden state), each expert's ``down_proj`` transform on that expert's rows;
 float, as in the model. For decode (up to :data:`GROUPED_MAX_SLOTS` token-expert pairs, one
 ``down_proj`` transform for all experts) every pair is a slot of one grouped integer GEMV
 per projection (:func:`grouped_gemv_i8`) instead: a few launches a step, none waiting for
-the host (docs/research-log.md §12.3).
+the host (docs/research/paper-tables.md §12.3).
 """
 
 from __future__ import annotations

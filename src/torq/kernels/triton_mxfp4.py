@@ -6,7 +6,7 @@ element ``2i`` in the low nibble, one E8M0 scale byte per block of 32 along the 
 ``scales uint8 [N, Kp/32]`` with ``Kp = ceil(K/32)·32``.
 
 Kernels (their launchers are in :mod:`torq.kernels.launch`, the default choice per token
-count in :mod:`torq.kernels.config`; measurements in ``docs/research-log.md`` §4):
+count in :mod:`torq.kernels.config`; measurements in ``docs/research/kernels-and-gpus.md`` §4):
 
 * :func:`_mx_gemv_i8_kernel`, one token (decode): since ``2·Q(x)`` and ``2·Q(W)`` are
   integers in [−12, 12], each block of 32 is an exact int32 dot product (``dp4a``),

@@ -172,7 +172,7 @@ HAD32 = register(
     )
 )
 # aligned with NVFP4's 16-element blocks: whether H₃₂'s loss in NVFP4 came from its block
-# size (it did not: both are worse than RTN there, docs/research-log.md §12.2)
+# size (it did not: both are worse than RTN there, docs/research/paper-tables.md §12.2)
 HAD16 = register(
     Method(
         "had16",

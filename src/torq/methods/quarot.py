@@ -75,7 +75,7 @@ class QuaRotTransform(TransformBuilder):
     ) -> dict[str, Any]:
         # the random signs follow the run's seed; "signs" marks QuaRot's Q = diag(s)·H, so
         # models kept or carried from torq's earlier H·diag(s) (whose signs had no effect,
-        # docs/research-log.md §6.1) are never taken for this one
+        # docs/research/comparisons.md §6.1) are never taken for this one
         return {"seed": run.seed, "signs": "before-hadamard"}
 
 

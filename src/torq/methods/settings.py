@@ -17,7 +17,7 @@ from torq.surgery.fusion import RESIDUAL_READERS
 
 # torq's defaults for Algorithm 2 where they differ from the paper's (identity start,
 # K/2 candidate columns): start from the block Hadamard and let every column be a candidate.
-# Measured in docs/research-log.md §3; ``paper_settings()`` restores the paper's reading.
+# Measured in docs/research/method.md §3; ``paper_settings()`` restores the paper's reading.
 TORQ_INTRA_DEFAULTS: dict[str, Any] = {"init": "hadamard", "k_top": 32}
 
 
@@ -80,7 +80,7 @@ class TorqSettings:
     use_intra: bool = True
     inter: InterBlockConfig = knob(factory=InterBlockConfig)
     # torq's Algorithm 2: from the block Hadamard with every column a candidate (the paper:
-    # from I with K/2 candidates, docs/research-log.md §3)
+    # from I with K/2 candidates, docs/research/method.md §3)
     intra: IntraBlockConfig = knob(
         factory=lambda: IntraBlockConfig(**TORQ_INTRA_DEFAULTS),
         paper=lambda intra: replace(intra, init="identity", k_top=None),
@@ -150,7 +150,7 @@ class TorqSettings:
     )
     # the groups that get the calibrated rotations, by the name of a member linear
     # ("o_proj": attention's output projection only); the others get torq-had32's transform
-    # (the balancing and H₃₂). ``None``: every group (docs/research-log.md §10.3)
+    # (the balancing and H₃₂). ``None``: every group (docs/research/method.md §10.3)
     calibrate: tuple[str, ...] | None = knob(
         None,
         paper=None,
@@ -202,7 +202,7 @@ class TorqSettings:
     )
     # a channel permutation after the balancing that gives each block an equal share of
     # rms(x_j)·‖w_j‖ (:func:`torq.rotations.balance.block_mass_permutation`), fitted on the
-    # tokens the intra-block level fits on; intra-block level only (docs/research-log.md §10.3)
+    # tokens the intra-block level fits on; intra-block level only (docs/research/method.md §10.3)
     permute: bool = knob(False, paper=False)
     # fused MoE experts: one down_proj transform fitted on every expert's down_proj input
     # pooled, instead of one per expert from the tokens routed to it (the cheap variant)

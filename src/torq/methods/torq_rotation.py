@@ -29,7 +29,7 @@ no rotation for the named groups, their balancing alone (folded: no online trans
 ``permute`` (``torq-perm``): no calibrated rotation; after the balancing the channels are
 regrouped so that every block carries an equal share of ``rms(x_j)·‖w_j‖``
 (:func:`torq.rotations.balance.block_mass_permutation`), then ``H₃₂``, the permutation
-checked by the guard like a calibrated transform (docs/research-log.md §10.3).
+checked by the guard like a calibrated transform (docs/research/method.md §10.3).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ tokenizer) that :class:`~torq.models.streaming.LayerStream` streams and ``from_p
 loads.
 
 Stored in float32 (the values transformers' own conversion gives, bit for bit, and what
-every number in docs/research-log.md was measured on) or, on request, bfloat16 (half the disk;
+every number in docs/research/ was measured on) or, on request, bfloat16 (half the disk;
 GGUF's block-quantized values are not all bf16 numbers, so this rounds them).
 """
 
@@ -64,7 +64,8 @@ class _ShardWriter:
         self.total += self.pending_bytes
         self.shards += 1
         self.pending, self.pending_bytes = {}, 0
-        give_back_memory()  # freed tensors otherwise stay in the heap (docs/research-log.md §9)
+        # freed tensors otherwise stay in the heap (docs/research/streaming-and-engineering.md §9)
+        give_back_memory()
 
     def close(self) -> None:
         self.flush()

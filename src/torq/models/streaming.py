@@ -76,8 +76,9 @@ def give_back_memory() -> None:
     """Collect garbage and return freed heap memory to the system (glibc's
     ``malloc_trim``). Without it, each layer read and freed leaves ~40 MB of fragmented
     heap behind on an 8B-shaped model, and the resident set grows with the model's depth
-    (measured: docs/research-log.md §9). Inside :func:`collecting_new_objects_only` the
-    collection walks only the objects made since the pass began."""
+    (measured: docs/research/streaming-and-engineering.md §9). Inside
+    :func:`collecting_new_objects_only` the collection walks only the objects made since the
+    pass began."""
     gc.collect()
     return_free_heap()
 
@@ -118,7 +119,8 @@ class ResidentPeak:
     ``interval`` seconds by a daemon thread (Linux, ``/proc/self/statm``; elsewhere every
     peak is ``None``). The kernel's own high-water mark covers the whole process; this one
     can be restarted, so each step of a streamed run (a layer's capture, its quantization,
-    the head) gets its own peak (docs/research-log.md §9: which step makes a run's peak)."""
+    the head) gets its own peak (docs/research/streaming-and-engineering.md §9: which step
+    makes a run's peak)."""
 
     def __init__(self, interval: float = 0.01) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

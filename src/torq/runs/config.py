@@ -42,7 +42,7 @@ class ModelSource:
         help="embedded default, HF folder, .gguf or hub id",
     )
     # what a GGUF model is de-quantized to, once, in the cache: "float32" (transformers'
-    # values; every number in docs/research-log.md) or "bfloat16" (half the disk, rounded)
+    # values; every number in docs/research/) or "bfloat16" (half the disk, rounded)
     gguf_dtype: str = knob(
         "float32",
         flag="--gguf-dtype",

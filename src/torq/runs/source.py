@@ -16,7 +16,7 @@ from torq.export import is_quantized_checkpoint, read_manifest
 from torq.export.compressed_tensors import compressed_tensors_manifest, is_compressed_tensors_folder
 from torq.paths import check_destination
 from torq.results import command_line, now_iso
-from torq.runs.config import Outputs, RunConfig
+from torq.runs.config import Formats, Outputs
 
 
 @contextlib.contextmanager
@@ -62,23 +62,25 @@ class SavedMethod:
         self.name = manifest.get("method") or "saved"
 
 
-def saved_run(config: RunConfig, manifest: dict[str, Any]) -> RunConfig:
-    """``config`` with the saved model's formats; its methods must name the saved method."""
+def saved_run_formats(
+    model: str, methods: list[str], formats: Formats, manifest: dict[str, Any]
+) -> Formats:
+    """The run's ``formats`` as the saved model at ``model`` holds them; the run's
+    ``methods`` must name the saved method."""
     name = manifest.get("method") or "saved"
-    if config.method_names() != [name]:
+    if methods != [name]:
         raise TorqError(
-            f"{config.source.model} holds a model already quantized with '{name}'; evaluate "
-            f"it with --methods {name} (or without --methods). To compare other methods, "
-            "start from the float model."
+            f"{model} holds a model already quantized with '{name}'; evaluate it with "
+            f"--methods {name} (or without --methods). To compare other methods, start from "
+            "the float model."
         )
-    formats = saved_formats(manifest)
-    if formats is None:
-        return config
-    weight_format, act_format, scale_mode = formats
-    saved = replace(
-        config.formats, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
+    saved = saved_formats(manifest)
+    if saved is None:
+        return formats
+    weight_format, act_format, scale_mode = saved
+    return replace(
+        formats, weight_format=weight_format, act_format=act_format, scale_mode=scale_mode
     )
-    return replace(config, formats=saved)
 
 
 def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:

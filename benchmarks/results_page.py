@@ -1,0 +1,825 @@
+"""docs/results.md, written from the records in ``docs/records/``: every number on the page
+is read from its record, and each table lists its records with the commands that made them.
+
+The page's tables are declared below (:data:`PAGE`): a row names, for each of its cells, the
+record and the row in it. A test holds the committed page to this script's output, so a
+number cannot drift from its record. Every other measured row, with its story, is in the
+research notes (``docs/research/``).
+
+Usage: ``python -m benchmarks.results_page`` (writes docs/results.md), or ``--check`` (exit
+status 1 when the committed page differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torq import read_record
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGE_FILE = DOCS / "results.md"
+TASKS = ("arc_challenge", "arc_easy", "hellaswag", "lambada_openai", "piqa", "winogrande")
+TASK_NAMES = ("ARC-C", "ARC-E", "HellaSwag", "LAMBADA", "PIQA", "WinoGrande")
+
+
+class Records:
+    """The records a page reads, each read once, in the order the page first names them."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, path: str) -> dict[str, Any]:
+        if path not in self._read:
+            self._read[path] = read_record(DOCS / "records" / path)
+        return self._read[path]
+
+    def named(self, paths: list[str]) -> list[str]:
+        return list(dict.fromkeys(paths))
+
+
+# ---------------------------------------------------------------------------------------
+# Cells: each reads one number (or a few) from a record and formats it.
+
+
+@dataclass(frozen=True)
+class Ppl:
+    """A perplexity: the row ``method`` of a ``torq run`` record, or a peer's record
+    (``method=None``: its quantized model), with ×FP against ``fp`` (``record:method``)."""
+
+    record: str
+    method: str | None = None
+    fp: str | None = None
+    bold: bool = False
+
+    def value(self, records: Records) -> float:
+        return ppl_of(records(self.record), self.method)
+
+    def render(self, records: Records) -> str:
+        text = f"{self.value(records):.2f}"
+        if self.fp is not None:
+            path, _, method = self.fp.partition(":")
+            ratio = self.value(records) / ppl_of(records(path), method or None)
+            text = f"{text} ({ratio:.2f})"
+        return f"**{text}**" if self.bold else text
+
+    def paths(self) -> list[str]:
+        return [self.record] + ([self.fp.partition(":")[0]] if self.fp else [])
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The whole test's ×FP estimated from a sample of its windows, with its 95 % interval:
+    the row ``row`` of a ``benchmarks.ppl_paired`` record."""
+
+    record: str
+    row: str
+    bold: bool = False
+
+    def render(self, records: Records) -> str:
+        (found,) = [r for r in records(self.record)["rows"] if r["row"] == self.row]
+        ratio = f"**{found['ratio']:.3f}**" if self.bold else f"{found['ratio']:.3f}"
+        return f"{ratio} ({found['low']:.3f}–{found['high']:.3f})"
+
+    def paths(self) -> list[str]:
+        return [self.record]
+
+
+@dataclass(frozen=True)
+class ZeroShotGap:
+    """FP's six-task average less a row's, in points: paired question by question (a
+    ``benchmarks.zeroshot_paired`` record's pair ``fp:method``, ± its standard error), or
+    over every question of a ``torq run`` record's rows, not paired (``paired=False``)."""
+
+    record: str
+    method: str
+    paired: bool = True
+
+    def render(self, records: Records) -> str:
+        record = records(self.record)
+        if self.paired:
+            (pair,) = [p for p in record["pairs"] if (p["a"], p["b"]) == ("fp", self.method)]
+            average = pair["average"]
+            return f"{100 * average['diff']:.1f} ± {100 * average['stderr']:.1f}"
+        rows = {r["method"]: r for r in record["rows"]}
+        gap = rows["fp"]["zeroshot"]["average"] - rows[self.method]["zeroshot"]["average"]
+        return f"{100 * gap:.1f}⁺"
+
+    def paths(self) -> list[str]:
+        return [self.record]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Two calibration seeds' spread: the larger perplexity over the smaller, less one."""
+
+    a: Ppl
+    b: Ppl
+
+    def render(self, records: Records) -> str:
+        x, y = self.a.value(records), self.b.value(records)
+        return f"{100 * (max(x, y) / min(x, y) - 1):.1f} %"
+
+    def paths(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class Field:
+    """Any number of a record, found by ``find`` and formatted by ``fmt``."""
+
+    record: str
+    find: Callable[[dict[str, Any]], float]
+    fmt: str = "{:.2f}"
+
+    def render(self, records: Records) -> str:
+        return self.fmt.format(self.find(records(self.record)))
+
+    def paths(self) -> list[str]:
+        return [self.record]
+
+
+Cell = Ppl | Estimate | ZeroShotGap | Spread | Field | str
+
+
+def ppl_of(record: dict[str, Any], method: str | None) -> float:
+    """A perplexity of a record: a ``torq run`` row, a peer's quantized model, or (``fp``)
+    a peer's float model."""
+    if "rows" in record:
+        (row,) = [r for r in record["rows"] if r["method"] == method]
+        return float(row["ppl"])
+    return float(record["fp" if method == "fp" else "quantized"]["ppl"])
+
+
+# ---------------------------------------------------------------------------------------
+# Tables and the page.
+
+
+@dataclass(frozen=True)
+class Table:
+    """A heading, the text before the table, its columns and rows, the text after it."""
+
+    heading: str
+    before: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+    after: str = ""
+    align: tuple[str, ...] = field(default=())
+
+    def render(self, records: Records) -> list[str]:
+        align = self.align or ("---",) + ("---:",) * (len(self.columns) - 1)
+        lines = [f"## {self.heading}", "", *_paragraph(self.before), ""]
+        lines.append("| " + " | ".join(self.columns) + " |")
+        lines.append("| " + " | ".join(align) + " |")
+        for row in self.rows:
+            cells = [c if isinstance(c, str) else c.render(records) for c in row]
+            lines.append("| " + " | ".join(cells) + " |")
+        if self.after:
+            lines += ["", *_paragraph(self.after)]
+        paths = [p for row in self.rows for c in row if not isinstance(c, str) for p in _paths(c)]
+        lines += ["", "Records (in `docs/records/`) and the commands that made them:", ""]
+        lines += [_source(path, records(path)) for path in records.named(paths)]
+        return [*lines, ""]
+
+
+def _paths(cell: Cell) -> list[str]:
+    if isinstance(cell, Spread):
+        return cell.a.paths() + cell.b.paths()
+    return cell.paths()  # type: ignore[union-attr]
+
+
+def _paragraph(text: str) -> list[str]:
+    """``text`` (paragraphs separated by blank lines) wrapped at 92 characters."""
+    import textwrap
+
+    out: list[str] = []
+    for para in text.strip().split("\n\n"):
+        out += textwrap.wrap(" ".join(para.split()), 92, break_on_hyphens=False)
+        out.append("")
+    return out[:-1]
+
+
+_SCRIPTS = {p.name: p for p in (ROOT / "benchmarks").rglob("*.py")}
+# Options renamed since a record was made, by their present names (the page's commands run)
+RENAMED = {"--torq-unrotated": "--unrotated"}
+
+
+def command_of(record: dict[str, Any]) -> str:
+    """The record's command as a reader runs it: a benchmark script as ``python -m``, the
+    command line's ``python -m torq.cli`` as ``torq``, an option renamed since by its
+    present name (:data:`RENAMED`), without ``--out`` and ``--no-progress`` (where it wrote
+    and whether it drew bars)."""
+    words = record["command"].split()
+    if words[:3] == ["python", "-m", "torq.cli"] or words[0].endswith("/python"):
+        words = ["torq", *words[3:]] if words[1:3] == ["-m", "torq.cli"] else words
+    elif words[0] in _SCRIPTS:
+        module = _SCRIPTS[words[0]].relative_to(ROOT).with_suffix("")
+        words = ["python", "-m", ".".join(module.parts), *words[1:]]
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--out":
+            skip = True
+        elif word != "--no-progress" and not word.startswith("--out="):
+            kept.append(RENAMED.get(word, word))
+    return " ".join(kept)
+
+
+def _source(path: str, record: dict[str, Any]) -> str:
+    machine = (record.get("machine") or {}).get("cpu") or "CPU"
+    machine = re.sub(r"\(R\)| Processor", "", machine).strip()
+    date = str(record.get("date") or record.get("created") or "")[:10]
+    when = ", ".join(x for x in (machine, date) if x)
+    return f"- `{path}`: `{command_of(record)}` ({when})"
+
+
+# ---------------------------------------------------------------------------------------
+# The page.
+
+S = "recipes/smollm2-16w.json"  # SmolLM2's FP on the first 16 windows
+Q = "recipes/qwen-16w.json"  # Qwen's
+Z = "zeroshot/smollm2.json"  # SmolLM2's full test and every question of the six tasks
+ZP = "zeroshot/smollm2-recipes-subset200-paired.json"
+QS = "recipes/qwen-sample32-paired.json"
+P = "comparison/peers/"
+
+
+def _smol(record: str, method: str | None = None, bold: bool = False) -> Ppl:
+    return Ppl(record, method, fp=f"{S}:fp", bold=bold)
+
+
+def _smol_full(record: str, method: str | None = None, bold: bool = False) -> Ppl:
+    return Ppl(record, method, fp=f"{Z}:fp", bold=bold)
+
+
+def _qwen(record: str, method: str | None = None, bold: bool = False) -> Ppl:
+    return Ppl(record, method, fp=f"{Q}:fp", bold=bold)
+
+
+def _seeds(a: Ppl, b: Ppl) -> tuple[Cell, Cell, Cell]:
+    return a, b, Spread(a, b)
+
+
+SMOLLM2 = Table(
+    "SmolLM2-135M",
+    """PPL on WikiText-2's test (×FP in brackets): the first 16 windows with two calibration
+    seeds (`--calib-seed 0` and `1`; the spread is the larger over the smaller, less one),
+    and the full test (147 windows). Calibration on 32 windows. "Zero-shot" is FP's average
+    over the six tasks less the row's, in points: paired question by question on a seeded
+    subset of 200 questions per task, ± its standard error, or ⁺ over every question, not
+    paired. Rows marked "peer" were made by that project's own code
+    (`benchmarks/peers/`).""",
+    ("row", "16 windows, seed 0", "seed 1", "spread", "full test", "zero-shot"),
+    (
+        ("FP", Ppl(S, "fp"), "", "", Ppl(Z, "fp"), "0"),
+        (
+            "`default` (`torq-had32+gptaq`, folded, `nearest`)",
+            *_seeds(
+                _smol("recipes/smollm2-gptaq-16w.json", "torq-had32+gptaq", True),
+                _smol("recipes/smollm2-default-seed1-16w.json", "torq-had32+gptaq"),
+            ),
+            _smol_full("recipes/smollm2-default-gptaq-full.json", "torq-had32+gptaq", True),
+            ZeroShotGap(ZP, "torq-had32+gptaq"),
+        ),
+        (
+            "`best-ppl` (`torq+gptaq`, `nearest`)",
+            *_seeds(
+                _smol("recipes/smollm2-torq-gptaq-16w.json", "torq+gptaq", True),
+                _smol("recipes/smollm2-seed1-16w.json", "torq+gptaq", True),
+            ),
+            _smol_full("recipes/smollm2-torq-gptaq-full-zs.json", "torq+gptaq", True),
+            ZeroShotGap(ZP, "torq+gptaq"),
+        ),
+        (
+            "WUSH with GPTQ, torq's (`wush+gptq`, `nearest`)",
+            *_seeds(
+                _smol("recipes/smollm2-wush-16w.json", "wush+gptq"),
+                _smol("recipes/smollm2-seed1-16w.json", "wush+gptq"),
+            ),
+            _smol_full("recipes/smollm2-wush-gptq-full-zs.json", "wush+gptq"),
+            ZeroShotGap(ZP, "wush+gptq"),
+        ),
+        (
+            "WUSH from its own code, its GPTQ (peer)",
+            *_seeds(
+                _smol(P + "wush-gptq-smollm2-16w.json"),
+                _smol(P + "wush-gptq-seed1-smollm2-16w.json"),
+            ),
+            _smol_full(P + "wush-gptq-smollm2-full.json"),
+            ZeroShotGap(ZP, "wush-code-gptq"),
+        ),
+        (
+            "`torq+gptq` (`ocp`)",
+            *_seeds(
+                _smol("method-value/smollm2-gptq-rows-16w.json", "torq+gptq"),
+                _smol("method-value/smollm2-gptq-rows-seed1-16w.json", "torq+gptq"),
+            ),
+            _smol_full(Z, "torq+gptq"),
+            ZeroShotGap(Z, "torq+gptq", paired=False),
+        ),
+        (
+            "`torq-had32+gptq` (folded, `nearest`)",
+            *_seeds(
+                _smol(S, "torq-had32+gptq"),
+                _smol("recipes/smollm2-had32-gptq-folded-seed1-16w.json", "torq-had32+gptq"),
+            ),
+            _smol_full("recipes/smollm2-default-full.json", "torq-had32+gptq"),
+            "—",
+        ),
+        (
+            "`had32+gptaq` (`nearest`, no balancing)",
+            *_seeds(
+                _smol("recipes/smollm2-had32-gptaq-16w.json", "had32+gptaq"),
+                _smol("recipes/smollm2-had32-gptaq-seed1-16w.json", "had32+gptaq"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "torq's WUSH, RTN weights (`wush`, `nearest`)",
+            *_seeds(
+                _smol("recipes/smollm2-wush-16w.json", "wush"),
+                _smol("recipes/smollm2-wush-had32gptq-seed1-16w.json", "wush"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "MR-GPTQ, built in torq (`mr-gptq`)",
+            *_seeds(
+                _smol("method-value/smollm2-gptq-rows-16w.json", "mr-gptq"),
+                _smol("method-value/smollm2-gptq-rows-seed1-16w.json", "mr-gptq"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "`had32+gptq` (`ocp`)",
+            *_seeds(
+                _smol("method-value/smollm2-gptq-rows-16w.json", "had32+gptq"),
+                _smol("method-value/smollm2-gptq-rows-seed1-16w.json", "had32+gptq"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "`had32+gptq` (`nearest`)",
+            *_seeds(
+                _smol("recipes/smollm2-wush-16w.json", "had32+gptq"),
+                _smol("recipes/smollm2-wush-had32gptq-seed1-16w.json", "had32+gptq"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "WUSH from its own code, RTN weights (peer)",
+            *_seeds(
+                _smol(P + "wush-rtn-smollm2-16w.json"),
+                _smol(P + "wush-rtn-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "Brevitas: Qronos after its QuaRot rotations (peer, `ocp`)",
+            *_seeds(
+                _smol(P + "brevitas-qronos-smollm2-16w.json"),
+                _smol(P + "brevitas-qronos-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "FlatQuant, learned transforms, RTN (peer, `nearest`; 1.7 % of its paper's training)",
+            *_seeds(
+                _smol(P + "flatquant-nearest-smollm2-16w.json"),
+                _smol(P + "flatquant-nearest-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "Brevitas: GPTQ after its QuaRot rotations (peer, `ocp`)",
+            *_seeds(
+                _smol(P + "brevitas-gptq-smollm2-16w.json"),
+                _smol(P + "brevitas-gptq-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "SpinQuant, learned rotations, its GPTQ (peer, `nearest`; 12.5 % of its window-steps)",
+            *_seeds(
+                _smol(P + "spinquant-gptq-nearest-smollm2-16w.json"),
+                _smol(P + "spinquant-gptq-nearest-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "SpinQuant, the same, RTN weights (peer)",
+            *_seeds(
+                _smol(P + "spinquant-nearest-smollm2-16w.json"),
+                _smol(P + "spinquant-nearest-seed1-smollm2-16w.json"),
+            ),
+            "—",
+            "—",
+        ),
+        (
+            "`fast` (`had32`; `nearest`, the full test `ocp`)",
+            _smol(S, "had32"),
+            "",
+            "",
+            _smol_full(Z, "had32"),
+            ZeroShotGap(Z, "had32", paired=False),
+        ),
+        (
+            "`rtn` (`nearest`, the full test `ocp`)",
+            _smol(S, "rtn"),
+            "",
+            "",
+            _smol_full(Z, "rtn"),
+            ZeroShotGap(Z, "rtn", paired=False),
+        ),
+        (
+            "AMD Quark, QuaRot's rotations, RTN (peer, `ocp`)",
+            _smol(P + "quark-floor-smollm2-16w.json"),
+            "",
+            "",
+            "—",
+            "—",
+        ),
+        (
+            "Brevitas, its QuaRot rotations, RTN (peer, `ocp`)",
+            _smol(P + "brevitas-rtn-smollm2-16w.json"),
+            "",
+            "",
+            "—",
+            "—",
+        ),
+    ),
+    """— not measured. Every peer is behind the `default`; only `best-ppl` (TORQ's
+    calibrated rotations, which no engine serves) is lower.""",
+    align=("---", "---:", "---:", "---:", "---:", "---:"),
+)
+
+QWEN = Table(
+    "Qwen2.5-Coder-0.5B",
+    """PPL on WikiText-2's first 16 windows (×FP in brackets) with two calibration seeds,
+    and the whole test's ×FP estimated from 32 of its 145 windows drawn at random
+    (`--window-sample 32`), with its 95 % interval (a full-test row costs about three
+    core-hours here). Calibration on 16 windows. Every linear is rotated (`torq quantize
+    --rotate-biased`); as `torq quantize` writes Qwen2 by default (its q/k/v, which have
+    biases, unrotated, so that vLLM loads the folder) see the two "as served" rows.""",
+    ("row", "16 windows, seed 0", "seed 1", "spread", "whole test ×FP, estimated"),
+    (
+        ("FP", Ppl(Q, "fp"), "", "", "1"),
+        (
+            "`default` (`torq-had32+gptaq`, folded, `nearest`)",
+            *_seeds(
+                _qwen(Q, "torq-had32+gptaq", True),
+                _qwen("recipes/qwen-default-seed1-16w.json", "torq-had32+gptaq"),
+            ),
+            Estimate(QS, "qwen-default-sample32:torq-had32+gptaq", True),
+        ),
+        (
+            "the `default` as served (q/k/v unrotated)",
+            _qwen("recipes/qwen-default-unrotated-qkv-16w.json", "torq-had32+gptaq"),
+            "",
+            "",
+            "—",
+        ),
+        (
+            "`had32+gptaq` (`nearest`, no balancing)",
+            *_seeds(
+                _qwen("recipes/qwen-had32-gptaq-16w.json", "had32+gptaq", True),
+                _qwen("recipes/qwen-had32-gptaq-seed1-16w.json", "had32+gptaq", True),
+            ),
+            Estimate(QS, "qwen-had32-gptaq-sample32:had32+gptaq", True),
+        ),
+        (
+            "`had32+gptq` (`nearest`)",
+            *_seeds(
+                _qwen("recipes/qwen-had32-gptq-16w.json", "had32+gptq"),
+                _qwen("recipes/qwen-had32-gptq-seed1-16w.json", "had32+gptq"),
+            ),
+            Estimate(QS, "qwen-had32-gptq-sample32:had32+gptq", True),
+        ),
+        (
+            "`best-ppl` (`torq+gptaq`, `nearest`; estimate: seed 1)",
+            *_seeds(
+                _qwen("recipes/qwen-torq-gptaq-16w.json", "torq+gptaq"),
+                _qwen("recipes/qwen-torq-gptaq-seed1-16w.json", "torq+gptaq"),
+            ),
+            Estimate(QS, "qwen-torq-gptaq-seed1-sample32:torq+gptaq"),
+        ),
+        (
+            "`torq-had32+gptq` (folded, `nearest`)",
+            *_seeds(
+                _qwen("recipes/qwen-torq-had32-gptq-16w.json", "torq-had32+gptq"),
+                _qwen("recipes/qwen-torq-had32-gptq-seed1-16w.json", "torq-had32+gptq"),
+            ),
+            Estimate(QS, "qwen-torq-had32-gptq-sample32:torq-had32+gptq"),
+        ),
+        (
+            "WUSH from its own code, its GPTQ (peer)",
+            *_seeds(
+                _qwen(P + "wush-gptq-qwen-16w.json"),
+                _qwen(P + "wush-gptq-qwen-seed1-16w.json"),
+            ),
+            Estimate(QS, "wush-gptq-qwen-sample32:wush"),
+        ),
+        (
+            "MR-GPTQ, built in torq (`mr-gptq`; estimate: seed 1)",
+            *_seeds(
+                _qwen("recipes/qwen-mr-gptq-16w.json", "mr-gptq"),
+                _qwen("recipes/qwen-mr-gptq-seed1-16w.json", "mr-gptq"),
+            ),
+            Estimate(QS, "qwen-mr-gptq-seed1-sample32:mr-gptq"),
+        ),
+        (
+            "torq's WUSH with GPTQ (`wush+gptq`, `nearest`)",
+            *_seeds(
+                _qwen("recipes/qwen-wush-gptq-16w.json", "wush+gptq"),
+                _qwen("recipes/qwen-wush-gptq-seed1-16w.json", "wush+gptq", True),
+            ),
+            Estimate(QS, "qwen-wush-gptq-sample32:wush+gptq"),
+        ),
+        (
+            "torq's WUSH, RTN weights (`wush`, `nearest`)",
+            *_seeds(
+                _qwen("recipes/qwen-wush-rtn-16w.json", "wush"),
+                _qwen("recipes/qwen-wush-rtn-seed1-16w.json", "wush"),
+            ),
+            "—",
+        ),
+        (
+            "WUSH from its own code, RTN weights (peer)",
+            *_seeds(
+                _qwen(P + "wush-rtn-qwen-16w.json"),
+                _qwen(P + "wush-rtn-qwen-seed1-16w.json"),
+            ),
+            "—",
+        ),
+        (
+            "`fast` (`had32`, `nearest`)",
+            _qwen(Q, "had32"),
+            "",
+            "",
+            Estimate(QS, "qwen-had32-sample32:had32"),
+        ),
+        (
+            "`fast` as served (q/k/v unrotated)",
+            _qwen("recipes/qwen-fast-unrotated-qkv-16w.json", "had32"),
+            "",
+            "",
+            "—",
+        ),
+        (
+            "`rtn` (`nearest`)",
+            _qwen("recipes/qwen-rtn-16w.json", "rtn"),
+            "",
+            "",
+            Estimate(QS, "qwen-rtn-sample32:rtn"),
+        ),
+        (
+            "AMD Quark, QuaRot's R1 and R2, RTN (peer)",
+            _qwen(P + "quark-r1r2-qwen-16w.json"),
+            "",
+            "",
+            "—",
+        ),
+        (
+            "llm-compressor, SpinQuant's rotations, RTN (peer)",
+            _qwen(P + "llmcompressor-qwen-16w.json"),
+            "",
+            "",
+            "—",
+        ),
+        (
+            "Brevitas, its QuaRot rotations, RTN (peer, `ocp`)",
+            _qwen(P + "brevitas-rtn-qwen-16w.json"),
+            "",
+            "",
+            "—",
+        ),
+    ),
+    """— not measured. On Qwen's whole test the `default` is level with the plain 32-block
+    Hadamard with GPTQ or GPTAQ (no balancing), and ahead of every peer.""",
+)
+
+
+def _task(record: str, method: str, task: str) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (row,) = [x for x in r["rows"] if x["method"] == method]
+        return 100 * row["zeroshot"]["tasks"][task]["value"]
+
+    return Field(record, find, "{:.1f}")
+
+
+def _average(record: str, method: str) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (row,) = [x for x in r["rows"] if x["method"] == method]
+        return 100 * row["zeroshot"]["average"]
+
+    return Field(record, find, "{:.1f}")
+
+
+def _zeroshot_row(method: str) -> tuple[Cell, ...]:
+    return (
+        f"`{method}`" if method != "fp" else "FP",
+        _smol_full(Z, method) if method != "fp" else Ppl(Z, "fp"),
+        *(_task(Z, method, t) for t in TASKS),
+        _average(Z, method),
+    )
+
+
+ZEROSHOT = Table(
+    "SmolLM2-135M: the paper's methods on the full test and the six tasks",
+    """Perplexity on the full test (×FP in brackets) and the six zero-shot tasks of the
+    paper through lm-evaluation-harness (0-shot, every question, `acc_norm` where defined),
+    `ocp` scales, calibration on 32 windows.""",
+    ("method", "PPL", *TASK_NAMES, "average"),
+    tuple(
+        _zeroshot_row(m)
+        for m in (
+            "fp",
+            "torq+gptq",
+            "torq",
+            "torq-had32",
+            "torq-intra",
+            "torq-inter",
+            "had32",
+            "had128",
+            "hadfull",
+            "gptq",
+            "rtn",
+            "quarot",
+        )
+    ),
+)
+
+
+def _pair_cell(method: str, task: str | None) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (pair,) = [p for p in r["pairs"] if (p["a"], p["b"]) == ("fp", method)]
+        return 100 * (pair["average"] if task is None else pair["tasks"][task])["diff"]
+
+    return Field(ZP, find, "{:+.1f}")
+
+
+def _pair_error(method: str, task: str | None) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (pair,) = [p for p in r["pairs"] if (p["a"], p["b"]) == ("fp", method)]
+        return 100 * (pair["average"] if task is None else pair["tasks"][task])["stderr"]
+
+    return Field(ZP, find, "± {:.1f}")
+
+
+PAIRED = Table(
+    "SmolLM2-135M: the recipes on the six tasks, question by question",
+    """200 questions of each task drawn at random (seed 0, the same for every row), each
+    row's answers compared with FP's on the same questions: FP less the row, points, and
+    the paired standard error below each. WUSH's own code: its calibration seed 1.""",
+    ("FP − row", *TASK_NAMES, "average"),
+    tuple(
+        row
+        for label, method in (
+            ("`default`", "torq-had32+gptaq"),
+            ("`best-ppl`", "torq+gptaq"),
+            ("`wush+gptq`", "wush+gptq"),
+            ("WUSH's own code, GPTQ (peer)", "wush-code-gptq"),
+        )
+        for row in (
+            (label, *(_pair_cell(method, t) for t in (*TASKS, None))),
+            ("", *(_pair_error(method, t) for t in (*TASKS, None))),
+        )
+    ),
+)
+
+
+def _export(record: str, method: str, key: str) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (row,) = [x for x in r["rows"] if x["method"] == method]
+        return row[key]
+
+    return Field(record, find, "{:.3f}")
+
+
+def _export_gap(record: str, method: str) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        (row,) = [x for x in r["rows"] if x["method"] == method]
+        return 100 * abs(row["transformers"] / row["torq_nearest"] - 1)
+
+    return Field(record, find, "{:.2f} %")
+
+
+SERVED = Table(
+    "Served through transformers",
+    """A compressed-tensors folder loaded through transformers (bf16, its Hadamard
+    re-attached) against torq's own model of the same settings, the same windows;
+    calibration on 8 windows. [serving.md](serving.md) has vLLM.""",
+    ("model", "torq", "transformers", "gap", "windows"),
+    (
+        (
+            "`torq-had32`, folded",
+            _export("export/smollm2-ct-full-h200.json", "torq-had32", "torq_nearest"),
+            _export("export/smollm2-ct-full-h200.json", "torq-had32", "transformers"),
+            _export_gap("export/smollm2-ct-full-h200.json", "torq-had32"),
+            "full test, an H200",
+        ),
+        (
+            "`had32`",
+            _export("export/smollm2-ct-full-h200.json", "had32", "torq_nearest"),
+            _export("export/smollm2-ct-full-h200.json", "had32", "transformers"),
+            _export_gap("export/smollm2-ct-full-h200.json", "had32"),
+            "full test, an H200",
+        ),
+        (
+            "`torq-had32`, folded",
+            _export("export/smollm2-ct-40w.json", "torq-had32", "torq_nearest"),
+            _export("export/smollm2-ct-40w.json", "torq-had32", "transformers"),
+            _export_gap("export/smollm2-ct-40w.json", "torq-had32"),
+            "40, CPU",
+        ),
+    ),
+)
+
+
+def _peak(record: str) -> Field:
+    def find(r: dict[str, Any]) -> float:
+        row = r["rows"][0]
+        rss = row.get("peak_rss_bytes") or r.get("peak_memory", {}).get("host_rss_bytes")
+        return rss / 2**30
+
+    return Field(record, find, "{:.2f} GiB")
+
+
+MEMORY = Table(
+    "Memory",
+    """Every run streams the checkpoint one decoder layer at a time
+    ([large-models.md](large-models.md)); the peak resident set of the whole run. The larger
+    shapes have random weights (their perplexities mean nothing).""",
+    ("what", "peak resident set"),
+    (
+        (
+            "SmolLM2-135M, `fp,rtn,had32+gptq` on 16 windows",
+            _peak("one-path/smollm2-16w-streamed.json"),
+        ),
+        ("a 0.47B Llama shape, `rtn`, 8 windows", _peak("scale/llama-0.4b-rtn-no-flags.json")),
+        (
+            "Llama-3-8B's shape, `torq` through all 32 layers, 8 calibration windows",
+            _peak("scale/8b-torq.json"),
+        ),
+        ("Llama-3-70B's widths, 2 layers, `rtn`, streamed and saved", _peak("scale/70b-2l.json")),
+    ),
+)
+
+INTRO = """All rows are MXFP4 W4A4 (weights and activations), perplexity on WikiText-2's test
+text in windows of 2048 tokens, measured on 2-core CPU machines (an AMD EPYC or an Intel
+Xeon VM, 23.5 GiB, no GPU; each record names which) unless a row says otherwise. The same
+command gives the same numbers bit for bit on one machine; another CPU kind moves a W4A4
+row by 0.2–0.6 %. FP is the embedded GGUF files' weights, dequantized (SmolLM2-135M's
+Q4_1, Qwen2.5-Coder-0.5B's Q5_0 and Q6_K).
+
+This page is written from the records by `python -m benchmarks.results_page`: each number
+is read from the record listed under its table. The [research notes](research/README.md)
+hold how each row was reached, every other row measured (the [rows in
+detail](research/rows.md)), and the attempts that did not pay."""
+
+PAGE = (SMOLLM2, QWEN, ZEROSHOT, PAIRED, SERVED, MEMORY)
+
+
+def render() -> str:
+    """The whole page."""
+    records = Records()
+    lines = ["# Results", "", *_paragraph(INTRO), ""]
+    for table in PAGE:
+        lines += table.render(records)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    args = parser.parse_args(argv)
+    page = render()
+    if args.check:
+        same = PAGE_FILE.read_text() == page
+        print("docs/results.md is the records' page" if same else "docs/results.md differs")
+        return 0 if same else 1
+    PAGE_FILE.write_text(page)
+    print(f"wrote {PAGE_FILE.relative_to(ROOT)} ({page.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
