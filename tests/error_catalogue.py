@@ -32,6 +32,9 @@ def _cases() -> list[ErrorCase]:
     def quantize(*a: str, what: str = "") -> ErrorCase:
         return ErrorCase(("quantize", *a), QUANTIZE, what)
 
+    def smol(*a: str, what: str = "") -> ErrorCase:
+        return quantize("smollm2-135m", "--out", "q", *a, what=what)
+
     def model(*a: str, what: str = "") -> ErrorCase:
         return ErrorCase(a, MODELS, what)
 
@@ -54,7 +57,8 @@ def _cases() -> list[ErrorCase]:
         run("--methods", "rtn", "--out", "afolder", what="`afolder` is a folder"),
         run("--methods", "rtn", "--save-dir", "afile"),
         run("--methods", "rtn", "--packed"),
-        run("--methods", "torq", "--calib-corpus", "nowhere.txt"),
+        run("--methods", "torq", "--calib-data", "nowhere.txt"),
+        run("--methods", "torq", "--calib-data", "stdlib"),
         run("--methods", "fp", "--eval-corpus", "wikipedia"),
         run("--methods", "rtn", "--data-dir", "/nonexistent"),
         run("--methods", "torq-had32", "--save-dir", "s", "--save-format", "compressed-tensors"),
@@ -88,7 +92,14 @@ def _cases() -> list[ErrorCase]:
             "--save-format",
             "compressed-tensors",
         ),
-        quantize("smollm2-135m", "--out", "q", "--calib-corpus", "nowhere.txt"),
+        smol("--calib-data", "nowhere.txt"),
+        smol("--calib-data", "empty.jsonl", what="an empty file"),
+        smol("--calib-data", "prompts.jsonl", what="records with a `prompt` field only"),
+        smol("--calib-data", "prompts.jsonl#question"),
+        smol("--calib-data", "chats.jsonl", what="`messages` that are a string"),
+        smol("--calib-data", "wikitext2-valid:100,prompts.jsonl#prompt:100"),
+        smol("--ignore", "dwn_proj"),
+        smol("--ignore", "re:(q|k"),
         quantize("smollm2-135m", "--out", "occ", what="`occ` holds a file"),
         quantize("smollm2-135m", "--out", "occ/f"),
         quantize("smollm2-135m", "--out", "q", "--device", "banana"),
@@ -127,6 +138,9 @@ def lay_out(folder: Path, tiny_folder: Callable[[str, Path], None]) -> None:
     from torq.models.loading import resolve_embedded_gguf
 
     (folder / "afile").write_text("x")
+    (folder / "empty.jsonl").write_text("")
+    (folder / "prompts.jsonl").write_text('{"prompt": "Say hello."}\n')
+    (folder / "chats.jsonl").write_text('{"messages": "Say hello."}\n')
     (folder / "afolder").mkdir()
     (folder / "occ").mkdir()
     (folder / "occ" / "f").write_text("x")
@@ -149,8 +163,8 @@ input; the test suite runs every one of them and fails when this page says other
 
 The examples run in a folder holding `afile` (a file), `afolder` (an empty folder), `occ`
 (a folder with a file in it), `bad/config.json` (not JSON), `cut.gguf` (the first MiB of a
-GGUF file) and two tiny model folders; `smollm2-135m` is the embedded default model, and
-the model of a `torq run` without `--model`.
+GGUF file), three small JSON lines files and two tiny model folders; `smollm2-135m` is the
+embedded default model, and the model of a `torq run` without `--model`.
 """
 
 TAIL = """

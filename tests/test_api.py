@@ -434,3 +434,133 @@ def test_the_python_snippets_of_the_docs_run(
     scope: dict = {"TINY": str(tiny_checkpoint), "print": lambda *a: None}
     exec(snippet, scope)  # the documentation's own lines
     assert "model" in scope or "record" in scope
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_quantize_goes_on_where_it_stopped(
+    tmp_path: Path, tiny_checkpoint: Path, tiny_calibration_data_dir: Path, monkeypatch, capsys
+) -> None:
+    """``torq quantize`` stopped in its second layer leaves no folder at ``--out``; the same
+    command again calibrates and quantizes only the layers after the last one it finished,
+    and writes the folder the uninterrupted command writes, tensor for tensor."""
+    import torq.driver.progress as progress
+    import torq.pipeline
+
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # keep every layer
+    data = str(tiny_calibration_data_dir)
+    argv = ["--data-dir", data, *CALIB_ARGS]
+    whole = tmp_path / "whole"
+    assert main(["quantize", str(tiny_checkpoint), "--out", str(whole), *argv]) == 0
+    real_plan = torq.pipeline.layer_plan
+    seen: list[int] = []
+    stop_at = [1]
+
+    def stopping_plan(method, qconfig, ctx):
+        plan = real_plan(method, qconfig, ctx)
+        quantize = plan.quantize
+
+        def step(li, layer, groups, stats):
+            seen.append(li)
+            if li == stop_at[0]:
+                raise _Stop
+            return quantize(li, layer, groups, stats)
+
+        plan.quantize = step
+        return plan
+
+    monkeypatch.setattr(torq.pipeline, "layer_plan", stopping_plan)
+    out = tmp_path / "q"
+    with pytest.raises(_Stop):
+        main(["quantize", str(tiny_checkpoint), "--out", str(out), *argv])
+    assert not out.exists() and (tmp_path / ".q.partial").is_dir()
+    seen.clear()
+    stop_at[0] = -1
+    assert main(["quantize", str(tiny_checkpoint), "--out", str(out), *argv]) == 0
+    assert seen == [1]  # the tiny model's second and last layer only
+    assert "went on from layer 1" in capsys.readouterr().out
+    assert not (tmp_path / ".q.partial").exists()
+    ours, theirs = _folder_tensors(out), _folder_tensors(whole)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize(
+    ("name", "patterns", "expected"),
+    [
+        ("layers.3.mlp.down_proj", ("down_proj",), True),
+        ("layers.3.mlp.down_proj", ("mlp.*",), True),
+        ("layers.3.mlp.down_proj", ("layers.[0-2].*",), False),
+        ("layers.3.mlp.down_proj", ("layers.[0-3].*",), True),
+        ("layers.13.mlp.down_proj", ("layers.3.*",), False),
+        ("layers.3.self_attn.q_proj", ("re:self_attn\\.(q|k)_proj",), True),
+        ("layers.3.self_attn.v_proj", ("re:self_attn\\.(q|k)_proj", "up_proj"), False),
+    ],
+)
+def test_ignore_patterns_match_linear_names(name: str, patterns: tuple, expected: bool) -> None:
+    from torq.surgery.qlinear import ignored
+
+    assert ignored(name, patterns) is expected
+
+
+def test_ignoring_every_linear_leaves_the_float_model(
+    tiny_checkpoint, tiny_calibration_data_dir
+) -> None:
+    """The `default` recipe with every linear ignored: the balancing is still folded into
+    the norms and the v/up rows, and each linear takes back its channel scale, so the model
+    computes the float model's logits (to float32 rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    data = str(tiny_calibration_data_dir)
+    model = torq.quantize(
+        str(tiny_checkpoint), data_dir=data, progress=False, ignore=["re:.*"], **CALIB
+    )
+    assert not [m for m in model.modules() if isinstance(m, QuantLinear)]
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    ids = torch.arange(2, 34).view(1, 32)
+    with torch.no_grad():
+        ours, ref = model(input_ids=ids).logits, float_model(input_ids=ids).logits
+    assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    norms = [m.weight for n, m in model.named_modules() if n.endswith("input_layernorm")]
+    float_norms = [
+        m.weight for n, m in float_model.named_modules() if n.endswith("input_layernorm")
+    ]
+    assert any(not torch.equal(a, b) for a, b in zip(norms, float_norms, strict=True))
+
+
+def test_ignored_linears_are_served_in_float(
+    tiny_checkpoint, tiny_calibration_data_dir, tmp_path
+) -> None:
+    """``torq quantize --ignore``: the linears named stay float ``nn.Linear`` (in the
+    compressed-tensors ``ignore`` list and out of the Hadamard's), the folder loads through
+    transformers, and it computes what torq's own model with the same ignore does."""
+    data = str(tiny_calibration_data_dir)
+    out = tmp_path / "q"
+    patterns = "down_proj,layers.0.self_attn.q_proj"
+    argv = ["quantize", str(tiny_checkpoint), "--out", str(out), "--ignore", patterns]
+    assert main([*argv, "--data-dir", data, *CALIB_ARGS]) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    ignore = set(config["ignore"])
+    assert {"lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"} <= ignore
+    assert "model.layers.0.self_attn.q_proj" in ignore
+    assert "model.layers.1.self_attn.q_proj" not in ignore
+    transform_ignore = {
+        n for group in config["transform_config"]["config_groups"].values()
+        for args in group["apply"] for n in args["ignore"]
+    }  # fmt: skip
+    assert "model.layers.0.mlp.down_proj" in transform_ignore
+    loaded = torq.load(out)
+    served = loaded.get_submodule("model.layers.1.mlp.down_proj")
+    assert type(served) is torch.nn.Linear
+    model = torq.quantize(
+        str(tiny_checkpoint), data_dir=data, progress=False, ignore=patterns.split(","), **CALIB
+    )
+    assert type(model.get_submodule("model.layers.1.mlp.down_proj")) is torch.nn.Linear
+    assert isinstance(model.get_submodule("model.layers.1.self_attn.q_proj"), QuantLinear)
+    ours = torq.evaluate(
+        model.to(torch.bfloat16), seqlen=32, max_windows=4, data_dir=data, progress=False
+    )
+    theirs = torq.evaluate(loaded, seqlen=32, max_windows=4, data_dir=data, progress=False)
+    assert theirs["ppl"] == pytest.approx(ours["ppl"], rel=0.01)

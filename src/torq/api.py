@@ -40,7 +40,7 @@ from torq.formats import FORMAT_NAMES
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from torq.models.architecture import biased_linears
+from torq.models.architecture import biased_linears, layer_linear_names
 from torq.models.loading import model_folder
 from torq.models.streaming import LayerStream
 from torq.paths import check_destination
@@ -48,6 +48,8 @@ from torq.pipeline import run
 from torq.results import write_record
 from torq.runs.config import RunConfig
 from torq.runs.source import saved_model_dir
+from torq.runs.store import setting_digest
+from torq.surgery.qlinear import ignored
 
 SAVE_FORMATS = ("compressed-tensors", "torq")
 
@@ -82,13 +84,15 @@ def quantize(
     seed: int = 0,
     progress: bool = True,
     rotate_biased: bool = False,
+    ignore: tuple[str, ...] | list[str] = (),
 ) -> nn.Module:
     """Quantize ``model`` (a Hugging Face causal LM, or a name or path :func:`load` reads)
     to W4A4 ``format`` with ``recipe`` (:data:`torq.methods.recipes.RECIPES`), calibrating
     on ``calib_samples`` windows of ``calibration`` (a corpus name or a text file). The model
     is quantized in place and returned, with ``model.torq`` (:class:`Quantized`).
     ``rotate_biased``: rotate the inputs of linears with a bias too, which the servable
-    recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v)."""
+    recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v). ``ignore``:
+    linears kept in float, by name pattern (``torq quantize --ignore``)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     calib = CalibrationConfig(
@@ -107,7 +111,9 @@ def quantize(
         chosen.capture(calib), tokenizer, data_dir=data_dir, progress=progress, seed=seed
     )
     t0 = time.perf_counter()
-    record = apply_method(spec.method, model, chosen.quant_config(fmt), ctx)
+    qconfig = replace(chosen.quant_config(fmt), ignore=tuple(ignore))
+    _check_ignore(model, qconfig.ignore)
+    record = apply_method(spec.method, model, qconfig, ctx)
     record["seconds"] = time.perf_counter() - t0
     model.torq = Quantized(chosen, tokenizer, record, fmt)  # type: ignore[assignment]
     return model
@@ -241,6 +247,19 @@ def _tokenizer_of(model: nn.Module) -> Any:
     return tokenizer
 
 
+def _check_ignore(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Refuse an ``--ignore`` pattern that matches no linear of ``model``'s decoder layers
+    (a misspelt name would otherwise keep nothing in float, silently)."""
+    names = layer_linear_names(model)
+    for pattern in patterns:
+        if not any(ignored(n, (pattern,)) for n in names):
+            some = ", ".join(sorted({n.split(".", 2)[2] for n in names})[:8])
+            raise TorqError(
+                f"--ignore '{pattern}' matches no linear of the model's decoder layers "
+                f"(named layers.<i>.NAME; NAME: {some})"
+            )
+
+
 def _skeleton(model: str, gguf_dtype: str = "float32") -> nn.Module:
     """The float checkpoint ``model``'s modules, no weights (its layer stream's skeleton;
     a GGUF file converted as the run will convert it, ``gguf_dtype``)."""
@@ -306,6 +325,7 @@ def quantize_checkpoint(
     device: str = "cpu",
     calib_arithmetic: str = "exact",
     rotate_biased: bool = False,
+    ignore: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
     with ``recipe`` and write it to ``out``: compressed-tensors when the recipe, the format
@@ -313,11 +333,12 @@ def quantize_checkpoint(
     checkpoint (``save_format`` forces one; asking compressed-tensors of what it cannot hold
     is refused before any work). ``device``: where each layer calibrates (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``); ``calib_arithmetic``: ``exact`` or ``tf32``
-    (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased``: as for
-    :func:`quantize`. Returns ``{"path", "format", "why_format", "bytes", "seconds",
-    "recipe", "method", "unrotated", "record"}`` (``why_format``: why torq's format, where
-    it was chosen for the caller; ``unrotated``: the linears, with a bias, whose group got
-    no rotation)."""
+    (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased`` and
+    ``ignore``: as for :func:`quantize`; a stopped call goes on, called again with the same
+    arguments, from its last finished layer. Returns ``{"path", "format", "why_format",
+    "bytes", "seconds", "recipe", "method", "unrotated", "record"}`` (``why_format``: why
+    torq's format, where it was chosen for the caller; ``unrotated``: the linears, with a
+    bias, whose group got no rotation)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     skeleton = _skeleton(model)
@@ -326,13 +347,11 @@ def quantize_checkpoint(
     save_format, reason = _save_format(chosen, fmt, save_format, skeleton)
     out = Path(out)
     _check_out(out, overwrite, "--out")
-    qconfig = chosen.quant_config(fmt)
+    qconfig = replace(chosen.quant_config(fmt), ignore=tuple(ignore))
+    _check_ignore(skeleton, qconfig.ignore)
     # only a compressed-tensors folder is for vLLM: torq's format keeps every group rotated
     unrotate = save_format == "compressed-tensors" and not rotate_biased
     spec = chosen.spec(biased=biased if unrotate else ())
-    # written beside ``out`` and moved into place when whole: a stop leaves no half folder
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
     config = RunConfig.of(
         model=str(model),
         methods=[spec],
@@ -340,6 +359,7 @@ def quantize_checkpoint(
         act_format=fmt,
         scale_mode=qconfig.weight.scale_mode,
         act_scale="static" if qconfig.static_activations else "dynamic",
+        ignore=qconfig.ignore,
         data_dir=data_dir,
         seed=seed,
         capture=replace(
@@ -351,19 +371,22 @@ def quantize_checkpoint(
             arithmetic=calib_arithmetic,
         ),
         skip_ppl=True,
-        save_dir=str(staging),
         save_format=save_format,
         device=device,
     )
+    # written beside ``out`` and moved into place when whole: a stop leaves no half folder,
+    # and the same command again goes on from the last finished layer (its progress and
+    # the layers written so far wait there, under the digest of the run's settings)
+    staging = out.with_name(f".{out.name}.partial")
+    kept = staging / setting_digest(config.record(), chosen.method)
+    config = config.replace(save_dir=str(kept / "model"), resume_dir=str(kept / "progress"))
     t0 = time.perf_counter()
-    try:
-        record = run(config, progress=progress)
-        written = saved_model_dir(config.outputs, str(model), chosen.method)
-        if out.exists():
-            shutil.rmtree(out)
-        written.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    record = run(config, progress=progress)
+    written = saved_model_dir(config.outputs, str(model), chosen.method)
+    if out.exists():
+        shutil.rmtree(out)
+    written.rename(out)
+    shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     (out / QUANTIZE_RECORD).write_text(
         json.dumps(

@@ -43,6 +43,8 @@ class Knob:
     const: Any = None
     value: Callable[[Any], Any] | None = None
     commands: tuple[str, ...] = RUN_COMMANDS
+    # other names the flag answers to (a flag's earlier name)
+    aliases: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -55,7 +57,7 @@ class Knob:
         for name in ("type", "choices", "metavar", "action", "nargs", "const"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
-        action = parser.add_argument(self.flag, help=self.help or "", **kwargs)
+        action = parser.add_argument(self.flag, *self.aliases, help=self.help or "", **kwargs)
         action.everyday_group = self.group  # type: ignore[attr-defined]
         return action
 

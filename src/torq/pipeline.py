@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torq.calibration.data import CaptureSettings, calibration_windows
+from torq.calibration.data import CaptureSettings, calibration_data, calibration_windows
 from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import load_eval_text
 from torq.driver import LayerProgress, run_layerwise
@@ -437,9 +437,10 @@ def _quantize_streamed(
     t0 = time.perf_counter()
     method = spec.method
     plan = layer_plan(method, run.qconfig, run.context(spec, run.progress, source.model.config))
-    calib = None
+    calib, data = None, None
     if plan.calibration is not None:
         calib = calibration_windows(run.tokenizer, plan.calibration, run.source.data_dir)
+        data = calibration_data(plan.calibration, run.source.data_dir)
     t_data = time.perf_counter() - t0
     writer = None
     out = task_dir
@@ -469,6 +470,8 @@ def _quantize_streamed(
             # a stopped run continues after its last saved layer
             progress_file=None if resume is None else LayerProgress(resume),
         )
+        if data is not None:
+            result.details["calibration_data"] = data
         if writer is not None:
             assert result.fingerprint is not None
             t_q = result.quantize_seconds + t_data

@@ -1,7 +1,8 @@
-"""Calibration windows: ``n`` token windows drawn with a fixed seed from a local corpus.
+"""Calibration windows: ``n`` token windows drawn with a fixed seed from the calibration
+data (:mod:`torq.calibration.sources`: a corpus, a text file, records of text or chats).
 
-As in GPTQ/QuaRot/TORQ, each window starts at a uniformly random token offset of the
-tokenized corpus (method-notes §3: 128 × 2048 tokens by default; the paper uses WikiText-2
+As in GPTQ/QuaRot/TORQ, a window of a text starts at a uniformly random token offset of the
+tokenized text (method-notes §3: 128 × 2048 tokens by default; the paper uses WikiText-2
 train, which is not available here, so the default is the validation split).
 """
 
@@ -9,39 +10,54 @@ from __future__ import annotations
 
 import argparse
 import os
-import sysconfig
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from torq.data import WIKIPEDIA_EN, data_file
-from torq.errors import TorqError
+from torq.calibration.sources import (
+    CORPORA,
+    PYTHON_STDLIB,
+    corpus_path,
+    corpus_text,
+    describe_sources,
+    parse_sources,
+    python_stdlib_files,
+    source_windows,
+    window_counts,
+)
 from torq.knobs import knob, nonnegative_int, positive_int
 
-CORPORA: dict[str, Path] = {
-    "wikitext2-valid": Path("wikitext-2") / "wiki.valid.tokens",
-    "wikipedia-en": WIKIPEDIA_EN,
-}
-# A code corpus every machine has (the paper's Table 5 calibrates on code too): the
-# ``.py`` sources of the running Python's standard library, its test suites left out.
-PYTHON_STDLIB = "python-stdlib"
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+__all__ = [
+    "CORPORA",
+    "PYTHON_STDLIB",
+    "CalibrationConfig",
+    "CaptureSettings",
+    "calibration_data",
+    "calibration_windows",
+    "corpus_path",
+    "corpus_text",
+    "python_stdlib_files",
+]
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
     """Which calibration tokens to use; recorded with every result."""
 
+    # the calibration data (:mod:`torq.calibration.sources`); named ``corpus`` as when it
+    # could only be one, so that kept settings keys still match
     corpus: str = knob(
         "wikitext2-valid",
-        flag="--calib-corpus",
-        metavar="TEXT",
+        flag="--calib-data",
+        aliases=("--calib-corpus",),
+        metavar="DATA",
         group="recipe",
         commands=("run", "eval", "quantize"),
-        help="the calibration text: wikitext2-valid (default), wikipedia-en, python-stdlib "
-        "(this Python's standard library sources, a code corpus) or a text file",
+        help="the calibration data: wikitext2-valid (default), wikipedia-en, python-stdlib "
+        "(a code corpus), a text file, a .jsonl/.parquet file or dataset folder of 'text' or "
+        "chat 'messages' (PATH#COLUMN for another column); several mixed as "
+        "SOURCE:WINDOWS,SOURCE:WINDOWS (docs/usage.md)",
     )
     n_samples: int = knob(
         128,
@@ -69,15 +85,7 @@ class CalibrationConfig:
     )
 
     def __post_init__(self) -> None:
-        if (
-            self.corpus not in CORPORA
-            and self.corpus != PYTHON_STDLIB
-            and not Path(self.corpus).suffix
-        ):
-            raise ValueError(
-                f"unknown calibration corpus '{self.corpus}'; "
-                f"known: {', '.join(CORPORA)}, {PYTHON_STDLIB} or a file path"
-            )
+        parse_sources(self.corpus)
         if self.n_samples < 1 or self.seqlen < 2:
             raise ValueError("calibration needs n_samples >= 1 and seqlen >= 2")
 
@@ -135,51 +143,25 @@ class CaptureSettings:
             )
 
 
-def python_stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files (``sysconfig``'s ``stdlib``), sorted by their
-    path under it, test suites and installed packages left out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if not _STDLIB_SKIP.intersection(p.relative_to(root).parts) and p.is_file()
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def corpus_text(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> str:
-    """The calibration corpus as one string: a file's text, or for ``python-stdlib`` the
-    standard library's sources one after another (each preceded by its path as a comment)."""
-    if corpus == PYTHON_STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        parts = []
-        for path in python_stdlib_files():
-            text = path.read_text(encoding="utf-8", errors="replace")
-            parts.append(f"# {path.relative_to(root).as_posix()}\n{text}")
-        return "\n\n".join(parts)
-    return corpus_path(corpus, data_dir).read_text(encoding="utf-8")
-
-
-def corpus_path(corpus: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The file behind a corpus name (or the corpus itself when it is a path); for
-    ``python-stdlib``, the standard library's folder (checked to hold sources)."""
-    if corpus == PYTHON_STDLIB:
-        if not python_stdlib_files():
-            raise TorqError("calibration corpus python-stdlib: no standard library sources")
-        return Path(sysconfig.get_paths()["stdlib"])
-    return data_file(corpus, CORPORA, data_dir, "calibration corpus", (PYTHON_STDLIB,))
-
-
 def calibration_windows(
     tokenizer: Any, config: CalibrationConfig, data_dir: str | os.PathLike[str] | None = None
 ) -> torch.Tensor:
-    """``[n_samples, seqlen]`` token windows at seeded random offsets of the corpus."""
-    text = corpus_text(config.corpus, data_dir)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    if ids.numel() <= config.seqlen:
-        raise TorqError(
-            f"calibration corpus has {ids.numel()} tokens, too few for windows of {config.seqlen}"
-        )
-    g = torch.Generator().manual_seed(config.seed)
-    starts = torch.randint(0, ids.numel() - config.seqlen, (config.n_samples,), generator=g)
-    return torch.stack([ids[s : s + config.seqlen] for s in starts.tolist()])
+    """``[n_samples, seqlen]`` token windows of the calibration data: each source's share
+    (:func:`torq.calibration.sources.window_counts`), source ``i`` drawn with seed
+    ``seed + i``."""
+    sources = parse_sources(config.corpus)
+    counts = window_counts(sources, config.n_samples)
+    return torch.cat(
+        [
+            source_windows(tokenizer, source, n, config.seqlen, config.seed + i, data_dir)
+            for i, (source, n) in enumerate(zip(sources, counts, strict=True))
+        ]
+    )
+
+
+def calibration_data(
+    config: CalibrationConfig, data_dir: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
+    """What a record keeps of the calibration data: each source's path, size, sha256, how
+    it was read and its windows (:func:`torq.calibration.sources.describe_sources`)."""
+    return describe_sources(config.corpus, config.n_samples, data_dir)

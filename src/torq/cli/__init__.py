@@ -157,12 +157,16 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             device=args.device,
             calib_arithmetic=capture.arithmetic,
             rotate_biased=args.rotate_biased,
+            ignore=getattr(args, "ignore", ()),
         )
     print(
         f"torq: wrote {done['path']} ({done['format']}, {done['bytes'] / 1e6:.0f} MB; recipe "
         f"{done['recipe']} = {done['method']}, {args.format.upper()} W4A4) in "
         f"{done['seconds']:.0f} s"
     )
+    resumed = done["record"]["rows"][0]["details"].get("resumed_at_layer")
+    if resumed is not None:
+        print(f"went on from layer {resumed}, where the same command had stopped")
     if done.get("why_format"):
         print(f"torq's format: {done['why_format']}")
     if done.get("unrotated"):

@@ -142,7 +142,7 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
     """``torq quantize MODEL --out DIR``: one recipe, streamed, written to ``DIR``."""
     from torq.calibration.data import CaptureSettings
     from torq.methods.recipes import DEFAULT_RECIPE, RECIPES
-    from torq.runs.config import ModelSource
+    from torq.runs.config import Formats, ModelSource
 
     _add(
         qz,
@@ -168,7 +168,7 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
         default="mxfp4",
         help="weights and activations in 4 bits (default mxfp4)",
     )
-    add_knobs(qz, "quantize", CaptureSettings, ModelSource)
+    add_knobs(qz, "quantize", CaptureSettings, ModelSource, Formats)
     _add(
         qz,
         "output",

@@ -44,7 +44,7 @@ from torq.calibration.capture import (
     capture_layer,
     layer_outputs,
 )
-from torq.calibration.data import CalibrationConfig, calibration_windows
+from torq.calibration.data import CalibrationConfig, calibration_data, calibration_windows
 from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
 from torq.driver.progress import LayerProgress
 from torq.errors import TorqError
@@ -666,6 +666,8 @@ def apply_method(
         desc=method.name,
     )  # fmt: skip
     record.update(run.details)
+    if plan.calibration is not None:
+        record["calibration_data"] = calibration_data(plan.calibration, ctx.options.get("data_dir"))
     if "calibration_seconds" in record:
         record["calibration_seconds"] = {"data": t_data, **record["calibration_seconds"]}
     return record

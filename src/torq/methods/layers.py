@@ -72,12 +72,15 @@ def quantize_group(
     stats: BlockStatistics | None = None,
     gptq: GPTQConfig | None = None,
     online: Any = _SAME,
+    prefix: str = "",
 ) -> dict[str, Any]:
     """Replace a group's linears by :class:`QuantLinear` sharing one activation quantizer:
     ``W' = W Tᵀ`` fused (when ``T`` is given), then RTN or, with ``gptq``, GPTQ on the
     Hessian ``T H Tᵀ`` of the group's captured inputs (Algorithm 3, option B). ``online``:
     the transform the quantizer runs, when part of ``T`` was folded into the module that
-    produces the group's input (default: ``T``)."""
+    produces the group's input (default: ``T``). A member ``qconfig`` ignores (named
+    ``prefix`` and its name) stays a float ``nn.Linear`` that reads the group's input
+    untransformed: its weight takes only the channel scale folded into that input."""
     shared = ActivationQuantizer(qconfig.activation, transform if online is _SAME else online)
     record: dict[str, Any] = {}
     h = cross = None
@@ -98,6 +101,10 @@ def quantize_group(
         # is freed as soon as its quantized replacement is in place (an 8B layer's float
         # linears are 0.87 GB)
         linear = layer.get_submodule(name)
+        if qconfig.ignores(f"{prefix}{name}"):
+            _keep_in_float(linear, transform, online)
+            record.setdefault("ignored", []).append(name)
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
         weight = linear.weight if transform is None else transform.fuse_inverse(linear.weight)
@@ -197,6 +204,17 @@ GroupTransform = Callable[
 ]
 
 
+def _keep_in_float(linear: nn.Linear, transform: BlockRotation | None, online: Any) -> None:
+    """An ignored linear of a group, in float: where the group's channel scale ``s`` was
+    folded into the module that produces its input (which then gives ``x ⊘ s``), its weight
+    becomes ``W diag(s)``, the same function of the float model's ``x``; otherwise it reads
+    ``x`` itself and keeps ``W``."""
+    scale = None if transform is None else transform.channel_scale
+    if online is not _SAME and scale is not None:
+        w = linear.weight.detach()
+        linear.weight.data = (w.to(torch.float64) * scale.to(w.device, torch.float64)).to(w.dtype)
+
+
 class GroupSolver:
     """The per-layer step of a calibrating method: for each input group of a layer, a
     transform (:meth:`transform`), fused and quantized by :func:`quantize_group`; whatever
@@ -243,8 +261,18 @@ class GroupSolver:
             if g.name in folded:
                 online, rec["fold"] = folded[g.name]
             gptq_rec = quantize_group(
-                layer, g, transforms[g.name], self.qconfig, stats[g.name], self.gptq, online
+                layer,
+                g,
+                transforms[g.name],
+                self.qconfig,
+                stats[g.name],
+                self.gptq,
+                online,
+                prefix=f"layers.{index}.",
             )
+            ignored = gptq_rec.pop("ignored", None)
+            if ignored:
+                rec["ignored"] = ignored
             if gptq_rec:
                 rec["gptq"] = gptq_rec
             rec["seconds"] = seconds[g.name] + time.perf_counter() - t0
@@ -252,7 +280,7 @@ class GroupSolver:
             t0 = time.perf_counter()
             record[g.name] = self.quantize_experts(layer, g, stats[g.name])
             record[g.name]["seconds"] = time.perf_counter() - t0
-        record["rtn_fallback"] = quantize_layer(layer, self.qconfig)
+        record["rtn_fallback"] = quantize_layer(layer, self.qconfig, f"layers.{index}.")
         return record
 
     def expert_down_shared(self) -> bool:

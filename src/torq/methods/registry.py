@@ -135,6 +135,7 @@ class RunKey:
     act_format: str | None = "mxfp4"
     scale_mode: str = "ocp"
     act_scale: str = "dynamic"
+    ignore: tuple[str, ...] = ()
     seqlen: int | None = 2048
     gguf_dtype: str = "float32"
     seed: int = 0
@@ -328,6 +329,8 @@ class Method:
             # reduced-precision statistics make another model (absent at "exact", so the
             # keys made before stay)
             key["arithmetic"] = capture["arithmetic"]
+        if run.ignore:  # linears kept in float (absent when none, so earlier keys stay)
+            key["ignore"] = list(run.ignore)
         if run.act_scale != "dynamic":
             # static activation scales: calibrated on the calibration windows (absent at
             # the default, so the keys made before stay)

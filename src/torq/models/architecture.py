@@ -65,3 +65,14 @@ def biased_linears(model: nn.Module) -> tuple[str, ...]:
             if isinstance(module, nn.Linear) and module.bias is not None:
                 names.add(name.rsplit(".", 1)[-1])
     return tuple(sorted(names))
+
+
+def layer_linear_names(model: nn.Module) -> list[str]:
+    """Every linear of the decoder layers as ``layers.<i>.<its name in the layer>``, the
+    names ``--ignore`` patterns match (a skeleton on the meta device answers too)."""
+    return [
+        f"layers.{i}.{name}"
+        for i, layer in enumerate(decoder_layers(model))
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    ]

@@ -3,8 +3,9 @@ destinations, its options together, and each method's settings, formats and data
 
 from __future__ import annotations
 
-from torq.calibration.data import CaptureSettings, corpus_path
+from torq.calibration.data import CaptureSettings
 from torq.calibration.hidden import HIDDEN_MODES
+from torq.calibration.sources import check_source, parse_sources, window_counts
 from torq.data import eval_text_path
 from torq.errors import TorqError
 from torq.export.compressed_tensors import CT_HOLDS, NVFP4_ACTIVATIONS
@@ -92,15 +93,19 @@ def check_data(
     qconfig: QuantConfig,
     specs: list[MethodSpec],
 ) -> None:
-    """Fail before any work when data the run will read is missing: a method's calibration
-    corpus (unless its quantized model is kept in the resume directory), the WikiText-2 test
-    file in a configured data directory, the zero-shot tasks' files (or the hub)."""
+    """Fail before any work when data the run will read is missing or unreadable: a
+    method's calibration data (unless its quantized model is kept in the resume directory),
+    the WikiText-2 test file in a configured data directory, the zero-shot tasks' files (or
+    the hub)."""
     for spec in specs:
         calibration = spec.method.calibration(spec.context(capture), qconfig)
         if calibration is None:
             continue
         try:
-            corpus_path(calibration.corpus, data_dir)
+            sources = parse_sources(calibration.corpus)
+            window_counts(sources, calibration.n_samples)
+            for source in sources:
+                check_source(source, data_dir)
         except TorqError as exc:
             raise TorqError(f"method '{spec.name}' calibrates: {exc}") from None
     if not evaluation.skip_ppl:

@@ -4,6 +4,7 @@ results); the checks that refuse a run which cannot work are :mod:`torq.runs.che
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -17,6 +18,21 @@ from torq.formats import FORMAT_NAMES, SCALE_MODES
 from torq.knobs import knob, nonnegative_int, positive_int
 from torq.methods.registry import MethodSpec, RunKey, method_specs
 from torq.surgery.qlinear import QuantConfig
+
+
+def ignore_patterns(value: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated name patterns (``--ignore``), each a shell-style
+    pattern or ``re:`` and a regular expression that compiles."""
+    patterns = tuple(p.strip() for p in value.split(",") if p.strip())
+    if not patterns:
+        raise argparse.ArgumentTypeError("--ignore takes at least one name pattern")
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise argparse.ArgumentTypeError(f"'{pattern}': {exc}") from None
+    return patterns
 
 
 def format_name(value: str) -> str | None:
@@ -114,9 +130,22 @@ class Formats:
         "compressed-tensors and vLLM serve; needed to export NVFP4 W4A4)",
     )
 
+    # linears kept in float, by name pattern (:func:`torq.surgery.qlinear.ignored`); lm_head
+    # is never quantized
+    ignore: tuple[str, ...] = knob(
+        (),
+        flag="--ignore",
+        type=ignore_patterns,
+        metavar="PATTERNS",
+        group="recipe",
+        commands=("run", "quantize"),
+        help="keep these linears in float: comma-separated patterns of their names in the "
+        "decoder layers (down_proj, layers.0.*, layers.[0-3].mlp.*, re:REGEX); lm_head always",
+    )
+
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(
-            self.weight_format, self.act_format, self.scale_mode, self.act_scale
+            self.weight_format, self.act_format, self.scale_mode, self.act_scale, self.ignore
         )
 
 
@@ -383,6 +412,7 @@ class RunConfig:
             act_format=self.formats.act_format,
             scale_mode=self.formats.scale_mode,
             act_scale=self.formats.act_scale,
+            ignore=self.formats.ignore,
             seqlen=self.evaluation.seqlen,
             gguf_dtype=self.source.gguf_dtype,
             seed=self.seed,

@@ -70,7 +70,7 @@ def run_key(record: dict[str, Any]) -> RunKey:
     before the run's settings were typed: the same keys)."""
     given = {k: record.get(k) for k in ("model", "weight_format", "act_format", "scale_mode")}
     rest = {k: record[k] for k in ("act_scale", "seqlen", "gguf_dtype", "seed") if k in record}
-    return RunKey(**given, **rest)
+    return RunKey(**given, **rest, ignore=tuple(record.get("ignore") or ()))
 
 
 def record_key(record: dict[str, Any], name: str) -> str:

@@ -36,8 +36,9 @@ def quantize_layer(
     ``input_transforms(name, linear)`` may return the online transform ``T`` for that layer
     (its inverse must already be fused into ``linear.weight``); ``experts(name, module)``
     builds the quantized experts (default: RTN, no transform). Linears that are already
-    :class:`QuantLinear` (experts already :class:`QuantExperts`) are left as they are.
-    Returns counts of what was replaced.
+    :class:`QuantLinear` (experts already :class:`QuantExperts`) are left as they are, and so
+    are the linears ``config`` ignores (named ``prefix`` and their name in the layer).
+    Returns counts of what was replaced (and of what was ignored, where any was).
     """
     counts = {"linear": 0, "experts": 0, "kept_router": 0}
     named = dict(layer.named_modules())
@@ -50,6 +51,9 @@ def quantize_layer(
             counts["kept_router"] += 1
             continue
         if isinstance(module, nn.Linear) and not isinstance(module, QuantLinear):
+            if config.ignores(f"{prefix}{name}"):
+                counts["ignored"] = counts.get("ignored", 0) + 1
+                continue  # kept in float, as it is
             t = input_transforms(f"{prefix}{name}", module) if input_transforms else None
             setattr(parent, attr, QuantLinear.from_linear(module, config, t))
             counts["linear"] += 1

@@ -9,6 +9,8 @@ the computation of the paper's Algorithm 3 (Appendix A.3) with Option B (weight 
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ class QuantConfig:
     weight: FormatSpec | None
     activation: FormatSpec | None
     act_scale: str = "dynamic"
+    # linears kept in float, by name pattern (:func:`ignored`)
+    ignore: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.act_scale not in ACT_SCALES:
@@ -62,6 +66,7 @@ class QuantConfig:
         activation: str | None,
         scale_mode: str = "ocp",
         act_scale: str = "dynamic",
+        ignore: tuple[str, ...] = (),
     ) -> QuantConfig:
         def spec(name: str | None) -> FormatSpec | None:
             if name is None or name.lower() in ("", "none", "fp", "float"):
@@ -69,7 +74,9 @@ class QuantConfig:
             mode = scale_mode if name.lower() == "mxfp4" else "ocp"
             return get_format(name.lower(), mode)
 
-        return cls(weight=spec(weight), activation=spec(activation), act_scale=act_scale)
+        return cls(
+            weight=spec(weight), activation=spec(activation), act_scale=act_scale, ignore=ignore
+        )
 
     @property
     def label(self) -> str:
@@ -84,7 +91,28 @@ class QuantConfig:
         }
         if self.static_activations:  # absent at the default: records made before stay equal
             out["act_scale"] = self.act_scale
+        if self.ignore:
+            out["ignore"] = list(self.ignore)
         return out
+
+    def ignores(self, name: str) -> bool:
+        """Whether the linear ``name`` (``layers.<i>.<its name in the layer>``) stays in
+        float: a pattern of :attr:`ignore` matches it (:func:`ignored`)."""
+        return ignored(name, self.ignore)
+
+
+def ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a pattern matches the linear ``name`` (``layers.3.mlp.down_proj``): a
+    shell-style pattern (``*``, ``?``, ``[0-3]``) matching the whole name or its last
+    dot-separated parts (``down_proj``, ``mlp.*``, ``layers.[0-3].*``), or ``re:`` and a
+    regular expression searched in it."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.search(pattern[3:], name):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}"):
+            return True
+    return False
 
 
 class ActivationQuantizer(nn.Module):
