@@ -145,7 +145,22 @@ class Field:
         return [self.record]
 
 
-Cell = Ppl | Estimate | ZeroShotGap | Spread | Field | str
+@dataclass(frozen=True)
+class Ratio:
+    """One perplexity over another (``b`` over ``a``), as a ratio and a change in percent."""
+
+    a: Ppl
+    b: Ppl
+
+    def render(self, records: Records) -> str:
+        ratio = self.b.value(records) / self.a.value(records)
+        return f"{ratio:.3f} ({100 * (ratio - 1):+.1f} %)"
+
+    def paths(self) -> list[str]:
+        return []
+
+
+Cell = Ppl | Estimate | ZeroShotGap | Spread | Ratio | Field | str
 
 
 def ppl_of(record: dict[str, Any], method: str | None) -> float:
@@ -189,7 +204,7 @@ class Table:
 
 
 def _paths(cell: Cell) -> list[str]:
-    if isinstance(cell, Spread):
+    if isinstance(cell, Spread | Ratio):
         return cell.a.paths() + cell.b.paths()
     return cell.paths()  # type: ignore[union-attr]
 
@@ -783,6 +798,56 @@ MEMORY = Table(
     ),
 )
 
+C = "calibration/"
+ZC = C + "smollm2-chat-zs-paired.json"
+_WIKI_S = _smol("recipes/smollm2-gptaq-16w.json", "torq-had32+gptaq")
+_WIKI_Q = _qwen(Q, "torq-had32+gptaq")
+
+CALIBRATION = Table(
+    "Calibration data: WikiText or chats",
+    """The `default` calibrated on WikiText-2's validation text (as in the tables above), on
+    chats rendered with each model's own template (GSM8K's training problems and HumanEval's
+    problems as user and assistant turns, three windows of GSM8K to one of HumanEval:
+    `python -m benchmarks.chat_data`), or on half of each. PPL on WikiText-2's first 16
+    windows (×FP), its ratio to the WikiText row (the `default`'s calibration seeds spread
+    is in the tables above), and FP's six-task average less the row's on the 200-question
+    subset, paired. Both are instruct models; on them WikiText is the better calibration:
+    the chats cost perplexity and zero-shot accuracy alike.""",
+    ("model", "calibration data", "PPL, 16 windows", "against WikiText's", "zero-shot"),
+    (
+        (
+            "SmolLM2-135M",
+            "WikiText-2, 32 windows",
+            _WIKI_S,
+            "1",
+            ZeroShotGap(ZC, "torq-had32+gptaq@265af40f35"),
+        ),
+        (
+            "SmolLM2-135M",
+            "chats, 24 + 8 windows",
+            _smol(C + "smollm2-default-chat-16w.json", "torq-had32+gptaq"),
+            Ratio(_WIKI_S, _smol(C + "smollm2-default-chat-16w.json", "torq-had32+gptaq")),
+            ZeroShotGap(ZC, "torq-had32+gptaq@8fb23576f2"),
+        ),
+        (
+            "SmolLM2-135M",
+            "WikiText-2 16 + chats 12 + 4",
+            _smol(C + "smollm2-default-mix-16w.json", "torq-had32+gptaq"),
+            Ratio(_WIKI_S, _smol(C + "smollm2-default-mix-16w.json", "torq-had32+gptaq")),
+            "—",
+        ),
+        ("Qwen2.5-Coder-0.5B", "WikiText-2, 16 windows", _WIKI_Q, "1", "—"),
+        (
+            "Qwen2.5-Coder-0.5B",
+            "chats, 12 + 4 windows",
+            _qwen(C + "qwen-default-chat-16w.json", "torq-had32+gptaq"),
+            Ratio(_WIKI_Q, _qwen(C + "qwen-default-chat-16w.json", "torq-had32+gptaq")),
+            "—",
+        ),
+    ),
+    align=("---", "---", "---:", "---:", "---:"),
+)
+
 INTRO = """All rows are MXFP4 W4A4 (weights and activations), perplexity on WikiText-2's test
 text in windows of 2048 tokens, measured on 2-core CPU machines (an AMD EPYC or an Intel
 Xeon VM, 23.5 GiB, no GPU; each record names which) unless a row says otherwise. The same
@@ -795,7 +860,7 @@ is read from the record listed under its table. The [research notes](research/RE
 hold how each row was reached, every other row measured (the [rows in
 detail](research/rows.md)), and the attempts that did not pay."""
 
-PAGE = (SMOLLM2, QWEN, ZEROSHOT, PAIRED, SERVED, MEMORY)
+PAGE = (SMOLLM2, QWEN, ZEROSHOT, PAIRED, CALIBRATION, SERVED, MEMORY)
 
 
 def render() -> str:
