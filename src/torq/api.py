@@ -26,6 +26,7 @@ from torch import nn
 from torq.calibration.data import CalibrationConfig, CaptureSettings
 from torq.data import load_eval_text
 from torq.driver import apply_method
+from torq.driver.budget import PrecisionBudget, check_budget
 from torq.errors import TorqError
 from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export import save_quantized
@@ -85,6 +86,9 @@ def quantize(
     progress: bool = True,
     rotate_biased: bool = False,
     ignore: tuple[str, ...] | list[str] = (),
+    avg_bits: float | None = None,
+    budget_by: str = "block",
+    budget_windows: int = 16,
 ) -> nn.Module:
     """Quantize ``model`` (a Hugging Face causal LM, or a name or path :func:`load` reads)
     to W4A4 ``format`` with ``recipe`` (:data:`torq.methods.recipes.RECIPES`), calibrating
@@ -92,7 +96,10 @@ def quantize(
     is quantized in place and returned, with ``model.torq`` (:class:`Quantized`).
     ``rotate_biased``: rotate the inputs of linears with a bias too, which the servable
     recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v). ``ignore``:
-    linears kept in float, by name pattern (``torq quantize --ignore``)."""
+    linears kept in float, by name pattern (``torq quantize --ignore``). ``avg_bits``: a
+    precision budget, the average stored bits per weight of the quantized linears, the input
+    groups that hurt most kept in MXFP8 (``--avg-bits``; ``budget_by``, ``budget_windows``:
+    ``--budget-by``, ``--budget-windows``)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     calib = CalibrationConfig(
@@ -113,7 +120,11 @@ def quantize(
     t0 = time.perf_counter()
     qconfig = replace(chosen.quant_config(fmt), ignore=tuple(ignore))
     _check_ignore(model, qconfig.ignore)
-    record = apply_method(spec.method, model, qconfig, ctx)
+    budget = (
+        None if avg_bits is None else PrecisionBudget(avg_bits, budget_by, budget_windows, seed)
+    )
+    check_budget(budget, qconfig)
+    record = apply_method(spec.method, model, qconfig, ctx, budget)
     record["seconds"] = time.perf_counter() - t0
     model.torq = Quantized(chosen, tokenizer, record, fmt)  # type: ignore[assignment]
     return model
@@ -287,6 +298,7 @@ def _write_card(
     facts = {"model": model, "recipe": recipe.name, "method": recipe.method, "format": fmt}
     facts |= {"save_format": save_format, "calibration": calibration, "guarded": guarded(out)}
     facts |= {k: record[k] for k in ("command", "date", "versions")}
+    facts["precision_budget"] = record["rows"][0]["details"].get("precision_budget")
     write_model_card(out, {**facts, "machine": record["machine"]["cpu"]})
 
 
@@ -326,6 +338,9 @@ def quantize_checkpoint(
     calib_arithmetic: str = "exact",
     rotate_biased: bool = False,
     ignore: tuple[str, ...] | list[str] = (),
+    avg_bits: float | None = None,
+    budget_by: str = "block",
+    budget_windows: int = 16,
 ) -> dict[str, Any]:
     """Quantize the float checkpoint ``model`` (any size: read one decoder layer at a time)
     with ``recipe`` and write it to ``out``: compressed-tensors when the recipe, the format
@@ -333,12 +348,13 @@ def quantize_checkpoint(
     checkpoint (``save_format`` forces one; asking compressed-tensors of what it cannot hold
     is refused before any work). ``device``: where each layer calibrates (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``); ``calib_arithmetic``: ``exact`` or ``tf32``
-    (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased`` and
-    ``ignore``: as for :func:`quantize`; a stopped call goes on, called again with the same
-    arguments, from its last finished layer. Returns ``{"path", "format", "why_format",
-    "bytes", "seconds", "recipe", "method", "unrotated", "record"}`` (``why_format``: why
-    torq's format, where it was chosen for the caller; ``unrotated``: the linears, with a
-    bias, whose group got no rotation)."""
+    (:func:`torq.calibration.capture.calibration_arithmetic`); ``rotate_biased``,
+    ``ignore``, ``avg_bits``, ``budget_by`` and ``budget_windows``: as for
+    :func:`quantize`; a stopped call goes on, called again with the same arguments, from its
+    last finished layer. Returns
+    ``{"path", "format", "why_format", "bytes", "seconds", "recipe", "method", "unrotated",
+    "record"}`` (``why_format``: why torq's format, where it was chosen for the caller;
+    ``unrotated``: the linears, with a bias, whose group got no rotation)."""
     chosen = get_recipe(recipe)
     fmt = _format(format)
     skeleton = _skeleton(model)
@@ -349,6 +365,8 @@ def quantize_checkpoint(
     _check_out(out, overwrite, "--out")
     qconfig = replace(chosen.quant_config(fmt), ignore=tuple(ignore))
     _check_ignore(skeleton, qconfig.ignore)
+    if avg_bits is not None:
+        check_budget(PrecisionBudget(avg_bits, budget_by), qconfig)
     # only a compressed-tensors folder is for vLLM: torq's format keeps every group rotated
     unrotate = save_format == "compressed-tensors" and not rotate_biased
     spec = chosen.spec(biased=biased if unrotate else ())
@@ -360,6 +378,9 @@ def quantize_checkpoint(
         scale_mode=qconfig.weight.scale_mode,
         act_scale="static" if qconfig.static_activations else "dynamic",
         ignore=qconfig.ignore,
+        avg_bits=avg_bits,
+        budget_by=budget_by,
+        budget_windows=budget_windows,
         data_dir=data_dir,
         seed=seed,
         capture=replace(

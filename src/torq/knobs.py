@@ -45,20 +45,24 @@ class Knob:
     commands: tuple[str, ...] = RUN_COMMANDS
     # other names the flag answers to (a flag's earlier name)
     aliases: tuple[str, ...] = ()
+    # the commands whose default help shows it in ``group`` (None: all of ``commands``);
+    # under the others it is a research knob
+    everyday_in: tuple[str, ...] | None = None
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
-    def add_to(self, parser: argparse.ArgumentParser) -> argparse.Action:
-        """This knob as an argument of ``parser``, absent from the parsed arguments unless
-        given (so a setting not given keeps its field's default)."""
+    def add_to(self, parser: argparse.ArgumentParser, command: str = "") -> argparse.Action:
+        """This knob as an argument of ``parser`` (``command``'s), absent from the parsed
+        arguments unless given (so a setting not given keeps its field's default)."""
         kwargs: dict[str, Any] = {"dest": self.dest, "default": argparse.SUPPRESS}
         for name in ("type", "choices", "metavar", "action", "nargs", "const"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         action = parser.add_argument(self.flag, *self.aliases, help=self.help or "", **kwargs)
-        action.everyday_group = self.group  # type: ignore[attr-defined]
+        everyday = self.everyday_in is None or command in self.everyday_in
+        action.everyday_group = self.group if everyday else None  # type: ignore[attr-defined]
         return action
 
 
@@ -106,7 +110,7 @@ def add_knobs(parser: argparse.ArgumentParser, command: str, *classes: type) -> 
     for cls in classes:
         for k in knobs_of(cls, command):
             if k.flag not in have:
-                k.add_to(parser)
+                k.add_to(parser, command)
                 have.add(k.flag)
 
 

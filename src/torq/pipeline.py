@@ -32,6 +32,7 @@ from torq.calibration.data import CaptureSettings, calibration_data, calibration
 from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import load_eval_text
 from torq.driver import LayerProgress, run_layerwise
+from torq.driver.budget import PrecisionBudget, budgeted, check_budget
 from torq.errors import TorqError
 from torq.eval.perplexity import perplexity, sample_windows, windows_from_text
 from torq.eval.zeroshot import evaluate_zeroshot
@@ -120,6 +121,8 @@ def run(
             config.source.data_dir, config.evaluation, config.zeroshot, config.capture, qconfig,
             specs,
         )  # fmt: skip
+        if saved is None:
+            check_budget(config.formats.budget(), qconfig)
         if saved is not None:
             return _evaluate_saved(config, saved, progress, scratch)
         return _run_streamed(config, progress, on_row, scratch)
@@ -259,6 +262,7 @@ class _Streamed:
     scratch: Path | None
     windows: torch.Tensor | None = None
     hidden: str = "memory"
+    budget: PrecisionBudget | None = None
 
     def context(self, spec: MethodSpec, progress: bool, model_config: Any) -> MethodContext:
         """What the method ``spec`` reads beyond the model."""
@@ -295,6 +299,7 @@ def _run_streamed(
         config.evaluation, config.zeroshot, config.outputs, folder, source_name,
         AutoTokenizer.from_pretrained(str(folder)), device, progress, scratch,
     )  # fmt: skip
+    run.budget = config.formats.budget(config.seed)
     # a method whose offline rotation cannot be fused into this architecture fails now,
     # not after the methods before it have run
     skeleton = LayerStream(folder, device).model
@@ -436,7 +441,16 @@ def _quantize_streamed(
     source = LayerStream(run.folder, run.device)
     t0 = time.perf_counter()
     method = spec.method
-    plan = layer_plan(method, run.qconfig, run.context(spec, run.progress, source.model.config))
+    ctx = run.context(spec, run.progress, source.model.config)
+    qconfig, budget = run.qconfig, None
+    if run.budget is not None and method.quantizes:
+        # which linears stay in MXFP8: measured on the float model first, streamed
+        windows = calibration_windows(run.tokenizer, ctx.capture.calibration, run.source.data_dir)
+        probe = LayerStream(run.folder, run.device)
+        qconfig, budget = budgeted(probe, windows, qconfig, run.budget, run.progress)
+        budget["seconds"] = time.perf_counter() - t0
+        del probe, windows
+    plan = layer_plan(method, qconfig, ctx)
     calib, data = None, None
     if plan.calibration is not None:
         calib = calibration_windows(run.tokenizer, plan.calibration, run.source.data_dir)
@@ -472,6 +486,8 @@ def _quantize_streamed(
         )
         if data is not None:
             result.details["calibration_data"] = data
+        if budget is not None:
+            result.details["precision_budget"] = budget
         if writer is not None:
             assert result.fingerprint is not None
             t_q = result.quantize_seconds + t_data

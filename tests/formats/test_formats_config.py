@@ -83,4 +83,4 @@ def test_bad_inputs() -> None:
     with pytest.raises(TypeError, match="FormatSpec"):
         tf.fake_quantize(torch.ones(32), 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="known formats"):
-        tf.fake_quantize(torch.ones(32), "mxfp8")
+        tf.fake_quantize(torch.ones(32), "mxfp6")

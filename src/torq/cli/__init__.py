@@ -158,12 +158,22 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             calib_arithmetic=capture.arithmetic,
             rotate_biased=args.rotate_biased,
             ignore=getattr(args, "ignore", ()),
+            avg_bits=getattr(args, "avg_bits", None),
+            budget_by=getattr(args, "budget_by", "block"),
+            budget_windows=getattr(args, "budget_windows", 16),
         )
     print(
         f"torq: wrote {done['path']} ({done['format']}, {done['bytes'] / 1e6:.0f} MB; recipe "
         f"{done['recipe']} = {done['method']}, {args.format.upper()} W4A4) in "
         f"{done['seconds']:.0f} s"
     )
+    budget = done["record"]["rows"][0]["details"].get("precision_budget")
+    if budget is not None:
+        kept = [g for g in budget["groups"] if g["high"]]
+        print(
+            f"{len(kept)} of {len(budget['groups'])} input groups in MXFP8 W8A8: "
+            f"{budget['reached_bits']:.2f} bits a weight on average (asked {budget['avg_bits']:g})"
+        )
     resumed = done["record"]["rows"][0]["details"].get("resumed_at_layer")
     if resumed is not None:
         print(f"went on from layer {resumed}, where the same command had stopped")

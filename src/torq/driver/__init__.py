@@ -46,6 +46,7 @@ from torq.calibration.capture import (
 )
 from torq.calibration.data import CalibrationConfig, calibration_data, calibration_windows
 from torq.calibration.hidden import HIDDEN_MODES, HiddenStates
+from torq.driver.budget import PrecisionBudget, budgeted
 from torq.driver.progress import LayerProgress
 from torq.errors import TorqError
 from torq.eval.perplexity import PerplexityResult, perplexity_from_nll, summed_nll, token_nll
@@ -646,13 +647,27 @@ def _head_nll(
 
 
 def apply_method(
-    method: Method, model: nn.Module, qconfig: QuantConfig, ctx: MethodContext
+    method: Method,
+    model: nn.Module,
+    qconfig: QuantConfig,
+    ctx: MethodContext,
+    budget: PrecisionBudget | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model`` in place with ``method`` (its whole-model step, then
-    :func:`run_layerwise` over its layers in memory); returns the record of what was done."""
+    :func:`run_layerwise` over its layers in memory); returns the record of what was done.
+    ``budget``: the groups it keeps in MXFP8 chosen first (:mod:`torq.driver.budget`)."""
     record: dict[str, Any] = {}
     if ctx.model_config is None:
         ctx = replace(ctx, model_config=model.config)
+    if budget is not None and method.quantizes:
+        t0 = time.perf_counter()
+        data_dir = ctx.options.get("data_dir")
+        probe = calibration_windows(ctx.tokenizer, ctx.capture.calibration, data_dir)
+        progress = ctx.options.get("progress", True)
+        qconfig, record["precision_budget"] = budgeted(
+            ModelLayers(model), probe, qconfig, budget, progress
+        )
+        record["precision_budget"]["seconds"] = time.perf_counter() - t0
     plan = layer_plan(method, qconfig, ctx)
     if plan.quantize is None:
         return record

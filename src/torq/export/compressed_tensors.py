@@ -70,6 +70,10 @@ from torq.surgery.qlinear import QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
+# the linears a precision budget keeps in 8 bits: E4M3 weights (``weight``, float8) and E8M0
+# scales, dynamic MXFP8 activations; a config group of their own, named one by one
+MXFP8_FORMAT = "mxfp8-quantized"
+_MXFP8_GROUP = "group_mxfp8"
 CT_HOLDS = (
     "no online transform or the 32-block Hadamard alone (rtn, gptq, had32, and torq-had32 "
     "with its balancing folded, each with RTN or GPTQ weights); MXFP4 weights with MXFP4 or "
@@ -84,7 +88,10 @@ MOE_NOT_EXPORTED = (
     "--save-format torq (format='torq')"
 )
 _HADAMARD_GROUP = "torq_had32"
-_NOT_EXPORTED_FORMAT = "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported"
+_NOT_EXPORTED_FORMAT = (
+    "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported, with MXFP8 "
+    "ones beside them"
+)
 # compressed-tensors' NVFP4 activations (vLLM's too) quantize with a static FP32 tensor scale
 # (input_global_scale) calibrated beforehand; torq's NVFP4 activations take the tensor's own
 # amax at every call, which the format cannot say
@@ -110,6 +117,10 @@ def _scheme(
         if a_name not in (None, ("mxfp4", 32)):
             raise TorqError(f"{name}: with MXFP4 weights, activations must be MXFP4 or float")
         return FORMAT
+    if w_name == ("mxfp8", 32):
+        if a_name not in (None, ("mxfp8", 32)):
+            raise TorqError(f"{name}: with MXFP8 weights, activations must be MXFP8 or float")
+        return MXFP8_FORMAT
     if w_name == ("nvfp4", 16):
         if a_name not in (None, ("nvfp4", 16)):
             raise TorqError(f"{name}: with NVFP4 weights, activations must be NVFP4 or float")
@@ -169,16 +180,28 @@ def refuse_fused_experts(model: nn.Module) -> None:
         raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
 
 
+def _split_formats(formats: dict[str, str]) -> tuple[str, list[str]]:
+    """The folder's 4-bit format and the linears kept in MXFP8 (``formats``: each quantized
+    linear's); one 4-bit format for all, or MXFP8 alone."""
+    high = [n for n, f in formats.items() if f == MXFP8_FORMAT]
+    low = {f for f in formats.values() if f != MXFP8_FORMAT}
+    if len(low) > 1:
+        raise TorqError("the quantized linears differ in transform or format")
+    return (low.pop() if low else MXFP8_FORMAT), high
+
+
 def _plan(
     model: nn.Module,
-) -> tuple[dict[str, QuantLinear], str | None, bool, str, list[str], list[str]]:
+) -> tuple[dict[str, QuantLinear], str | None, bool, str, list[str], list[str], list[str]]:
     """The quantized linears, their transform kind, whether activations are quantized
     and the compressed-tensors format; every module must agree (the format holds one scheme
-    for all here) but for linears with no transform (:func:`_one_kind`); the linears with a
-    bias under the transform (:func:`_say_biased`) and those with no transform."""
+    for all here) but for linears with no transform (:func:`_one_kind`) and those a
+    precision budget keeps in MXFP8; the linears with a bias under the transform
+    (:func:`_say_biased`), those with no transform, and those in MXFP8."""
     linears: dict[str, QuantLinear] = {}
     kinds: dict[str, str | None] = {}
-    acts, formats = set(), set()
+    acts: set[bool] = set()
+    formats: dict[str, str] = {}
     biased: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
@@ -187,7 +210,7 @@ def _plan(
             continue
         w, a = module.config.weight, module.config.activation
         static = module.input_quantizer.tensor_scale is not None
-        formats.add(_scheme(_format_dict(w), _format_dict(a), name, static))
+        formats[name] = _scheme(_format_dict(w), _format_dict(a), name, static)
         kind = kinds[name] = _transform_kind(module, name)
         if kind is not None and module.bias is not None:
             biased.append(name)
@@ -195,10 +218,11 @@ def _plan(
         linears[name] = module
     if not linears:
         raise TorqError("the model has no quantized linears: quantize it first (torq.methods)")
-    if len(acts) > 1 or len(formats) > 1:
+    if len(acts) > 1:
         raise TorqError("the quantized linears differ in transform or format")
+    fmt, high = _split_formats(formats)
     kind, plain = _one_kind(kinds)
-    return linears, kind, acts.pop(), formats.pop(), biased, plain
+    return linears, kind, acts.pop(), fmt, biased, plain, high
 
 
 def _one_kind(kinds: dict[str, str | None]) -> tuple[str | None, list[str]]:
@@ -222,7 +246,7 @@ def export_compressed_tensors(
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM
 
-    linears, kind, activations, fmt, biased, plain_linears = _plan(model)
+    linears, kind, activations, fmt, biased, plain_linears, high = _plan(model)
     config = model.config
     # the plain Hugging Face model with torq's values: each quantized linear's weight is
     # its fused, quantized one; everything else as torq holds it
@@ -250,8 +274,9 @@ def export_compressed_tensors(
     plain = plain.to(torch.bfloat16)
     plain.config.dtype = torch.bfloat16  # what the folder holds, whatever the source said
     ignore = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n not in linears]
-    _apply_schemes(plain, kind, activations, ignore, fmt, plain_linears)
+    _apply_schemes(plain, kind, activations, ignore, fmt, plain_linears, high)
     expected_codes: dict[str, torch.Tensor] = {}
+    expected_values: dict[str, torch.Tensor] = {}
     for name, module in linears.items():
         target = plain.get_submodule(name)
         packed = module.packed_weight()  # torq's one stored form of the weight
@@ -263,7 +288,9 @@ def export_compressed_tensors(
                 else f"{name}: its weight is not on the MXFP4 grid; nothing written"
             )
         codes, scales = packed.codes.cpu(), packed.scales.cpu()
-        if fmt == NVFP4_FORMAT:
+        if name in high:  # MXFP8: compressed-tensors rounds torq's weight with these scales
+            expected_values[name] = codes.view(torch.float8_e4m3fn).float()
+        if fmt == NVFP4_FORMAT and name not in high:
             assert packed.tensor_scale is not None  # NVFP4's packing keeps it
             scale = decode_e4m3(scales)
             target.weight_global_scale.data = (1.0 / packed.tensor_scale.cpu()).reshape(
@@ -286,12 +313,17 @@ def export_compressed_tensors(
         )
     out = Path(out_dir)
     with _atomic_folder(out, overwrite) as tmp:
-        compressor = ModelCompressor.from_pretrained_model(plain, quantization_format=fmt)
+        compressor = ModelCompressor.from_pretrained_model(
+            plain, quantization_format=None if high else fmt
+        )
         compressor.compress_model(plain)
         for name, codes in expected_codes.items():
             written = plain.get_submodule(name).weight_packed
             if not torch.equal(written.cpu(), codes):
                 raise TorqError(f"{name}: compressed-tensors packed other codes; nothing written")
+        for name, values in expected_values.items():
+            if not torch.equal(plain.get_submodule(name).weight.cpu().float(), values):
+                raise TorqError(f"{name}: compressed-tensors rounded other values; nothing written")
         plain.save_pretrained(tmp)
         compressor.update_config(str(tmp))
         guard_for_transformers(tmp)
@@ -308,12 +340,16 @@ def _apply_schemes(
     ignore: list[str],
     fmt: str = FORMAT,
     untransformed: list[str] | None = None,
+    high: list[str] | None = None,
 ) -> None:
     """compressed-tensors' MXFP4 scheme (W4A4, or W4A16 without ``activations``), or its
-    NVFP4A16 scheme (``fmt``), on every linear but ``ignore``, and with ``kind == "had32"``
-    the 32-block Hadamard's ``transform_config`` on every one but ``ignore`` and
-    ``untransformed`` (the weights are fused already, torq's: the config only says so)."""
+    NVFP4A16 scheme (``fmt``), on every linear but ``ignore``, its MXFP8 scheme (W8A8 or
+    W8A16) on the linears ``high`` names (a group of its own, which names them: an exact
+    name outranks the class name), and with ``kind == "had32"`` the 32-block Hadamard's
+    ``transform_config`` on every one but ``ignore`` and ``untransformed`` (the weights are
+    fused already, torq's: the config only says so)."""
     from compressed_tensors import TRANSFORM_CONFIG_NAME
+    from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationScheme,
@@ -322,6 +358,8 @@ def _apply_schemes(
     from compressed_tensors.quantization.quant_scheme import (
         MXFP4,
         MXFP4A16,
+        MXFP8,
+        MXFP8A16,
         NVFP4,
         NVFP4A16,
     )
@@ -331,10 +369,15 @@ def _apply_schemes(
         preset = NVFP4 if activations else NVFP4A16
     else:
         preset = MXFP4 if activations else MXFP4A16
-    scheme = QuantizationScheme(targets=["Linear"], **preset)
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
-    )
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], **preset)}
+    if high:
+        groups["group_0"].format = CompressionFormat(fmt)
+        groups[_MXFP8_GROUP] = QuantizationScheme(
+            targets=list(high),
+            format=CompressionFormat(MXFP8_FORMAT),
+            **(MXFP8 if activations else MXFP8A16),
+        )
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=ignore))
     if kind == "had32":
         skip = ignore + list(untransformed or [])
         args = [
@@ -377,7 +420,7 @@ def export_saved_compressed_tensors(
     manifest = read_manifest(folder)
     tensors = _StoredTensors(_checkpoint_files(folder))
     modules: dict[str, dict[str, Any]] = manifest["modules"]
-    (kind, plain), activations, fmt, biased = _saved_linears(
+    (kind, plain), activations, fmt, biased, high = _saved_linears(
         folder, manifest, _built_transforms(manifest, tensors)
     )
     parts_of = ("weight_packed", "weight_scale") + (
@@ -385,6 +428,8 @@ def export_saved_compressed_tensors(
     )
     if fmt == NVFP4_FORMAT and activations:
         parts_of += ("input_global_scale",)
+    # compressed-tensors' MXFP8: the float8 weight under its own name, and the E8M0 scales
+    parts = {n: ("weight", "weight_scale") if n in high else parts_of for n in modules}
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):  # the architecture's module names, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -393,13 +438,17 @@ def export_saved_compressed_tensors(
     ]
     # the compressed folder's names: a quantized linear's weight is its packed codes and scales
     expected = set(skeleton.state_dict()) - {f"{n}.weight" for n in modules}
-    expected |= {f"{n}.{part}" for n in modules for part in parts_of}
-    _apply_schemes(skeleton, kind, activations, ignore, fmt, plain)
-    compressor = ModelCompressor.from_pretrained_model(skeleton, quantization_format=fmt)
+    expected |= {f"{n}.{part}" for n in modules for part in parts[n]}
+    _apply_schemes(skeleton, kind, activations, ignore, fmt, plain, high)
+    compressor = ModelCompressor.from_pretrained_model(
+        skeleton, quantization_format=None if high else fmt
+    )
     del skeleton
     # the tensors below are written compressed (what compress_model would leave)
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
-    sources = _written_sources(manifest, tensors, fmt, activations, config.tie_word_embeddings)
+    sources = _written_sources(
+        manifest, tensors, fmt, activations, config.tie_word_embeddings, set(high)
+    )
     missing = {k for k in expected if k not in sources}
     missing -= {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
     unexpected = set(sources) - expected
@@ -428,19 +477,21 @@ def export_saved_compressed_tensors(
 
 def _saved_linears(
     folder: Path, manifest: dict[str, Any], transforms: list[nn.Module]
-) -> tuple[tuple[str | None, list[str]], bool, str, list[str]]:
+) -> tuple[tuple[str | None, list[str]], bool, str, list[str], list[str]]:
     """What a saved checkpoint's quantized linears hold, checked to be one scheme that
-    compressed-tensors holds: the transform's kind (:func:`_one_kind`), whether
-    activations are quantized, the format, and the linears with a bias under a transform."""
+    compressed-tensors holds (with MXFP8 beside it): the transform's kind
+    (:func:`_one_kind`), whether activations are quantized, the format, the linears with a
+    bias under a transform, and those in MXFP8."""
     kinds: dict[str, str | None] = {}
-    acts, formats = set(), set()
+    acts: set[bool] = set()
+    formats: dict[str, str] = {}
     biased: list[str] = []
     for name, entry in manifest["modules"].items():
         if entry["kind"] != "linear":
             raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
         w, a = entry["weight"], entry["activation"]
         quantizer = manifest["quantizers"][entry["quantizer"]]
-        formats.add(_scheme(w, a, name, quantizer.get("tensor_scale") is not None))
+        formats[name] = _scheme(w, a, name, quantizer.get("tensor_scale") is not None)
         if entry["storage"] != "packed":
             raise TorqError(
                 f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
@@ -454,9 +505,10 @@ def _saved_linears(
         acts.add(a is not None)
     if not kinds:
         raise TorqError(f"{folder} has no quantized linears")
-    if len(acts) > 1 or len(formats) > 1:
+    if len(acts) > 1:
         raise TorqError("the quantized linears differ in transform or format")
-    return _one_kind(kinds), acts.pop(), formats.pop(), biased
+    fmt, high = _split_formats(formats)
+    return _one_kind(kinds), acts.pop(), fmt, biased, high
 
 
 def _written_sources(
@@ -465,12 +517,19 @@ def _written_sources(
     fmt: str,
     activations: bool,
     tied: bool,
+    high: set[str] | None = None,
 ) -> dict[str, tuple[str, str]]:
     """What each tensor of the compressed folder is made from: its name → (the stored
-    tensor's name, how it is converted)."""
+    tensor's name, how it is converted); ``high``: the linears in MXFP8."""
     modules: dict[str, dict[str, Any]] = manifest["modules"]
     sources: dict[str, tuple[str, str]] = {}
     for name in modules:
+        if name in (high or ()):
+            sources[f"{name}.weight"] = (f"{name}.weight_codes", "float8")
+            sources[f"{name}.weight_scale"] = (f"{name}.weight_scales", "scales")
+            if modules[name]["bias"]:
+                sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
+            continue
         sources[f"{name}.weight_packed"] = (f"{name}.weight_codes", "codes")
         sources[f"{name}.weight_scale"] = (
             f"{name}.weight_scales",
@@ -504,6 +563,8 @@ def _written_value(
     value = tensors[stored]
     if how == "codes":
         return _ct_codes(value)
+    if how == "float8":  # MXFP8's elements: torq stores their E4M3 bits as bytes
+        return value.view(torch.float8_e4m3fn)
     if how == "e4m3":  # torq stores the E4M3 bits as bytes
         return value.view(torch.float8_e4m3fn)
     if how == "global":  # the loaders divide by it: torq's scale inverted

@@ -45,16 +45,28 @@ def _loading(path: str, save_format: str, guarded: bool) -> str:
     )
 
 
+def _budget_line(budget: dict[str, Any] | None) -> list[str]:
+    """The card's line for a precision budget (``--avg-bits``), if there was one."""
+    if budget is None:
+        return []
+    kept = sum(1 for g in budget["groups"] if g["high"])
+    return [
+        f"- precision budget: {kept} of {len(budget['groups'])} input groups in MXFP8 W8A8 "
+        f"(chosen by `{budget['by']}`), {budget['reached_bits']:.2f} bits a weight on average"
+    ]
+
+
 def write_model_card(folder: Path, facts: dict[str, Any]) -> Path:
     """Write ``folder``'s card from ``facts``: ``model``, ``recipe``, ``method``,
     ``format``, ``save_format``, ``calibration`` (corpus, samples, seqlen, seed),
-    ``command``, ``date``, ``versions``, ``machine`` and ``guarded`` (the folder carries
-    torq's transformers loader)."""
+    ``command``, ``date``, ``versions``, ``machine``, ``guarded`` (the folder carries
+    torq's transformers loader) and ``precision_budget`` (the record's, if any)."""
     calib = facts["calibration"]
     versions = ", ".join(f"{k} {v}" for k, v in facts["versions"].items() if v)
     made = [
         f"- recipe `{facts['recipe']}`: method `{facts['method']}`, "
         f"{facts['format'].upper()} weights and activations (W4A4)",
+        *_budget_line(facts.get("precision_budget")),
         f"- calibration: {calib['samples']} windows of {calib['seqlen']} tokens of "
         f"`{calib['corpus']}`, seed {calib['seed']}",
         f"- command: `{facts['command']}`",

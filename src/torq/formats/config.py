@@ -1,4 +1,5 @@
-"""Which 4-bit format, as a small serialisable value (method notes, section 1)."""
+"""Which block-scaled format, as a small serialisable value (method notes, section 1): the
+4-bit formats, and MXFP8, which a precision budget keeps the most sensitive linears in."""
 
 from __future__ import annotations
 
@@ -8,18 +9,27 @@ from typing import Any
 from torq.formats.constants import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE
 
 FORMAT_NAMES: tuple[str, ...] = ("mxfp4", "nvfp4", "mxint4")
+# the 8-bit format of the linears a precision budget keeps (``--avg-bits``): MXFP8 W8A8, which
+# compressed-tensors holds as its MXFP8 scheme; not one of the 4-bit formats a run names
+HIGH_PRECISION_FORMAT = "mxfp8"
+ALL_FORMATS: tuple[str, ...] = (*FORMAT_NAMES, HIGH_PRECISION_FORMAT)
+# average stored bits per weight element: the element's bits and the scale's spread over a
+# block (MXFP4 4 + 8/32; NVFP4 4 + 8/16, its tensor scale not counted)
+FORMAT_BITS: dict[str, float] = {"mxfp4": 4.25, "nvfp4": 4.5, "mxint4": 4.25, "mxfp8": 8.25}
 SCALE_MODES: tuple[str, ...] = ("ocp", "paper", "rceil", "nearest")
 
 DEFAULT_BLOCK_SIZES: dict[str, int] = {
     "mxfp4": MX_BLOCK_SIZE,
     "nvfp4": NVFP4_BLOCK_SIZE,
     "mxint4": MX_BLOCK_SIZE,
+    "mxfp8": MX_BLOCK_SIZE,
 }
 
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """A block-scaled 4-bit format: element type, block size and scale rule.
+    """A block-scaled format: element type, block size and scale rule (the 4-bit ones, and
+    MXFP8: E4M3 elements, an E8M0 scale per 32, ``X = 2^(floor(log2 amax) - 8)``).
 
     ``scale_mode`` picks the MXFP4 shared-scale rule (method notes, section 1):
     ``"ocp"`` is the OCP MX v1.0 rule ``X = 2^(floor(log2 amax) - 2)``; ``"paper"`` is
@@ -27,7 +37,7 @@ class FormatSpec:
     is the cuBLAS rule ``X = 2^ceil(log2(amax / 6))``; ``"nearest"`` is the OCP rule plus one
     binade when amax's significand is at least 1.75, i.e. when ``amax / X`` would be nearer
     8 than 6 (the rule llm-compressor and AMD Quark use; our variant, not the paper's).
-    NVFP4 and MXINT4 have one rule each and accept only ``"ocp"``. The block size must be
+    NVFP4, MXINT4 and MXFP8 have one rule each and accept only ``"ocp"``. The block size must be
     positive and even, so that a block packs into whole bytes.
     """
 
@@ -36,13 +46,15 @@ class FormatSpec:
     scale_mode: str = "ocp"
 
     def __post_init__(self) -> None:
-        if self.name not in FORMAT_NAMES:
-            raise ValueError(f"unknown format {self.name!r}; known formats: {FORMAT_NAMES}")
+        if self.name not in ALL_FORMATS:
+            raise ValueError(f"unknown format {self.name!r}; known formats: {ALL_FORMATS}")
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(
                 f"unknown scale mode {self.scale_mode!r}; known scale modes: {SCALE_MODES}"
             )
-        if self.name != "mxfp4" and self.scale_mode != "ocp":
+        if self.name == "mxfp8" and self.scale_mode in ("ocp", "nearest"):
+            pass  # MXFP8 takes OCP's rule and compressed-tensors' (the 4-bit format's own)
+        elif self.name != "mxfp4" and self.scale_mode != "ocp":
             raise ValueError(
                 f"format {self.name!r} has a single scale rule and takes scale_mode 'ocp', "
                 f"not {self.scale_mode!r}; the modes {SCALE_MODES} apply to 'mxfp4' only"
@@ -68,12 +80,12 @@ class FormatSpec:
 def get_format(name: str, scale_mode: str = "ocp") -> FormatSpec:
     """The standard spec of a format by name (method notes, section 1).
 
-    MXFP4 and MXINT4 use blocks of 32 and NVFP4 blocks of 16. Raises ``ValueError``
+    MXFP4, MXINT4 and MXFP8 use blocks of 32 and NVFP4 blocks of 16. Raises ``ValueError``
     naming the known formats and scale modes for an unknown name, an unknown mode, or
     a mode other than ``"ocp"`` for NVFP4 / MXINT4.
     """
     if name not in DEFAULT_BLOCK_SIZES:
-        raise ValueError(f"unknown format {name!r}; known formats: {FORMAT_NAMES}")
+        raise ValueError(f"unknown format {name!r}; known formats: {ALL_FORMATS}")
     return FormatSpec(name=name, block_size=DEFAULT_BLOCK_SIZES[name], scale_mode=scale_mode)
 
 

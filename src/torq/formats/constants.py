@@ -30,9 +30,12 @@ E8M0_NAN = 0xFF
 # FP8 E4M3 block scale of NVFP4 (torch.float8_e4m3fn): used only in its normal range.
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
+# FP8 E4M3 element of MXFP8 (OCP MX v1.0, section 5.3.2): 448 = 1.75 * 2**8, so the OCP
+# scale rule is floor(log2 amax) - 8 and elements past 448 saturate.
+E4M3_EMAX = 8
 
 # Block sizes along the last (reduction) dimension.
-MX_BLOCK_SIZE = 32
+MX_BLOCK_SIZE = 32  # MXFP4, MXINT4 and MXFP8
 NVFP4_BLOCK_SIZE = 16
 
 # The NVFP4 FP32 tensor scale maps the tensor amax onto the largest product of a block

@@ -1,4 +1,5 @@
-"""Real (packed) quantization: 4-bit codes two per byte, one scale byte per block."""
+"""Real (packed) quantization: 4-bit codes two per byte (MXFP8: an E4M3 byte per element),
+one scale byte per block."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class PackedTensor:
       nvfp4) hold the sign in bit 3 and the magnitude index into
       {0, 0.5, 1, 1.5, 2, 3, 4, 6} in bits 0-2; MXINT4 codes are the two's complement
       nibble of ``k`` for the value ``k / 4``. Padding elements are code 0, and so are
-      the elements of a block whose scale is NaN.
+      the elements of a block whose scale is NaN. MXFP8 (8-bit): ``uint8 [...,
+      padded_width]``, the bits of each ``torch.float8_e4m3fn`` element.
     * ``scales``: ``uint8 [..., n_blocks]``, an E8M0 byte (mxfp4, mxint4; 0xFF = NaN)
       or the bits of an FP8 E4M3 value (nvfp4).
     * ``tensor_scale``: the FP32 per-tensor scale (0-d) for nvfp4, else ``None``.
@@ -84,7 +86,9 @@ class PackedTensor:
         ``ValueError`` names what does not fit)."""
         bs = fmt.block_size
         padded = -(-shape[-1] // bs) * bs
-        want_codes, want_scales = (*shape[:-1], padded // 2), (*shape[:-1], padded // bs)
+        per_byte = 1 if fmt.name == "mxfp8" else 2
+        want_codes = (*shape[:-1], padded // per_byte)
+        want_scales = (*shape[:-1], padded // bs)
         if tuple(codes.shape) != want_codes or tuple(scales.shape) != want_scales:
             raise ValueError(
                 f"packed codes {tuple(codes.shape)} / scales {tuple(scales.shape)} do not fit "
@@ -121,14 +125,18 @@ def _quantize(x: torch.Tensor, spec: FormatSpec) -> PackedTensor:
     else:
         blocks = to_blocks(x, spec.block_size, compute_dtype(x.dtype))
         mx = mx_quantize_blocks(blocks, spec)
-        codes = encode_int4(mx.q) if spec.name == "mxint4" else encode_e2m1(mx.q)
+        if spec.name == "mxfp8":
+            codes = mx.q.to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            codes = encode_int4(mx.q) if spec.name == "mxint4" else encode_e2m1(mx.q)
         codes = torch.where(mx.is_nan, 0, codes)
         scales = encode_e8m0(mx.exponent, mx.is_nan)
         tensor_scale = None
     n_blocks = blocks.shape[1]
+    codes = codes.reshape(*leading, n_blocks * spec.block_size)
     return PackedTensor(
         fmt=spec,
-        codes=pack_nibbles(codes.reshape(*leading, n_blocks * spec.block_size)),
+        codes=codes if spec.name == "mxfp8" else pack_nibbles(codes),
         scales=scales.reshape(*leading, n_blocks),
         tensor_scale=tensor_scale,
         shape=tuple(x.shape),
@@ -217,7 +225,8 @@ def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     spec = p.fmt
     rows = math.prod(p.shape[:-1])
     n_blocks = p.scales.shape[-1]
-    codes = unpack_nibbles(p.codes).reshape(rows, n_blocks, spec.block_size)
+    raw = p.codes if spec.name == "mxfp8" else unpack_nibbles(p.codes)
+    codes = raw.reshape(rows, n_blocks, spec.block_size)
     if spec.name == "nvfp4":
         if p.tensor_scale is None:
             raise ValueError("an nvfp4 PackedTensor needs its tensor_scale")
@@ -225,7 +234,10 @@ def dequantize(p: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Ten
         scale = nvfp4_scale_values(decode_e4m3(p.scales), p.tensor_scale)
     else:
         work = compute_dtype(dtype)
-        q = decode_int4(codes, work) if spec.name == "mxint4" else decode_e2m1(codes, work)
+        if spec.name == "mxfp8":
+            q = codes.view(torch.float8_e4m3fn).to(work)
+        else:
+            q = decode_int4(codes, work) if spec.name == "mxint4" else decode_e2m1(codes, work)
         scale = decode_e8m0(p.scales, work)
     y = q * scale.reshape(rows, n_blocks, 1)
     return from_blocks(y, p.shape).to(dtype)

@@ -25,6 +25,7 @@ from torq.formats.constants import (
     E2M1_EMAX,
     E2M1_MAX,
     E2M1_MAX_SIGNIFICAND,
+    E4M3_EMAX,
     E4M3_MAX,
     E4M3_MIN_NORMAL,
     E8M0_MAX_EXP,
@@ -104,6 +105,8 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
       ``floor(log2 amax) - 2 + [significand of amax > 1.5]``.
     * ``mxfp4`` ``nearest``: ``floor(log2 amax) - 2 + [significand of amax >= 1.75]``.
     * ``mxint4``: ``floor(log2 amax)`` (the INT4 grid k/4 has emax 0).
+    * ``mxfp8``: ``floor(log2 amax) - 8`` (OCP MX v1.0; emax of E4M3 is 8), with
+      ``nearest`` one more when amax's significand is at least 1.75.
 
     An all-zero block gets the smallest scale, 2**-127, and every exponent is clamped
     to the E8M0 range [-127, 127]. Non-finite ``amax`` gives an unspecified exponent;
@@ -112,6 +115,12 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
     log2_floor, significand = floor_log2(amax)
     if fmt.name == "mxint4":
         exponent = log2_floor - INT4_EMAX
+    elif fmt.name == "mxfp8":
+        # nearest: one binade up when amax's significand is at least 1.75 (amax / X would
+        # saturate at 448): compressed-tensors' MXFP8 rule, as "nearest" is its MXFP4 one
+        exponent = log2_floor - E4M3_EMAX
+        if fmt.scale_mode == "nearest":
+            exponent = exponent + (significand >= NEAREST_BUMP_SIGNIFICAND).to(torch.int32)
     elif fmt.scale_mode == "ocp":
         exponent = log2_floor - E2M1_EMAX
     elif fmt.scale_mode == "paper":
@@ -138,6 +147,12 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(a / step) * step, v)
 
 
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Project onto the FP8 E4M3 grid (MXFP8's elements): nearest, ties to even, saturating
+    at ±448 (OCP MX v1.0 for MXFP8), the sign of zero kept; in ``v``'s dtype."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(v.dtype)
+
+
 def round_to_int4(v: torch.Tensor) -> torch.Tensor:
     """Project onto the MXINT4 grid ``k / 4``, ``k`` in [-7, 7]: nearest, ties to even.
 
@@ -159,7 +174,12 @@ def mx_quantize_blocks(blocks: torch.Tensor, fmt: FormatSpec) -> MXBlocks:
     exponent = mx_scale_exponent(amax, fmt)
     inverse_scale = exact_pow2(-exponent, blocks.dtype)
     scaled = blocks * inverse_scale
-    q = round_to_int4(scaled) if fmt.name == "mxint4" else round_to_e2m1(scaled)
+    if fmt.name == "mxint4":
+        q = round_to_int4(scaled)
+    elif fmt.name == "mxfp8":
+        q = round_to_e4m3(scaled)
+    else:
+        q = round_to_e2m1(scaled)
     return MXBlocks(q=q, exponent=exponent, is_nan=is_nan)
 
 

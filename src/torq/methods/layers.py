@@ -80,7 +80,10 @@ def quantize_group(
     the transform the quantizer runs, when part of ``T`` was folded into the module that
     produces the group's input (default: ``T``). A member ``qconfig`` ignores (named
     ``prefix`` and its name) stays a float ``nn.Linear`` that reads the group's input
-    untransformed: its weight takes only the channel scale folded into that input."""
+    untransformed: its weight takes only the channel scale folded into that input. A group
+    the precision budget keeps (:meth:`QuantConfig.at`, the same for every member) is
+    quantized in MXFP8, with the same transform."""
+    qconfig = _group_config(qconfig, group, prefix)
     shared = ActivationQuantizer(qconfig.activation, transform if online is _SAME else online)
     record: dict[str, Any] = {}
     h = cross = None
@@ -131,6 +134,16 @@ def quantize_group(
         )
         del linear, weight
     return record
+
+
+def _group_config(qconfig: QuantConfig, group: LinearGroup, prefix: str) -> QuantConfig:
+    """The one config of a group's members (they share an activation quantizer, and vLLM
+    fuses them into one linear of one scheme): the budget chooses whole groups."""
+    quantized = [f"{prefix}{m}" for m in group.members if not qconfig.ignores(f"{prefix}{m}")]
+    configs = {qconfig.at(name) for name in quantized} or {qconfig}
+    if len(configs) > 1:
+        raise ValueError(f"{prefix}{group.name}: its linears differ in precision; keep the group")
+    return configs.pop()
 
 
 def _fused_experts_weight(w: torch.Tensor, transform: BlockRotation | None) -> torch.Tensor:

@@ -136,6 +136,9 @@ class RunKey:
     scale_mode: str = "ocp"
     act_scale: str = "dynamic"
     ignore: tuple[str, ...] = ()
+    avg_bits: float | None = None
+    budget_by: str = "block"
+    budget_windows: int = 16
     seqlen: int | None = 2048
     gguf_dtype: str = "float32"
     seed: int = 0
@@ -331,6 +334,12 @@ class Method:
             key["arithmetic"] = capture["arithmetic"]
         if run.ignore:  # linears kept in float (absent when none, so earlier keys stay)
             key["ignore"] = list(run.ignore)
+        if run.avg_bits is not None:  # a precision budget (absent when none)
+            key["avg_bits"] = run.avg_bits
+            key["budget_by"] = run.budget_by
+            key["budget_calibration"] = capture.get("calibration")  # what it is measured on
+            if run.budget_windows != 16:  # absent at the default
+                key["budget_windows"] = run.budget_windows
         if run.act_scale != "dynamic":
             # static activation scales: calibrated on the calibration windows (absent at
             # the default, so the keys made before stay)

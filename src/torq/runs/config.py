@@ -13,6 +13,7 @@ import torch
 from torq.calibration.data import CaptureSettings
 from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import DEFAULT_EVAL_CORPUS
+from torq.driver.budget import BUDGET_BY, PrecisionBudget
 from torq.errors import TorqError
 from torq.formats import FORMAT_NAMES, SCALE_MODES
 from torq.knobs import knob, nonnegative_int, positive_int
@@ -33,6 +34,21 @@ def ignore_patterns(value: str) -> tuple[str, ...]:
             except re.error as exc:
                 raise argparse.ArgumentTypeError(f"'{pattern}': {exc}") from None
     return patterns
+
+
+def avg_bits(value: str) -> float:
+    """An argparse type: an average number of bits per weight, a number above 4."""
+    try:
+        bits = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--avg-bits takes a number of bits, not '{value}'"
+        ) from None
+    if not 4.0 < bits <= 8.25:
+        raise argparse.ArgumentTypeError(
+            f"--avg-bits takes an average above 4 and at most 8.25 (all MXFP8), not {value}"
+        )
+    return bits
 
 
 def format_name(value: str) -> str | None:
@@ -142,6 +158,44 @@ class Formats:
         help="keep these linears in float: comma-separated patterns of their names in the "
         "decoder layers (down_proj, layers.0.*, layers.[0-3].mlp.*, re:REGEX); lm_head always",
     )
+
+    # a precision budget (:mod:`torq.driver.budget`): the average stored bits per weight of
+    # the quantized linears, the most sensitive input groups kept in MXFP8
+    avg_bits: float | None = knob(
+        None,
+        flag="--avg-bits",
+        type=avg_bits,
+        metavar="B",
+        group="recipe",
+        commands=("run", "quantize"),
+        everyday_in=("quantize",),
+        help="average stored bits per weight of the quantized linears (4.25 is all MXFP4; "
+        "e.g. 5): the input groups that hurt most are kept in MXFP8 (8.25 bits) until B",
+    )
+    budget_by: str = knob(
+        "block",
+        flag="--budget-by",
+        choices=BUDGET_BY,
+        commands=("run", "quantize"),
+        help="how --avg-bits picks its MXFP8 groups: block (the rise in the layer's output "
+        "error, default), linear (the group's own output error), random, ends (first and "
+        "last layers)",
+    )
+    budget_windows: int = knob(
+        16,
+        flag="--budget-windows",
+        type=positive_int,
+        metavar="N",
+        commands=("run", "quantize"),
+        help="how many calibration windows --avg-bits measures the groups' errors on (default "
+        "16; the pass costs a forward of each layer per input group on them)",
+    )
+
+    def budget(self, seed: int = 0) -> PrecisionBudget | None:
+        """The precision budget asked for, if any."""
+        if self.avg_bits is None:
+            return None
+        return PrecisionBudget(self.avg_bits, self.budget_by, self.budget_windows, seed)
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig.from_names(
@@ -413,6 +467,9 @@ class RunConfig:
             scale_mode=self.formats.scale_mode,
             act_scale=self.formats.act_scale,
             ignore=self.formats.ignore,
+            avg_bits=self.formats.avg_bits,
+            budget_by=self.formats.budget_by,
+            budget_windows=self.formats.budget_windows,
             seqlen=self.evaluation.seqlen,
             gguf_dtype=self.source.gguf_dtype,
             seed=self.seed,

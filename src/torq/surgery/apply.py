@@ -55,7 +55,7 @@ def quantize_layer(
                 counts["ignored"] = counts.get("ignored", 0) + 1
                 continue  # kept in float, as it is
             t = input_transforms(f"{prefix}{name}", module) if input_transforms else None
-            setattr(parent, attr, QuantLinear.from_linear(module, config, t))
+            setattr(parent, attr, QuantLinear.from_linear(module, config.at(f"{prefix}{name}"), t))
             counts["linear"] += 1
         elif is_fused_experts(module) and not isinstance(module, QuantExperts):
             name_in_model = f"{prefix}{name}"

@@ -42,6 +42,7 @@ from torq.formats.packing import exact_pow2
 from torq.formats.reference import (
     mx_scale_exponent,
     round_to_e2m1,
+    round_to_e4m3,
     round_to_int4,
 )
 from torq.knobs import knob
@@ -166,8 +167,8 @@ class _BlockGrid:
     def __init__(
         self, fmt: FormatSpec, weight: torch.Tensor, config: GPTQConfig | None = None
     ) -> None:
-        if fmt.name not in ("mxfp4", "mxint4", "nvfp4"):
-            raise ValueError(f"GPTQ supports mxfp4, mxint4 and nvfp4, not {fmt.name}")
+        if fmt.name not in ("mxfp4", "mxint4", "nvfp4", "mxfp8"):
+            raise ValueError(f"GPTQ supports mxfp4, mxint4, nvfp4 and mxfp8, not {fmt.name}")
         cfg = config or GPTQConfig()
         if cfg.scale_search == "mse" and fmt.name == "nvfp4":
             raise ValueError("MSE-chosen scales are for the MX formats' power-of-two scales")
@@ -198,7 +199,7 @@ class _BlockGrid:
             e = (rule + shift).clamp(-127, 127)
             scale = exact_pow2(e, torch.float32).double()
             v = block / scale
-            q = round_to_int4(v) if self.fmt.name == "mxint4" else round_to_e2m1(v)
+            q = self.round(v)
             err = (block - q * scale).abs().pow(self.norm).sum(dim=1, keepdim=True)
             if best_err is None:
                 best_err = err
@@ -210,9 +211,15 @@ class _BlockGrid:
 
     def quantize(self, column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Round a column ``[N]`` with its rows' scales ``[N]``; back in float64."""
-        v = column / scale
-        q = round_to_int4(v) if self.fmt.name == "mxint4" else round_to_e2m1(v)
-        return q * scale
+        return self.round(column / scale) * scale
+
+    def round(self, v: torch.Tensor) -> torch.Tensor:
+        """Elements in units of their scale, onto the format's element grid."""
+        if self.fmt.name == "mxint4":
+            return round_to_int4(v)
+        if self.fmt.name == "mxfp8":
+            return round_to_e4m3(v)
+        return round_to_e2m1(v)
 
 
 def _quantize_columns(

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torq.formats import FormatSpec, PackedTensor, fake_quantize, get_format, pack_exact
+from torq.formats.config import HIGH_PRECISION_FORMAT
 from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 
 T = TypeVar("T")
@@ -45,6 +46,9 @@ class QuantConfig:
     act_scale: str = "dynamic"
     # linears kept in float, by name pattern (:func:`ignored`)
     ignore: tuple[str, ...] = ()
+    # linears a precision budget keeps in MXFP8 (W8A8; A16 where activations stay float), by
+    # full name ``layers.<i>.<name>`` (:func:`torq.driver.budget.choose_high_precision`)
+    high: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.act_scale not in ACT_SCALES:
@@ -93,7 +97,28 @@ class QuantConfig:
             out["act_scale"] = self.act_scale
         if self.ignore:
             out["ignore"] = list(self.ignore)
+        if self.high:
+            out["high_precision"] = {"format": HIGH_PRECISION_FORMAT, "linears": list(self.high)}
         return out
+
+    def at(self, name: str) -> QuantConfig:
+        """The formats of the linear ``name`` (``layers.<i>.<its name in the layer>``): MXFP8
+        weights (and MXFP8 activations, where activations are quantized) for a linear the
+        precision budget keeps (:attr:`high`), else this config."""
+        if name not in self.high:
+            return self
+
+        def high(spec: FormatSpec | None) -> FormatSpec | None:
+            # MXFP8 with the 4-bit format's scale rule where it has one of MXFP8's (the
+            # default's "nearest" is compressed-tensors' rule for both)
+            if spec is None:
+                return None
+            mode = spec.scale_mode if spec.scale_mode in ("ocp", "nearest") else "ocp"
+            return get_format(HIGH_PRECISION_FORMAT, mode)
+
+        return QuantConfig(
+            weight=high(self.weight), activation=high(self.activation), ignore=self.ignore
+        )
 
     def ignores(self, name: str) -> bool:
         """Whether the linear ``name`` (``layers.<i>.<its name in the layer>``) stays in
