@@ -119,6 +119,8 @@ def test_avg_bits_keeps_groups_in_mxfp8_and_the_folder_loads_through_transformer
         for g in config["config_groups"].values()
     }
     assert schemes == {(4, 4, "mxfp4-pack-quantized"), (8, 8, "mxfp8-quantized")}
+    # the named group first: compressed-tensors then matches each name without a warning
+    assert config["config_groups"]["group_0"]["targets"] != ["Linear"]
     model = torq.quantize(str(tiny_checkpoint), data_dir=data, progress=False, avg_bits=6, **CALIB)
     eights = {
         n for n, m in model.named_modules()
@@ -227,3 +229,14 @@ def test_a_budget_beside_ignored_linears_quantizes_the_rest_of_their_group(
     assert all(type(m) is torch.nn.Linear for n, m in linears.items() if n.endswith("q_proj"))
     others = [m for n, m in linears.items() if not n.endswith("q_proj")]
     assert others and all(m.config.weight.name == "mxfp8" for m in others)
+
+
+def test_an_mxfp8_weight_gptq_left_off_its_own_scale_still_packs() -> None:
+    """A block rounded with scale 1 whose largest code saturated at 448: the ``nearest``
+    rule would take it a binade up and lose the smallest codes; it packs exactly."""
+    fmt = get_format("mxfp8", "nearest")
+    w = torch.zeros(2, 32)
+    w[:, 0], w[:, 1], w[0, 2] = 448.0, 2.0**-9, 240.0
+    assert not torch.equal(fake_quantize(w, fmt), w)
+    packed = pack_exact(w, fmt)
+    assert packed is not None and torch.equal(packed.dequantize(), w)

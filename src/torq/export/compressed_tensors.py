@@ -326,6 +326,7 @@ def export_compressed_tensors(
                 raise TorqError(f"{name}: compressed-tensors rounded other values; nothing written")
         plain.save_pretrained(tmp)
         compressor.update_config(str(tmp))
+        names_first(tmp)
         guard_for_transformers(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -470,6 +471,7 @@ def export_saved_compressed_tensors(
         config.dtype = torch.bfloat16  # what the folder holds
         config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
+        names_first(tmp)
         guard_for_transformers(tmp)
     _say_biased(biased)
     return out
@@ -646,6 +648,25 @@ def _has_online_transforms(qconfig: dict[str, Any]) -> bool:
         for g in groups.values()
         for a in g.get("apply", [])
     )
+
+
+def names_first(folder: Path) -> None:
+    """Put the config groups that name their linears (a precision budget's MXFP8 group)
+    before the one that targets every ``Linear`` in ``folder``'s ``config.json``:
+    compressed-tensors gives an exact name the priority either way, but it walks the
+    targets in order and warns, once per named linear, of each name the class matched
+    first."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    groups = config["quantization_config"].get("config_groups") or {}
+    if len(groups) < 2:
+        return
+    order = sorted(groups, key=lambda g: "Linear" in groups[g].get("targets", []))
+    # renamed in that order: the config is written with its keys sorted
+    config["quantization_config"]["config_groups"] = {
+        f"group_{i}": groups[g] for i, g in enumerate(order)
+    }
+    path.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
 
 
 def guard_for_transformers(folder: Path) -> bool:

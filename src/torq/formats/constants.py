@@ -33,6 +33,7 @@ E4M3_MIN_NORMAL = 2.0**-6
 # FP8 E4M3 element of MXFP8 (OCP MX v1.0, section 5.3.2): 448 = 1.75 * 2**8, so the OCP
 # scale rule is floor(log2 amax) - 8 and elements past 448 saturate.
 E4M3_EMAX = 8
+E4M3_MAX_SIGNIFICAND = 1.75
 
 # Block sizes along the last (reduction) dimension.
 MX_BLOCK_SIZE = 32  # MXFP4, MXINT4 and MXFP8

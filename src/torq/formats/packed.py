@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from torq.formats.config import FormatSpec, as_format
-from torq.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
+from torq.formats.constants import (
+    E2M1_MAX,
+    E4M3_EMAX,
+    E4M3_MAX,
+    E4M3_MAX_SIGNIFICAND,
+    E4M3_MIN_NORMAL,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+)
 from torq.formats.packing import (
     decode_e2m1,
     decode_e4m3,
@@ -19,6 +27,8 @@ from torq.formats.packing import (
     encode_e4m3,
     encode_e8m0,
     encode_int4,
+    exact_pow2,
+    floor_log2,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -31,6 +41,7 @@ from torq.formats.reference import (
     nvfp4_scale_values,
     nvfp4_tensor_scale,
     round_to_e2m1,
+    round_to_e4m3,
     tensor_amax,
     to_blocks,
 )
@@ -266,6 +277,34 @@ def pack_exact(
         p = encode_nvfp4_exact(x, tensor_scale.detach().cpu())
     else:
         p = _quantize(x, spec)
+        if spec.name == "mxfp8" and not torch.equal(dequantize(p, x.dtype), x):
+            p = _mxfp8_fitting(x, spec)
     if p is None or not torch.equal(dequantize(p, x.dtype), x):
         return None
     return p
+
+
+def _mxfp8_fitting(x: torch.Tensor, spec: FormatSpec) -> PackedTensor:
+    """An MXFP8 weight whose values lie on the grid of scales its own amax does not give back
+    (GPTQ fixes a block's scale before error feedback moves its later columns; the
+    ``nearest`` rule then bumps the block a binade, halving codes below E4M3's smallest
+    step), packed with each block's smallest scale that holds its amax,
+    ``X = 2^ceil(log2(amax / 448))``: every element is then its value over a scale no larger
+    than the one it was rounded with, a power of two times an E4M3 value, at most 448, so on
+    the grid."""
+    leading = tuple(x.shape[:-1])
+    blocks = to_blocks(x, spec.block_size, compute_dtype(x.dtype))
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    log2_floor, significand = floor_log2(amax)
+    exponent = log2_floor - E4M3_EMAX + (significand > E4M3_MAX_SIGNIFICAND).to(torch.int32)
+    exponent = torch.where(amax > 0, exponent, E8M0_MIN_EXP).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    is_nan = ~torch.isfinite(amax)
+    q = round_to_e4m3(blocks * exact_pow2(-exponent, blocks.dtype))
+    codes = torch.where(is_nan, 0, q.to(torch.float8_e4m3fn).view(torch.uint8))
+    return PackedTensor(
+        fmt=spec,
+        codes=codes.reshape(*leading, -1),
+        scales=encode_e8m0(exponent.to(torch.int32), is_nan).reshape(*leading, -1),
+        tensor_scale=None,
+        shape=tuple(x.shape),
+    )
