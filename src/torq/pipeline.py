@@ -442,18 +442,22 @@ def _quantize_streamed(
     t0 = time.perf_counter()
     method = spec.method
     ctx = run.context(spec, run.progress, source.model.config)
-    qconfig, budget = run.qconfig, None
+    qconfig, budget, windows = run.qconfig, None, None
     if run.budget is not None and method.quantizes:
         # which linears stay in MXFP8: measured on the float model first, streamed
         windows = calibration_windows(run.tokenizer, ctx.capture.calibration, run.source.data_dir)
         probe = LayerStream(run.folder, run.device)
         qconfig, budget = budgeted(probe, windows, qconfig, run.budget, run.progress)
         budget["seconds"] = time.perf_counter() - t0
-        del probe, windows
+        del probe
     plan = layer_plan(method, qconfig, ctx)
     calib, data = None, None
     if plan.calibration is not None:
-        calib = calibration_windows(run.tokenizer, plan.calibration, run.source.data_dir)
+        calib = (
+            windows  # the budget's windows are the method's own: not read twice
+            if windows is not None and plan.calibration is ctx.capture.calibration
+            else calibration_windows(run.tokenizer, plan.calibration, run.source.data_dir)
+        )
         data = calibration_data(plan.calibration, run.source.data_dir)
     t_data = time.perf_counter() - t0
     writer = None

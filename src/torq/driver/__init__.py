@@ -659,6 +659,7 @@ def apply_method(
     record: dict[str, Any] = {}
     if ctx.model_config is None:
         ctx = replace(ctx, model_config=model.config)
+    probe = None
     if budget is not None and method.quantizes:
         t0 = time.perf_counter()
         data_dir = ctx.options.get("data_dir")
@@ -673,7 +674,9 @@ def apply_method(
         return record
     t0 = time.perf_counter()
     windows = None
-    if plan.calibration is not None:
+    if plan.calibration is not None and probe is not None:
+        windows = probe if plan.calibration is ctx.capture.calibration else None
+    if plan.calibration is not None and windows is None:
         windows = calibration_windows(ctx.tokenizer, plan.calibration, ctx.options.get("data_dir"))
     t_data = time.perf_counter() - t0
     run = run_layerwise(
