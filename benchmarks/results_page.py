@@ -882,6 +882,7 @@ BUDGET = Table(
     ("model", "bits asked", "chosen by", "bits reached", "PPL (×FP)", "against all MXFP4"),
     (
         ("SmolLM2-135M", "4.25", "—", "4.25", _B425, "1"),
+        ("SmolLM2-135M", *_budget_row("4.5", "`block`", "b45-block")),
         ("SmolLM2-135M", *_budget_row("5", "`block`", "b5-block")),
         ("SmolLM2-135M", *_budget_row("5", "`linear`", "b5-linear")),
         ("SmolLM2-135M", *_budget_row("5", "`random`", "b5-random")),
@@ -889,6 +890,28 @@ BUDGET = Table(
         ("SmolLM2-135M", *_budget_row("6", "`block`", "b6-block")),
     ),
     align=("---", "---:", "---", "---:", "---:", "---:"),
+)
+
+QB = B + "qwen-sample32-paired.json"  # each row's whole-test ×FP, estimated
+QBD = B + "qwen-sample32-vs-default.json"  # the budgeted row against all MXFP4
+BUDGET_QWEN = Table(
+    "A precision budget on Qwen2.5-Coder-0.5B",
+    """The same on Qwen2.5-Coder-0.5B (every linear rotated, as `torq run` runs it): 32 of
+    its 145 test windows drawn at random (`--window-sample 32`), the whole test's ×FP
+    estimated window by window with its 95 % interval, and the budgeted row against all
+    MXFP4 on the same windows. Calibrated on 16 windows. One point of the curve: a run with
+    the measuring pass costs about two core-hours here.""",
+    ("bits asked", "chosen by", "whole test ×FP, estimated", "against all MXFP4, estimated"),
+    (
+        ("4.25", "—", Estimate(QB, "qwen-default-sample32:torq-had32+gptaq"), "1"),
+        (
+            "5",
+            "`block`",
+            Estimate(QB, "qwen-b5-block-sample32:torq-had32+gptaq"),
+            Estimate(QBD, "qwen-b5-block-sample32:torq-had32+gptaq"),
+        ),
+    ),
+    align=("---:", "---", "---:", "---:"),
 )
 
 INTRO = """All rows are MXFP4 W4A4 (weights and activations), perplexity on WikiText-2's test

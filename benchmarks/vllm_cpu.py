@@ -13,6 +13,14 @@ replaces three routines vLLM calls that exist only for GPUs by the same arithmet
   (:mod:`torq.formats`), the rule compressed-tensors' own loader applies;
 * the online 32-point Hadamard (vLLM's Hadacore kernel): its dense product, normalized.
 
+An NVFP4 folder runs through vLLM's NVFP4 emulation kernel (its own torch code: activations
+quantized with the folder's static global scale, weights de-quantized, a bf16 product),
+which vLLM lists for GPUs only. A folder with a precision budget (``--avg-bits``) holds MXFP8
+linears too. vLLM's CPU build
+has no MXFP8 kernel either; this turns on its MXFP8 emulation kernel (weights de-quantized
+once at load, vLLM's own routine) and quantizes the activations to MXFP8 (nearest rule)
+before its bf16 product, which vLLM's emulation leaves out and its GPU kernels do.
+
 Everything else is vLLM's: reading the folder's quantization and transform configs, loading
 the packed weights into its merged q/k/v and gate/up layers, placing the online transforms,
 and the model code. Perplexity on the first WikiText-2 test windows of 2048 tokens, from
@@ -66,10 +74,13 @@ def _hadamard(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 
 
 def _patch_vllm() -> None:
-    """vLLM's MXFP4 emulation kernel on the CPU, with the three routines of the module doc."""
+    """vLLM's MXFP4 and MXFP8 emulation kernels on the CPU, with the routines of the module
+    doc."""
     import vllm.model_executor.kernels.linear as kernels
     import vllm.model_executor.kernels.linear.mxfp4.emulation as emulation
     from vllm import _custom_ops
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
     from vllm.platforms import PlatformEnum
 
@@ -83,11 +94,30 @@ def _patch_vllm() -> None:
     ).to(x.dtype)
     _custom_ops.hadacore_transform = _hadamard
 
+    nearest8 = FormatSpec("mxfp8", 32, "nearest")
+
+    class ActivationsMxfp8(EmulationMxfp8LinearKernel):
+        """vLLM's MXFP8 emulation de-quantizes the weights and leaves the activations in
+        bf16 (W8A16); its GPU kernels quantize them to MXFP8 (W8A8), as the folder's scheme
+        says and torq computes: this does too, before the same bf16 product."""
+
+        def apply_weights(
+            self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            x = fake_quantize(x.float(), nearest8).to(x.dtype)
+            return super().apply_weights(layer, x, bias)
+
+    kernels._POSSIBLE_MXFP8_KERNELS[PlatformEnum.CPU] = [ActivationsMxfp8]
+    # NVFP4: vLLM's own emulation kernel (its activations quantized with the folder's static
+    # global scale, the weights de-quantized), all torch on the CPU
+    kernels._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
+
 
 def vllm_side(folder: str, windows_path: str, out: str) -> None:
     """In vLLM's environment: the windows' perplexity through vLLM, written to ``out``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the patches hold
     os.environ["VLLM_MXFP4_EMULATION_DEQUANT_AT_LOAD"] = "1"
+    os.environ["VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     _patch_vllm()
     import vllm
@@ -158,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         subprocess.run([*side, "--vllm-side", f"{tmp}/windows.pt"], check=True, env=env)
         vllm_record = json.loads(Path(f"{tmp}/vllm.json").read_text())
-    rows[f"vLLM {vllm_record['vllm']} (CPU build, emulated MXFP4)"] = vllm_record["ppl"]
+    rows[f"vLLM {vllm_record['vllm']} (CPU build, emulation kernels)"] = vllm_record["ppl"]
     record = {
         "folder": args.folder,
         "windows": int(windows.shape[0]),

@@ -15,7 +15,7 @@ from tests.conftest import TF32_TINY_REL
 from tests.export.test_compressed_tensors import _folder_tensors
 from torq.cli import main
 from torq.errors import TorqError
-from torq.methods.recipes import RECIPES
+from torq.methods.recipes import RECIPES, get_recipe
 from torq.results import read_record
 from torq.surgery.qlinear import QuantLinear
 
@@ -240,6 +240,17 @@ def test_a_damaged_config_is_one_line(tmp_path, capsys) -> None:
     assert "not valid JSON" in err and len(err.splitlines()) == 1
 
 
+def test_a_recipe_runs_the_method_measured_best_in_each_format(capsys) -> None:
+    """``fast`` is the 32-block Hadamard in MXFP4 and MXINT4 and RTN in NVFP4, where a fixed
+    Hadamard was measured worse than none; ``torq methods`` says so."""
+    assert get_recipe("fast").method == get_recipe("fast", "mxfp4").method == "had32"
+    assert get_recipe("fast", "nvfp4").method == "rtn"
+    assert get_recipe("fast", "nvfp4").name == "fast" and not get_recipe("fast", "nvfp4").by_format
+    assert get_recipe("default", "nvfp4") == get_recipe("default")
+    assert main(["methods"]) == 0
+    assert "had32, nvfp4: rtn" in capsys.readouterr().out
+
+
 def test_every_recipe_names_a_method_and_says_when_to_use_it() -> None:
     from torq.methods import get_method
 
@@ -307,6 +318,7 @@ def test_the_served_folder_loads_with_the_lines_the_docs_show(
     ("recipe", "fmt", "written", "scheme"),
     [
         ("fast", "mxfp4", "compressed-tensors", "mxfp4-pack-quantized"),
+        ("fast", "nvfp4", "compressed-tensors", "nvfp4-pack-quantized"),
         ("default", "nvfp4", "compressed-tensors", "nvfp4-pack-quantized"),
         ("best-ppl", "mxfp4", "torq", None),
         ("default", "mxint4", "torq", None),
@@ -324,6 +336,8 @@ def test_every_recipe_and_format_writes_what_it_can_and_loads_back(
         calib_samples=2, calib_seqlen=32, progress=False,
     )  # fmt: skip
     assert done["format"] == written and done["recipe"] == recipe
+    # the recipe's method in that format (``fast`` is RTN in NVFP4)
+    assert done["method"] == get_recipe(recipe, fmt).method
     if scheme is not None:
         config = json.loads((out / "config.json").read_text())["quantization_config"]
         assert config["format"] == scheme

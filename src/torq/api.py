@@ -100,8 +100,8 @@ def quantize(
     precision budget, the average stored bits per weight of the quantized linears, the input
     groups that hurt most kept in MXFP8 (``--avg-bits``; ``budget_by``, ``budget_windows``:
     ``--budget-by``, ``--budget-windows``)."""
-    chosen = get_recipe(recipe)
     fmt = _format(format)
+    chosen = get_recipe(recipe, fmt)
     calib = CalibrationConfig(
         corpus=calibration, n_samples=calib_samples, seqlen=calib_seqlen, seed=seed
     )
@@ -355,8 +355,8 @@ def quantize_checkpoint(
     ``{"path", "format", "why_format", "bytes", "seconds", "recipe", "method", "unrotated",
     "record"}`` (``why_format``: why torq's format, where it was chosen for the caller;
     ``unrotated``: the linears, with a bias, whose group got no rotation)."""
-    chosen = get_recipe(recipe)
     fmt = _format(format)
+    chosen = get_recipe(recipe, fmt)
     skeleton = _skeleton(model)
     biased = biased_linears(skeleton)
     chosen_for_you = save_format is None

@@ -454,6 +454,18 @@ def test_every_architecture_round_trips_through_transformers(
         assert gap < 0.1 * error, (gap, error)
 
 
+def _one_global_scale_per_fused_linear(found: dict[str, torch.Tensor], layers: int) -> None:
+    """q/k/v and gate/up, which vLLM fuses into one linear read with one global scale (it
+    takes the largest divisor), have one: a member's own would read its E4M3 block scales
+    wrong."""
+    fused = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),)
+    fused += (("mlp.gate_proj", "mlp.up_proj"),)
+    for li in range(layers):
+        for names in fused:
+            keys = [f"model.layers.{li}.{n}.weight_global_scale" for n in names]
+            assert len({float(found[k]) for k in keys}) == 1, keys
+
+
 def _nvfp4_quantized(method: str, qconfig: QuantConfig, tmp_path: Path, tokenizer):
     """A tiny Llama and its copy quantized by ``method`` with ``qconfig``, calibrated (GPTQ,
     static activation scales) on a small corpus file."""
@@ -513,11 +525,20 @@ def test_nvfp4_weights_export_and_load_as_torq_computes_them(
     save_quantized(q, tmp_path / "saved", tiny_tokenizer, method=method)
     parts = export_saved_compressed_tensors(tmp_path / "saved", tmp_path / "parts")
     found = [_folder_tensors(out), _folder_tensors(parts)]
+    _one_global_scale_per_fused_linear(found[0], model.config.num_hidden_layers)
     assert found[0].keys() == found[1].keys()
     assert all(
         found[0][k].dtype == found[1][k].dtype and torch.equal(found[0][k], found[1][k])
         for k in found[0]
     )
+
+    # a model whose fused linears kept their own tensor scales (an earlier torq's) is refused:
+    # vLLM would read it wrong
+    k_proj = q.get_submodule("model.layers.0.self_attn.k_proj")
+    k_proj.weight_tensor_scale = k_proj.weight_tensor_scale * 2
+    with pytest.raises(TorqError, match="different NVFP4 weight tensor scales"):
+        export_compressed_tensors(q, tmp_path / "apart", tiny_tokenizer)
+    assert not (tmp_path / "apart").exists()
 
     w4a4 = copy.deepcopy(model)
     apply_method(
@@ -553,6 +574,7 @@ def test_nvfp4_w4a4_with_static_activation_scales_exports(method, tmp_path, tiny
     acts = config["config_groups"]["group_0"]["input_activations"]
     assert (acts["num_bits"], acts["group_size"], acts["dynamic"]) == (4, 16, "local")
     found = _folder_tensors(out)
+    _one_global_scale_per_fused_linear(found, model.config.num_hidden_layers)
     for proj in ("q_proj", "k_proj", "v_proj", "down_proj"):
         name = f"model.layers.1.{'mlp' if proj == 'down_proj' else 'self_attn'}.{proj}"
         g_a = q.get_submodule(name).input_quantizer.tensor_scale

@@ -302,7 +302,9 @@ def _main(argv: list[str] | None) -> int:
             for r in RECIPES.values():
                 mark = " (default)" if r.name == DEFAULT_RECIPE else ""
                 serves = "torq only" if r.cannot_serve() else "servable"
-                print(f"  {r.name}{mark}\t{r.method}\t{serves}\t{r.use_when}")
+                # the method it runs in each format where that is another
+                method = ", ".join([r.method, *(f"{f}: {m}" for f, m in r.by_format)])
+                print(f"  {r.name}{mark}\t{method}\t{serves}\t{r.use_when}")
             print("methods (torq run --methods; without it, fp and the default recipe):")
             for name, method in sorted(METHODS.items()):
                 notes = []

@@ -108,7 +108,9 @@ def measure_sensitivity(
             # the linears kept in float (--ignore) have nothing to budget
             kept = [m for m in group.members if not qconfig.ignores(f"layers.{li}.{m}")]
             if kept:
-                group = LinearGroup(group.name, kept, group.width)
+                # named by the linears it keeps, as the record lists them
+                name = "+".join(m.rsplit(".", 1)[-1] for m in kept)
+                group = LinearGroup(name, kept, group.width)
                 out.append(_group_cost(li, layer, group, hidden, kwargs[li], reference, qconfig))
         source.release_layer(li)
         del layer

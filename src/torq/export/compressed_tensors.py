@@ -66,7 +66,7 @@ from torq.export.reading import (
 )
 from torq.formats.packing import decode_e4m3
 from torq.models.architecture import is_fused_experts
-from torq.surgery.qlinear import QuantExperts, QuantLinear
+from torq.surgery.qlinear import FUSED_LINEARS, QuantExperts, QuantLinear
 
 FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
@@ -247,6 +247,8 @@ def export_compressed_tensors(
     from transformers import AutoModelForCausalLM
 
     linears, kind, activations, fmt, biased, plain_linears, high = _plan(model)
+    if fmt == NVFP4_FORMAT:
+        _check_fused_scales({n: m.weight_tensor_scale for n, m in linears.items() if n not in high})
     config = model.config
     # the plain Hugging Face model with torq's values: each quantized linear's weight is
     # its fused, quantized one; everything else as torq holds it
@@ -406,6 +408,26 @@ _LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
 
 
 @torch.no_grad()
+def _check_fused_scales(scales: dict[str, torch.Tensor | None]) -> None:
+    """Refuse, in one line, NVFP4 linears that vLLM fuses into one (q/k/v, gate/up:
+    :data:`~torq.surgery.qlinear.FUSED_LINEARS`) whose weights have different tensor scales:
+    it reads the fused linear with one global scale, and so the others' weights wrong (a
+    model quantized by an earlier torq)."""
+    found: dict[tuple[str, int], set[float]] = {}
+    for name, scale in scales.items():
+        parent, _, last = name.rpartition(".")
+        for i, names in enumerate(FUSED_LINEARS):
+            if last in names and scale is not None:
+                found.setdefault((parent, i), set()).add(float(scale))
+    for (parent, i), values in sorted(found.items()):
+        if len(values) > 1:
+            raise TorqError(
+                f"{parent}: {', '.join(FUSED_LINEARS[i])} hold different NVFP4 weight tensor "
+                "scales, which vLLM reads as one fused linear's (quantized by an earlier "
+                "torq): quantize the float model again; nothing written"
+            )
+
+
 def export_saved_compressed_tensors(
     folder: str | Path, out_dir: str | Path, overwrite: bool = False
 ) -> Path:
@@ -424,6 +446,11 @@ def export_saved_compressed_tensors(
     (kind, plain), activations, fmt, biased, high = _saved_linears(
         folder, manifest, _built_transforms(manifest, tensors)
     )
+    if fmt == NVFP4_FORMAT:
+        keys = {n: f"{n}.weight_tensor_scale" for n in modules if n not in high}
+        # the packed NVFP4 weights (a weight stored as values has no tensor scale)
+        stored = {n: tensors[k] for n, k in keys.items() if k in tensors}
+        _check_fused_scales(dict(stored))
     parts_of = ("weight_packed", "weight_scale") + (
         ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
     )

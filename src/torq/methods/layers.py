@@ -24,6 +24,7 @@ from torq.calibration.capture import (
     LinearGroup,
 )
 from torq.formats import FormatSpec, fake_quantize
+from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 from torq.methods.registry import LayerPlan, Method, MethodContext
 from torq.rotations.transform import BlockRotation
 from torq.surgery.apply import quantize_layer
@@ -33,7 +34,6 @@ from torq.surgery.qlinear import (
     QuantConfig,
     QuantExperts,
     QuantLinear,
-    nvfp4_weight_tensor_scale,
 )
 
 # An expert whose down_proj input was seen on fewer calibration tokens than this gets the
@@ -99,6 +99,7 @@ def quantize_group(
         if cross is not None and transform is not None:
             # T C Tᵀ (C is not symmetric: conjugate_hessian of Cᵀ gives it)
             cross = transform.conjugate_hessian(cross.T.contiguous())
+    tensor_scale = _group_tensor_scale(layer, group, transform, qconfig, prefix)
     for name in group.members:
         # looked up one at a time, not from a table of the layer's modules: a float linear
         # is freed as soon as its quantized replacement is in place (an 8B layer's float
@@ -112,12 +113,9 @@ def quantize_group(
         parent = layer.get_submodule(parent_name) if parent_name else layer
         weight = linear.weight if transform is None else transform.fuse_inverse(linear.weight)
         quantized = False
-        tensor_scale = None
         if h is not None:
             assert qconfig.weight is not None
-            if qconfig.weight.name == "nvfp4":  # GPTQ's, from the weight it starts from
-                tensor_scale = nvfp4_weight_tensor_scale(weight)
-            weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq, cross)
+            weight, rec = gptq_quantize(weight, h, qconfig.weight, gptq, cross, tensor_scale)
             record[name] = rec
             quantized = True
         setattr(
@@ -134,6 +132,27 @@ def quantize_group(
         )
         del linear, weight
     return record
+
+
+def _group_tensor_scale(
+    layer: nn.Module,
+    group: LinearGroup,
+    transform: BlockRotation | None,
+    qconfig: QuantConfig,
+    prefix: str,
+) -> torch.Tensor | None:
+    """In NVFP4, the one FP32 tensor scale of the group's quantized weights ``W Tᵀ``: a
+    serving engine fuses them into one linear (q/k/v, gate/up) with one global scale
+    (:data:`~torq.surgery.qlinear.FUSED_LINEARS`). ``None`` in another format."""
+    if qconfig.weight is None or qconfig.weight.name != "nvfp4":
+        return None
+    amax = [
+        tensor_amax(w if transform is None else transform.fuse_inverse(w))
+        for m in group.members
+        if not qconfig.ignores(f"{prefix}{m}")
+        for w in [layer.get_submodule(m).weight.detach()]
+    ]
+    return nvfp4_tensor_scale(torch.stack(amax).max()) if amax else None
 
 
 def _group_config(qconfig: QuantConfig, group: LinearGroup, prefix: str) -> QuantConfig:

@@ -40,6 +40,15 @@ class Recipe:
     # transforms: their balancing alone; the block Hadamard: nothing), the ``unrotated``
     # setting of the method's own settings: vLLM runs no transform on such a linear
     unrotate_biased: bool = False
+    # the method in a format where the measurements chose another: ``(format, method)``
+    # pairs (docs/recipes.md, "Recipes per format")
+    by_format: tuple[tuple[str, str], ...] = ()
+
+    def in_format(self, fmt: str) -> Recipe:
+        """This recipe as it runs in ``fmt``: its method there (``by_format``), the rest as
+        it is."""
+        method = dict(self.by_format).get(fmt)
+        return self if method is None else replace(self, method=method, by_format=())
 
     def spec(self, *given: Any, biased: tuple[str, ...] = ()) -> MethodSpec:
         """This recipe's method with its settings: the recipe's own (the folded balancing,
@@ -79,7 +88,7 @@ class Recipe:
         vLLM), in one line, as its method answers it; ``None`` when it can."""
         if fmt not in ("mxfp4", "nvfp4"):
             return f"compressed-tensors holds MXFP4 and NVFP4 models, not {fmt}"
-        spec = self.spec()
+        spec = self.in_format(fmt).spec()
         ctx = spec.context(self.capture())
         reason = spec.method.transform.compressed_tensors(self.quant_config(fmt), ctx)
         return None if reason is None else f"recipe '{self.name}': {reason}"
@@ -111,10 +120,15 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "fast",
             "had32",
-            use_when="no calibration data or time: a fixed 32-block Hadamard, seconds",
+            use_when="no calibration data or time: a fixed 32-block Hadamard (none in NVFP4, "
+            "where it hurts), seconds",
             calibrates=False,
             scale_mode="nearest",
             unrotate_biased=True,
+            # in NVFP4 a fixed Hadamard, of 32 or of its own 16, is worse than none: SmolLM2's
+            # 16-window set 40.90 and 40.22 against RTN's 32.93, Qwen's first 8 windows 32.56
+            # and 33.58 against 31.71 (docs/recipes.md)
+            by_format=(("nvfp4", "rtn"),),
         ),
         Recipe(
             "paper",
@@ -127,12 +141,14 @@ RECIPES: dict[str, Recipe] = {
 DEFAULT_RECIPE = "default"
 
 
-def get_recipe(name: str) -> Recipe:
-    """The recipe called ``name``, or a one-line error listing the recipes."""
+def get_recipe(name: str, fmt: str | None = None) -> Recipe:
+    """The recipe called ``name`` (as it runs in ``fmt``, when given:
+    :meth:`Recipe.in_format`), or a one-line error listing the recipes."""
     try:
-        return RECIPES[name]
+        recipe = RECIPES[name]
     except KeyError:
         raise TorqError(
             f"unknown recipe '{name}'; choose from {', '.join(RECIPES)} "
             "(or name a method with torq run --methods)"
         ) from None
+    return recipe if fmt is None else recipe.in_format(fmt)

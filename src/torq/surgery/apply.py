@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from torq.models.architecture import decoder_layers, is_fused_experts
-from torq.surgery.qlinear import QuantConfig, QuantExperts, QuantLinear
+from torq.surgery.qlinear import (
+    QuantConfig,
+    QuantExperts,
+    QuantLinear,
+    shared_weight_tensor_scales,
+)
 
 TransformFactory = Callable[[str, nn.Linear], nn.Module | None]
 # the quantized replacement of a fused-experts module (its path, the module)
@@ -42,6 +48,7 @@ def quantize_layer(
     """
     counts = {"linear": 0, "experts": 0, "kept_router": 0}
     named = dict(layer.named_modules())
+    linears: dict[str, tuple[nn.Module, nn.Linear, nn.Module | None]] = {}
     for name, module in list(named.items()):
         if not name:
             continue
@@ -54,15 +61,36 @@ def quantize_layer(
             if config.ignores(f"{prefix}{name}"):
                 counts["ignored"] = counts.get("ignored", 0) + 1
                 continue  # kept in float, as it is
+            # the factory fuses T's inverse into the weight: every one before the scales
             t = input_transforms(f"{prefix}{name}", module) if input_transforms else None
-            setattr(parent, attr, QuantLinear.from_linear(module, config.at(f"{prefix}{name}"), t))
-            counts["linear"] += 1
+            linears[name] = (parent, module, t)
         elif is_fused_experts(module) and not isinstance(module, QuantExperts):
             name_in_model = f"{prefix}{name}"
             new = experts(name_in_model, module) if experts else QuantExperts(module, config)
             setattr(parent, attr, new)
             counts["experts"] += 1
+    scales = _nvfp4_scales({n: m for n, (_, m, _) in linears.items()}, config, prefix)
+    for name, (parent, module, t) in linears.items():
+        own = config.at(f"{prefix}{name}")
+        scale = scales.get(name)
+        quantized = QuantLinear(module.weight, module.bias, own, t, weight_tensor_scale=scale)
+        setattr(parent, name.rpartition(".")[2], quantized)
+        counts["linear"] += 1
     return counts
+
+
+def _nvfp4_scales(
+    linears: dict[str, nn.Linear], config: QuantConfig, prefix: str
+) -> dict[str, torch.Tensor]:
+    """The NVFP4 tensor scale of each of ``linears`` :func:`quantize_layer` quantizes in
+    NVFP4, shared within the sets a serving engine fuses
+    (:func:`~torq.surgery.qlinear.shared_weight_tensor_scales`)."""
+    weights = {
+        name: m.weight
+        for name, m in linears.items()
+        if (fmt := config.at(f"{prefix}{name}").weight) is not None and fmt.name == "nvfp4"
+    }
+    return shared_weight_tensor_scales(weights) if weights else {}
 
 
 def quantize_model(

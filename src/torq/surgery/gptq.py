@@ -165,7 +165,11 @@ class _BlockGrid:
     """The format's quantizer for one block of columns: fit the scales, round a column."""
 
     def __init__(
-        self, fmt: FormatSpec, weight: torch.Tensor, config: GPTQConfig | None = None
+        self,
+        fmt: FormatSpec,
+        weight: torch.Tensor,
+        config: GPTQConfig | None = None,
+        tensor_scale: torch.Tensor | None = None,
     ) -> None:
         if fmt.name not in ("mxfp4", "mxint4", "nvfp4", "mxfp8"):
             raise ValueError(f"GPTQ supports mxfp4, mxint4, nvfp4 and mxfp8, not {fmt.name}")
@@ -175,8 +179,12 @@ class _BlockGrid:
         self.fmt = fmt
         self.search = cfg.scale_search
         self.norm = cfg.mse_norm
-        # the scale QuantLinear keeps for the weight GPTQ starts from (the same function)
-        self.tensor_scale = nvfp4_weight_tensor_scale(weight) if fmt.name == "nvfp4" else None
+        # the scale QuantLinear keeps for the weight GPTQ starts from (the same function), or
+        # the one given (shared by the linears an engine fuses)
+        self.tensor_scale = None
+        if fmt.name == "nvfp4":
+            given = tensor_scale is not None
+            self.tensor_scale = tensor_scale if given else nvfp4_weight_tensor_scale(weight)
 
     def scales(self, block: torch.Tensor) -> torch.Tensor:
         """Per-row scale ``[N, 1]`` (float64) for a block ``[N, width]`` of columns."""
@@ -329,6 +337,7 @@ def gptq_quantize(
     fmt: FormatSpec,
     config: GPTQConfig | None = None,
     cross: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Quantize ``weight [N, K]`` with GPTQ on ``fmt``'s grid (Frantar et al., Alg. 1).
 
@@ -337,7 +346,8 @@ def gptq_quantize(
     with GPTQ's proxy loss ``½ Σ (w − q)² / [L]_jj²`` (``L`` the Cholesky factor of ``H⁻¹``).
     With ``config.asymmetry > 0``, ``cross`` is ``C = Σ (x − x̃) x̃ᵀ`` (the same scale as
     ``hessian``, whose inputs are the quantized model's ``x̃``) and GPTQ starts from GPTAQ's
-    target ``W + α W C H⁻¹`` (module doc); without ``cross`` it is GPTQ.
+    target ``W + α W C H⁻¹`` (module doc); without ``cross`` it is GPTQ. ``tensor_scale``:
+    NVFP4's FP32 tensor scale (default: the weight's own).
     """
     cfg = config or GPTQConfig()
     n, k = weight.shape
@@ -348,7 +358,7 @@ def gptq_quantize(
     block = fmt.block_size
     w = weight.detach().to(torch.float64).clone()
     h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
-    grid = _BlockGrid(fmt, w, cfg)
+    grid = _BlockGrid(fmt, w, cfg, tensor_scale)
 
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0

@@ -273,6 +273,39 @@ def nvfp4_weight_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
     return nvfp4_tensor_scale(tensor_amax(weight.detach()))
 
 
+# The linears a serving engine fuses into one (vLLM's packed modules: q/k/v, gate/up), by
+# their last name under one parent. Their NVFP4 weights share one FP32 tensor scale: the
+# fused linear has one global scale (vLLM takes the largest divisor), with which a member's
+# own E4M3 block scales would be read wrong.
+FUSED_LINEARS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+
+
+def shared_weight_tensor_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For each named weight (``name`` a module path), its NVFP4 tensor scale: that of the
+    largest ``amax`` among the weights of its fused set (:data:`FUSED_LINEARS`, the same
+    parent) present in ``weights``, or its own where it belongs to none."""
+    amax = {name: tensor_amax(w.detach()) for name, w in weights.items()}
+
+    def fused_key(name: str) -> tuple[str, int] | None:
+        parent, _, last = name.rpartition(".")
+        found = [i for i, names in enumerate(FUSED_LINEARS) if last in names]
+        return (parent, found[0]) if found else None
+
+    largest: dict[tuple[str, int], torch.Tensor] = {}
+    for name, a in amax.items():
+        key = fused_key(name)
+        if key is not None:
+            largest[key] = torch.maximum(largest[key], a) if key in largest else a
+    out = {}
+    for name, a in amax.items():
+        key = fused_key(name)
+        out[name] = nvfp4_tensor_scale(a if key is None else largest[key])
+    return out
+
+
 class QuantLinear(nn.Module):
     """A linear layer with fake-quantized weights and on-the-fly fake-quantized inputs.
 
@@ -286,7 +319,9 @@ class QuantLinear(nn.Module):
     the state dict): from it the packed form is found again exactly
     (:func:`torq.formats.packed.encode_nvfp4_exact`) for checkpoints and export. A weight
     given already quantized brings its own (:func:`nvfp4_weight_tensor_scale` of the weight
-    it was quantized from), or has none.
+    it was quantized from), or has none; one to round is rounded with ``weight_tensor_scale``
+    when given (the one its fused set shares: :func:`shared_weight_tensor_scales`), else
+    its own.
     """
 
     def __init__(
@@ -312,14 +347,14 @@ class QuantLinear(nn.Module):
         self.input_quantizer = input_quantizer.to(weight.device)
         with torch.no_grad():
             w = weight.detach()
+            nvfp4 = config.weight is not None and config.weight.name == "nvfp4"
+            if nvfp4 and not weight_quantized and weight_tensor_scale is None:
+                weight_tensor_scale = nvfp4_weight_tensor_scale(weight)
             if config.weight is not None and not weight_quantized:
-                w = fake_quantize(w, config.weight)
+                w = fake_quantize(w, config.weight, weight_tensor_scale if nvfp4 else None)
             if w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
                 w = w.clone()  # the caller's tensor: kept apart (a new one is used as it is)
             self.weight = nn.Parameter(w, requires_grad=False)
-            nvfp4 = config.weight is not None and config.weight.name == "nvfp4"
-            if nvfp4 and not weight_quantized:
-                weight_tensor_scale = nvfp4_weight_tensor_scale(weight)
             if nvfp4 and weight_tensor_scale is not None:
                 # a buffer (moves with the module), outside the state dict; none at all for
                 # other formats (accelerate's offload cannot place a None buffer)
