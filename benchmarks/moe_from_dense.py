@@ -19,7 +19,11 @@ into ``E`` slices gives ``E`` experts whose outputs add up to the MLP's. Two var
   largest predicted outputs. The logits are scaled down (``--router-temperature``) so that
   the renormalized top-k weights stay near ``1/k``, and each expert's ``down`` is scaled by
   ``k``: the layer then adds up the ``k`` chosen slices of the dense MLP and drops the
-  rest. Its perplexity is higher than the dense model's; the record says by how much.
+  rest. Its perplexity is higher than the dense model's; the record says by how much. As
+  built it is not yet a usable model: SmolLM2-135M with the top 2 of 8 experts gives a
+  perplexity of 5.7·10⁵ (dense 24.5, first 4 windows). The slices are contiguous neurons,
+  not the sets that fire together, so each token loses most of its MLP; grouping the
+  neurons by co-activation before the split is what it lacks.
 
     python -m benchmarks.moe_from_dense --model smollm2-135m --experts 8 \\
         --out results/moe/smollm2-e8

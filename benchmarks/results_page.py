@@ -866,19 +866,19 @@ def _budget_row(label: str, by: str, stem: str) -> tuple[Cell, ...]:
     return (label, by, _reached(B + f"smollm2-{stem}-16w.json"), row, Ratio(_B425, row))
 
 
+QB = B + "qwen-sample32-paired.json"  # each Qwen row's whole-test ×FP, estimated
+QBD = B + "qwen-sample32-vs-default.json"  # Qwen's budgeted row against all MXFP4
 BUDGET = Table(
     "A precision budget",
-    """The `default` with `--avg-bits`: the input groups (q/k/v, o, gate/up, down of each
-    layer) that hurt most kept in MXFP8 W8A8, the rest in MXFP4 W4A4; the average stored bits
-    per weight of the decoder layers' linears asked and reached. Chosen by `block`, the rise
-    in the layer's output error when the group alone is quantized (the default); by
-    `linear`, the group's own output error; at `random` (seed 0); or the `ends`, the first
-    and last layers inward. SmolLM2-135M, calibrated on 16 windows (so its all-MXFP4 row is
-    its own, not the 32-window row above), PPL on WikiText-2's first 16 windows (×FP) and its
-    ratio to all MXFP4. The layer's error beats the group's own and chance; the first and
-    last layers do as well on this model (0.4 %, the calibration seeds' spread). 1.10× FP
-    takes 6 bits. Not measured: the full test and Qwen2.5-Coder-0.5B (about an hour and two
-    hours a run on one thread).""",
+    """The `default` with `--avg-bits`: the input groups (q/k/v, o, gate/up, down) that hurt
+    most kept in MXFP8 W8A8, the rest in MXFP4; the average stored bits per weight of the
+    decoder layers' linears. Chosen by `block`, the rise in the layer's output error with
+    the group alone quantized (the default); `linear`, the group's own error; `random`; the
+    `ends`, the first and last layers. Calibrated on 16 windows. SmolLM2-135M: PPL on the
+    first 16 windows (×FP). Qwen2.5-Coder-0.5B: the whole test's ×FP estimated from 32 random
+    windows, 95 % interval. 1.10× FP takes 6 bits on SmolLM2, 5 on Qwen. Not measured:
+    SmolLM2's full test, the rest of Qwen's curve (1.5 and 2 core-hours a run).""",
+
     ("model", "bits asked", "chosen by", "bits reached", "PPL (×FP)", "against all MXFP4"),
     (
         ("SmolLM2-135M", "4.25", "—", "4.25", _B425, "1"),
@@ -888,30 +888,24 @@ BUDGET = Table(
         ("SmolLM2-135M", *_budget_row("5", "`random`", "b5-random")),
         ("SmolLM2-135M", *_budget_row("5", "`ends`", "b5-ends")),
         ("SmolLM2-135M", *_budget_row("6", "`block`", "b6-block")),
-    ),
-    align=("---", "---:", "---", "---:", "---:", "---:"),
-)
-
-QB = B + "qwen-sample32-paired.json"  # each row's whole-test ×FP, estimated
-QBD = B + "qwen-sample32-vs-default.json"  # the budgeted row against all MXFP4
-BUDGET_QWEN = Table(
-    "A precision budget on Qwen2.5-Coder-0.5B",
-    """The same on Qwen2.5-Coder-0.5B (every linear rotated, as `torq run` runs it): 32 of
-    its 145 test windows drawn at random (`--window-sample 32`), the whole test's ×FP
-    estimated window by window with its 95 % interval, and the budgeted row against all
-    MXFP4 on the same windows. Calibrated on 16 windows. One point of the curve: a run with
-    the measuring pass costs about two core-hours here.""",
-    ("bits asked", "chosen by", "whole test ×FP, estimated", "against all MXFP4, estimated"),
-    (
-        ("4.25", "—", Estimate(QB, "qwen-default-sample32:torq-had32+gptaq"), "1"),
         (
+            "Qwen2.5-Coder-0.5B",
+            "4.25",
+            "—",
+            "4.25",
+            Estimate(QB, "qwen-default-sample32:torq-had32+gptaq"),
+            "1",
+        ),
+        (
+            "Qwen2.5-Coder-0.5B",
             "5",
             "`block`",
+            _reached(B + "qwen-b5-block-sample32.json"),
             Estimate(QB, "qwen-b5-block-sample32:torq-had32+gptaq"),
             Estimate(QBD, "qwen-b5-block-sample32:torq-had32+gptaq"),
         ),
     ),
-    align=("---:", "---", "---:", "---:"),
+    align=("---", "---:", "---", "---:", "---:", "---:"),
 )
 
 INTRO = """All rows are MXFP4 W4A4 (weights and activations), perplexity on WikiText-2's test
