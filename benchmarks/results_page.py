@@ -878,7 +878,6 @@ BUDGET = Table(
     first 16 windows (×FP). Qwen2.5-Coder-0.5B: the whole test's ×FP estimated from 32 random
     windows, 95 % interval. 1.10× FP takes 6 bits on SmolLM2, 5 on Qwen. Not measured:
     SmolLM2's full test, the rest of Qwen's curve (1.5 and 2 core-hours a run).""",
-
     ("model", "bits asked", "chosen by", "bits reached", "PPL (×FP)", "against all MXFP4"),
     (
         ("SmolLM2-135M", "4.25", "—", "4.25", _B425, "1"),
