@@ -66,7 +66,7 @@ from torq.export.reading import (
 )
 from torq.formats.packing import decode_e4m3
 from torq.models.architecture import is_fused_experts
-from torq.surgery.qlinear import FUSED_LINEARS, QuantExperts, QuantLinear
+from torq.surgery.qlinear import FUSED_LINEARS, QuantExperts, QuantLinear, fused_set
 
 FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
@@ -415,10 +415,9 @@ def _check_fused_scales(scales: dict[str, torch.Tensor | None]) -> None:
     model quantized by an earlier torq)."""
     found: dict[tuple[str, int], set[float]] = {}
     for name, scale in scales.items():
-        parent, _, last = name.rpartition(".")
-        for i, names in enumerate(FUSED_LINEARS):
-            if last in names and scale is not None:
-                found.setdefault((parent, i), set()).add(float(scale))
+        key = fused_set(name)
+        if key is not None and scale is not None:
+            found.setdefault(key, set()).add(float(scale))
     for (parent, i), values in sorted(found.items()):
         if len(values) > 1:
             raise TorqError(
@@ -449,8 +448,7 @@ def export_saved_compressed_tensors(
     if fmt == NVFP4_FORMAT:
         keys = {n: f"{n}.weight_tensor_scale" for n in modules if n not in high}
         # the packed NVFP4 weights (a weight stored as values has no tensor scale)
-        stored = {n: tensors[k] for n, k in keys.items() if k in tensors}
-        _check_fused_scales(dict(stored))
+        _check_fused_scales({n: tensors[k] for n, k in keys.items() if k in tensors})
     parts_of = ("weight_packed", "weight_scale") + (
         ("weight_global_scale",) if fmt == NVFP4_FORMAT else ()
     )

@@ -146,6 +146,8 @@ def _group_tensor_scale(
     (:data:`~torq.surgery.qlinear.FUSED_LINEARS`). ``None`` in another format."""
     if qconfig.weight is None or qconfig.weight.name != "nvfp4":
         return None
+    # ``W Tᵀ`` formed here for its amax and again when each member is quantized: holding the
+    # group's fused weights instead would keep every float linear of it alive at once
     amax = [
         tensor_amax(w if transform is None else transform.fuse_inverse(w))
         for m in group.members

@@ -181,10 +181,9 @@ class _BlockGrid:
         self.norm = cfg.mse_norm
         # the scale QuantLinear keeps for the weight GPTQ starts from (the same function), or
         # the one given (shared by the linears an engine fuses)
-        self.tensor_scale = None
-        if fmt.name == "nvfp4":
-            given = tensor_scale is not None
-            self.tensor_scale = tensor_scale if given else nvfp4_weight_tensor_scale(weight)
+        if fmt.name == "nvfp4" and tensor_scale is None:
+            tensor_scale = nvfp4_weight_tensor_scale(weight)
+        self.tensor_scale = tensor_scale if fmt.name == "nvfp4" else None
 
     def scales(self, block: torch.Tensor) -> torch.Tensor:
         """Per-row scale ``[N, 1]`` (float64) for a block ``[N, width]`` of columns."""

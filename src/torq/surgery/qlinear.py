@@ -283,25 +283,27 @@ FUSED_LINEARS: tuple[tuple[str, ...], ...] = (
 )
 
 
+def fused_set(name: str) -> tuple[str, int] | None:
+    """The fused set the linear ``name`` (a module path) belongs to: its parent's path and
+    the set's index in :data:`FUSED_LINEARS`; ``None`` for a linear no engine fuses."""
+    parent, _, last = name.rpartition(".")
+    found = [i for i, names in enumerate(FUSED_LINEARS) if last in names]
+    return (parent, found[0]) if found else None
+
+
 def shared_weight_tensor_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """For each named weight (``name`` a module path), its NVFP4 tensor scale: that of the
-    largest ``amax`` among the weights of its fused set (:data:`FUSED_LINEARS`, the same
-    parent) present in ``weights``, or its own where it belongs to none."""
+    largest ``amax`` among the weights of its fused set (:func:`fused_set`) present in
+    ``weights``, or its own where it belongs to none."""
     amax = {name: tensor_amax(w.detach()) for name, w in weights.items()}
-
-    def fused_key(name: str) -> tuple[str, int] | None:
-        parent, _, last = name.rpartition(".")
-        found = [i for i, names in enumerate(FUSED_LINEARS) if last in names]
-        return (parent, found[0]) if found else None
-
     largest: dict[tuple[str, int], torch.Tensor] = {}
     for name, a in amax.items():
-        key = fused_key(name)
+        key = fused_set(name)
         if key is not None:
             largest[key] = torch.maximum(largest[key], a) if key in largest else a
     out = {}
     for name, a in amax.items():
-        key = fused_key(name)
+        key = fused_set(name)
         out[name] = nvfp4_tensor_scale(a if key is None else largest[key])
     return out
 
