@@ -15,7 +15,10 @@ replaces three routines vLLM calls that exist only for GPUs by the same arithmet
 
 An NVFP4 folder runs through vLLM's NVFP4 emulation kernel (its own torch code: activations
 quantized with the folder's static global scale, weights de-quantized, a bf16 product),
-which vLLM lists for GPUs only. A folder with a precision budget (``--avg-bits``) holds MXFP8
+which vLLM lists for GPUs only. Its activation quantizer lets a block scale fall below
+E4M3's smallest normal, 2⁻⁶ (subnormal or zero), where compressed-tensors' and torq's clamp
+it there; ``--nvfp4-activation-scales clamped`` gives vLLM's quantizer that clamp, to measure
+what the difference costs. A folder with a precision budget (``--avg-bits``) holds MXFP8
 linears too. vLLM's CPU build
 has no MXFP8 kernel either; this turns on its MXFP8 emulation kernel (weights de-quantized
 once at load, vLLM's own routine) and quantizes the activations to MXFP8 (nearest rule)
@@ -73,9 +76,26 @@ def _hadamard(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return (x.float() @ (h / math.sqrt(n))).to(x.dtype)
 
 
-def _patch_vllm() -> None:
+def _clamped_nvfp4_quant(x: torch.Tensor, global_scale: torch.Tensor, block_size: int) -> tuple:
+    """vLLM's ``ref_nvfp4_quant`` (0.32) with its block scales clamped at E4M3's smallest
+    normal, 2⁻⁶, as compressed-tensors and torq clamp them (module doc)."""
+    from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as nv
+
+    m, n = x.shape
+    x = torch.reshape(x, (m, n // block_size, block_size))
+    vec_max = torch.max(torch.abs(x), dim=-1, keepdim=True)[0].to(torch.float32)
+    scale = global_scale * (vec_max * nv.FLOAT4_E2M1_MAX_RECIPROCAL)
+    scale = torch.clamp(scale, max=448, min=2.0**-6)
+    scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
+    output_scale = nv.get_reciprocal(scale * nv.get_reciprocal(global_scale))
+    scaled_x = x.to(torch.float32) * output_scale
+    clipped_x = torch.clamp(scaled_x, -6.0, 6.0).reshape(m, n)
+    return nv.cast_to_fp4(clipped_x), scale.squeeze(-1)
+
+
+def _patch_vllm(nvfp4_scales: str = "vllm") -> None:
     """vLLM's MXFP4 and MXFP8 emulation kernels on the CPU, with the routines of the module
-    doc."""
+    doc; ``nvfp4_scales="clamped"``: its NVFP4 activation block scales clamped at 2⁻⁶."""
     import vllm.model_executor.kernels.linear as kernels
     import vllm.model_executor.kernels.linear.mxfp4.emulation as emulation
     from vllm import _custom_ops
@@ -111,15 +131,19 @@ def _patch_vllm() -> None:
     # NVFP4: vLLM's own emulation kernel (its activations quantized with the folder's static
     # global scale, the weights de-quantized), all torch on the CPU
     kernels._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
+    if nvfp4_scales == "clamped":
+        from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils
+
+        nvfp4_emulation_utils.ref_nvfp4_quant = _clamped_nvfp4_quant
 
 
-def vllm_side(folder: str, windows_path: str, out: str) -> None:
+def vllm_side(folder: str, windows_path: str, out: str, nvfp4_scales: str = "vllm") -> None:
     """In vLLM's environment: the windows' perplexity through vLLM, written to ``out``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the patches hold
     os.environ["VLLM_MXFP4_EMULATION_DEQUANT_AT_LOAD"] = "1"
     os.environ["VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    _patch_vllm()
+    _patch_vllm(nvfp4_scales)
     import vllm
     from vllm import LLM
 
@@ -149,10 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--nvfp4-activation-scales",
+        choices=("vllm", "clamped"),
+        default="vllm",
+        help="vLLM's NVFP4 activation block scales as it computes them, or clamped at E4M3's "
+        "smallest normal as compressed-tensors and torq do",
+    )
     ap.add_argument("--vllm-side", metavar="WINDOWS", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.vllm_side:
-        vllm_side(args.folder, args.vllm_side, args.out)
+        vllm_side(args.folder, args.vllm_side, args.out, args.nvfp4_activation_scales)
         return
     if not args.vllm_python or not Path(args.vllm_python).is_file():
         raise SystemExit("--vllm-python: the Python of an environment with vllm-cpu installed")
@@ -182,13 +213,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(windows, Path(tmp) / "windows.pt")
         side = [args.vllm_python, "-m", "benchmarks.vllm_cpu", "--folder", args.folder]
         side += ["--out", f"{tmp}/vllm.json"]
+        side += ["--nvfp4-activation-scales", args.nvfp4_activation_scales]
         # the vLLM environment has no torq: its source and this repository's benchmarks
         here = Path(__file__).resolve().parents[1]
         paths = [str(Path(torq.__file__).resolve().parents[1]), str(here)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         subprocess.run([*side, "--vllm-side", f"{tmp}/windows.pt"], check=True, env=env)
         vllm_record = json.loads(Path(f"{tmp}/vllm.json").read_text())
-    rows[f"vLLM {vllm_record['vllm']} (CPU build, emulation kernels)"] = vllm_record["ppl"]
+    clamped = ", NVFP4 activation scales clamped" if args.nvfp4_activation_scales != "vllm" else ""
+    rows[f"vLLM {vllm_record['vllm']} (CPU build, emulation kernels{clamped})"] = vllm_record["ppl"]
     record = {
         "folder": args.folder,
         "windows": int(windows.shape[0]),

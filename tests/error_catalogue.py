@@ -73,6 +73,7 @@ def _cases() -> list[ErrorCase]:
             "compressed-tensors",
         ),
         run("--methods", "rtn", "--act-scale", "static"),
+        run("--methods", "rtn", "--scale-mode", "4over6"),
         quantize("smollm2-135m", "--out", "q", "--recipe", "nope"),
         quantize(
             "smollm2-135m",

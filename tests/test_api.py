@@ -242,13 +242,23 @@ def test_a_damaged_config_is_one_line(tmp_path, capsys) -> None:
 
 def test_a_recipe_runs_the_method_measured_best_in_each_format(capsys) -> None:
     """``fast`` is the 32-block Hadamard in MXFP4 and MXINT4 and RTN in NVFP4, where a fixed
-    Hadamard was measured worse than none; ``torq methods`` says so."""
+    Hadamard was measured worse than none; in NVFP4 the recipes round their weights with Four
+    Over Six; ``torq methods`` says so."""
     assert get_recipe("fast").method == get_recipe("fast", "mxfp4").method == "had32"
     assert get_recipe("fast", "nvfp4").method == "rtn"
     assert get_recipe("fast", "nvfp4").name == "fast" and not get_recipe("fast", "nvfp4").by_format
     assert get_recipe("default", "nvfp4") == get_recipe("default")
+    # Four Over Six on NVFP4 weights, the standard rule on its activations (what engines run);
+    # MXFP4's nearest rule on both sides
+    for name in ("default", "fast"):
+        nv, mx = get_recipe(name).quant_config("nvfp4"), get_recipe(name).quant_config("mxfp4")
+        assert (nv.weight.scale_mode, nv.activation.scale_mode) == ("4over6", "ocp")
+        assert nv.static_activations and get_recipe(name).cannot_serve("nvfp4") is None
+        assert (mx.weight.scale_mode, mx.activation.scale_mode) == ("nearest", "nearest")
     assert main(["methods"]) == 0
-    assert "had32, nvfp4: rtn" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "had32, nvfp4: rtn (4over6-weights)" in out
+    assert "torq-had32+gptaq, nvfp4: torq-had32+gptaq (4over6-weights)" in out
 
 
 def test_every_recipe_names_a_method_and_says_when_to_use_it() -> None:

@@ -101,6 +101,15 @@ def test_destinations_and_methods_are_checked_before_any_work(
             ],
             "not blocks of 16: drop --rotation-block",
         ),
+        (["--methods", "rtn", "--scale-mode", "4over6"], "a rule of NVFP4, not of the formats"),
+        (
+            [
+                *("--methods", "rtn", "--format", "nvfp4", "--act-scale", "static"),
+                *("--scale-mode", "4over6", "--save-dir", str(tmp_path / "ct")),
+                *("--save-format", "compressed-tensors"),
+            ],
+            "Four Over Six activations (--scale-mode 4over6) are not exported",
+        ),
     ]
     for extra, needle in cases:
         code, _, err = _run([*base, *extra], capsys)

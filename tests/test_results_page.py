@@ -1,5 +1,5 @@
-"""docs/results.md is the page ``benchmarks.results_page`` writes from the records: every
-number on it is read from a record beside it."""
+"""docs/results.md and results-more.md are the pages ``benchmarks.results_page`` writes from
+the records: every number on them is read from a record beside it."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from benchmarks import results_page
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_results_page_is_the_one_the_records_give() -> None:
-    page = results_page.render()
-    assert (ROOT / "docs" / "results.md").read_text() == page, (
-        "docs/results.md differs from its records: python -m benchmarks.results_page"
-    )
-    assert page.count("\n") <= 300
+def test_the_results_pages_are_the_ones_the_records_give() -> None:
+    for name in results_page.PAGES:
+        page = results_page.render(name)
+        assert (ROOT / "docs" / name).read_text() == page, (
+            f"docs/{name} differs from its records: python -m benchmarks.results_page"
+        )
+        assert page.count("\n") <= 300
 
 
 def test_a_number_on_the_page_follows_its_record() -> None:
@@ -50,7 +51,7 @@ def test_every_number_of_the_readme_results_is_on_the_results_page() -> None:
     the records); the one number they derive, the mean of torq's WUSH + GPTQ over three
     calibration seeds on Qwen, is derived here from its three records."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Results", 1)[1].split("\nRun from their own code", 1)[0]
+    section = readme.split("## Results", 1)[1].split("\nIn MXFP4, run from their own code", 1)[0]
     records = results_page.Records()
     seeds = [
         results_page.ppl_of(records(f"recipes/qwen-wush-gptq{s}-16w.json"), "wush+gptq")
@@ -58,7 +59,7 @@ def test_every_number_of_the_readme_results_is_on_the_results_page() -> None:
     ]
     fp = results_page.ppl_of(records("recipes/qwen-16w.json"), "fp")
     derived = {f"{sum(seeds) / 3:.2f}", f"{sum(seeds) / 3 / fp:.2f}"}
-    page = _numbers((ROOT / "docs" / "results.md").read_text())
+    page = _numbers("".join((ROOT / "docs" / n).read_text() for n in results_page.PAGES))
     quoted = _numbers(section)
     assert len(quoted) > 30
     assert sorted(quoted - page - derived - {"1.00"}) == []

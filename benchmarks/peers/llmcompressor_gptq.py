@@ -57,13 +57,27 @@ def processor_for(subject: Any) -> Any:
     )
 
 
+def add_calibration_args(parser: argparse.ArgumentParser, samples: int) -> None:
+    """torq's calibration windows as ``oneshot`` is given them (:func:`token_dataset`)."""
+    parser.add_argument("--calib-corpus", default="wikitext2-valid")
+    parser.add_argument("--calib-samples", type=int, default=samples)
+    parser.add_argument("--calib-seqlen", type=int, default=2048)
+    parser.add_argument("--calib-seed", type=int, default=0)
+
+
+def token_dataset(tokens: torch.Tensor) -> Any:
+    """Calibration windows of token ids as the ``datasets.Dataset`` ``oneshot`` reads."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()}
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     add_common_args(parser, PEER)
-    parser.add_argument("--calib-corpus", default="wikitext2-valid")
-    parser.add_argument("--calib-samples", type=int, default=16)
-    parser.add_argument("--calib-seqlen", type=int, default=2048)
-    parser.add_argument("--calib-seed", type=int, default=0)
+    add_calibration_args(parser, 16)
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening_frac")
     parser.add_argument("--actorder", choices=["none", "static", "group", "weight"], default="none")
     parser.add_argument("--pipeline", choices=["sequential", "basic"], default="sequential")
@@ -75,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-rtn", action="store_true", help="do not measure the RTN row")
     args = parser.parse_args(argv)
 
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -100,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         del rtn_model
 
     tokens = calibration_tokens(args, subject)
-    dataset = Dataset.from_dict(
-        {"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()}
-    )
+    dataset = token_dataset(tokens)
     gptq = GPTQModifier(
         targets="Linear",
         scheme="MXFP4A16",

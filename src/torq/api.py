@@ -38,6 +38,7 @@ from torq.export.compressed_tensors import (
 from torq.export.loading import load_model
 from torq.export.model_card import guarded, write_model_card
 from torq.formats import FORMAT_NAMES
+from torq.formats.config import run_scale_mode, side_scale_modes
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
@@ -375,7 +376,7 @@ def quantize_checkpoint(
         methods=[spec],
         weight_format=fmt,
         act_format=fmt,
-        scale_mode=qconfig.weight.scale_mode,
+        scale_mode=run_scale_mode(qconfig.weight.scale_mode, qconfig.activation.scale_mode),
         act_scale="static" if qconfig.static_activations else "dynamic",
         ignore=qconfig.ignore,
         avg_bits=avg_bits,
@@ -452,8 +453,9 @@ def compare(
     calibrating method reads; ``options`` are :class:`~torq.runs.config.RunConfig`'s other
     fields (formats, windows, tasks, folders). Without ``methods``: a folder torq saved is
     evaluated as it is, a float model is compared with the ``default`` recipe (its method,
-    its balancing folded and its MXFP4 scale rule unless ``scale_mode`` is given). With ``out`` the
-    record is written there (and its table beside it, ``.md``) after each method."""
+    its balancing folded and its scale rule in the format unless ``scale_mode`` is given).
+    With ``out`` the record is written there (and its table beside it, ``.md``) after each
+    method."""
     from torq.methods.recipes import DEFAULT_RECIPE, get_recipe
     from torq.methods.registry import method_specs
     from torq.runs.report import markdown_table
@@ -466,15 +468,17 @@ def compare(
         recipe = get_recipe(DEFAULT_RECIPE)
         skeleton = _skeleton(model, options.get("gguf_dtype", "float32"))
         methods = ["fp", recipe.spec(*settings, biased=biased_linears(skeleton))]
-        if "mxfp4" in (options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")):
-            options.setdefault("scale_mode", recipe.scale_mode)
+        w, a = options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")
+        mode = recipe.scale_mode_in(w or a or "mxfp4")
+        if set(side_scale_modes(w, a, mode)) - {None, "ocp"}:  # a rule these formats take
+            options.setdefault("scale_mode", mode)
     formats = None if saved is None else saved_formats(saved)
     given = [f for f in ("weight_format", "act_format", "scale_mode") if f in options]
     weight = options.get("weight_format", "mxfp4")
     act = options.get("act_format", "mxfp4")
     scale_mode = options.get("scale_mode", "ocp")
-    # the scale rule matters only to MXFP4 (saved_formats reports ocp otherwise)
-    asked = (weight, act, scale_mode if "mxfp4" in (weight, act) else "ocp")
+    # the rule the formats take from it (saved_formats reports the same way)
+    asked = (weight, act, run_scale_mode(*side_scale_modes(weight, act, scale_mode)))
     if given and formats is not None and formats != asked:
         sw, sa, smode = formats
         raise TorqError(

@@ -13,7 +13,7 @@ import torch
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.driver import apply_method
 from torq.errors import TorqError
-from torq.formats import get_format, quantize
+from torq.formats import fake_quantize, get_format, quantize
 from torq.methods import MethodContext, get_method
 from torq.results import read_record
 from torq.surgery import QuantConfig
@@ -552,13 +552,19 @@ def test_nvfp4_weights_export_and_load_as_torq_computes_them(
     assert not (tmp_path / "w4a4").exists()
 
 
-@pytest.mark.parametrize("method", ["rtn", "had32"])
-def test_nvfp4_w4a4_with_static_activation_scales_exports(method, tmp_path, tiny_tokenizer) -> None:
+@pytest.mark.parametrize(
+    ("method", "scale_mode"), [("rtn", "ocp"), ("had32", "ocp"), ("rtn", "4over6-weights")]
+)
+def test_nvfp4_w4a4_with_static_activation_scales_exports(
+    method, scale_mode, tmp_path, tiny_tokenizer
+) -> None:
     """NVFP4 W4A4 quantized with static activation tensor scales (``act_scale="static"``) is
     written as compressed-tensors' ``NVFP4`` scheme: ``input_global_scale`` the reciprocal of
     each quantizer's calibrated scale (one for q/k/v, which share it); through transformers
     the model computes what torq's computes, within what bf16 and the loader's own rounding
-    of the activations' block scales make. The saved checkpoint exports the same tensors."""
+    of the activations' block scales make. The saved checkpoint exports the same tensors.
+    Four Over Six weights are standard NVFP4 and export so; Four Over Six activations, which
+    no engine runs, are refused."""
     from torq.export import save_quantized
     from torq.export.compressed_tensors import (
         export_compressed_tensors,
@@ -566,8 +572,18 @@ def test_nvfp4_w4a4_with_static_activation_scales_exports(method, tmp_path, tiny
         load_compressed_tensors,
     )
 
-    qconfig = QuantConfig.from_names("nvfp4", "nvfp4", act_scale="static")
+    qconfig = QuantConfig.from_names("nvfp4", "nvfp4", scale_mode, act_scale="static")
     model, q = _nvfp4_quantized(method, qconfig, tmp_path, tiny_tokenizer)
+    if scale_mode != "ocp":
+        w = q.get_submodule("model.layers.1.mlp.down_proj").weight.detach()
+        # some blocks took the scale with their amax onto 4: the rule is in the weights
+        assert not torch.equal(w, fake_quantize(w, get_format("nvfp4")))
+        both = QuantConfig.from_names("nvfp4", "nvfp4", "4over6", act_scale="static")
+        (tmp_path / "46").mkdir()
+        _, q46 = _nvfp4_quantized(method, both, tmp_path / "46", tiny_tokenizer)
+        with pytest.raises(TorqError, match="Four Over Six activations"):
+            export_compressed_tensors(q46, tmp_path / "both", tiny_tokenizer)
+        assert not (tmp_path / "both").exists()
     out = export_compressed_tensors(q, tmp_path / "ct", tiny_tokenizer)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == "nvfp4-pack-quantized"

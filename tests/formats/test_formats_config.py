@@ -53,10 +53,17 @@ def test_unknown_scale_mode_lists_known_modes() -> None:
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxint4"])
-@pytest.mark.parametrize("mode", ["paper", "rceil"])
-def test_scale_modes_other_than_ocp_are_mxfp4_only(name: str, mode: str) -> None:
-    with pytest.raises(ValueError, match="mxfp4"):
+@pytest.mark.parametrize("mode", ["paper", "rceil", "nearest"])
+def test_mxfp4_scale_modes_are_mxfp4_only(name: str, mode: str) -> None:
+    with pytest.raises(ValueError, match=f"format '{name}' takes scale_mode 'ocp'"):
         tf.get_format(name, mode)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxint4", "mxfp8"])
+def test_four_over_six_is_nvfp4_only(name: str) -> None:
+    assert tf.get_format("nvfp4", "4over6").scale_mode == "4over6"
+    with pytest.raises(ValueError, match="not '4over6'"):
+        tf.get_format(name, "4over6")
 
 
 @pytest.mark.parametrize("block_size", [0, -32, 31, 1, 32.0, True])

@@ -57,6 +57,23 @@ def test_gptq_weights_are_on_the_grid_and_beat_rtn(method, corpus, tiny_tokenize
     assert gptq_err < rtn_err, errors
 
 
+def test_mr_gptq_rotates_each_block_of_the_format(corpus, tiny_tokenizer) -> None:
+    """MR-GPTQ's micro-rotation follows the weight format's block: 32 in MXFP4, 16 in NVFP4
+    (its NVFP4 form), where its MSE-chosen E4M3 block scales keep the weights exportable."""
+    from torq.formats.packed import encode_nvfp4_exact
+
+    model = tiny_model("llama")
+    for fmt, block in (("mxfp4", 32), ("nvfp4", 16)):
+        q = copy.deepcopy(model)
+        qconfig = QuantConfig.from_names(fmt, fmt)
+        apply_method(get_method("mr-gptq"), q, qconfig, _ctx(corpus, tiny_tokenizer))
+        qlinears = [m for m in q.modules() if isinstance(m, QuantLinear)]
+        assert {m.input_quantizer.transform.block_size for m in qlinears} == {block}
+        if fmt == "nvfp4":
+            for m in qlinears:
+                assert encode_nvfp4_exact(m.weight, m.weight_tensor_scale) is not None
+
+
 def test_activation_error_power_is_the_quantizers_error_per_channel() -> None:
     """``E[(Q_a(T x) − T x)²]`` per channel: for Gaussian tokens MXFP4's error power is
     about 1.3 % of the signal's (its Gaussian floor), with a block rotation it is the

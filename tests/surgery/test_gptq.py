@@ -7,7 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torq.formats import fake_quantize, get_format
+from torq.formats import dequantize, fake_quantize, get_format
+from torq.formats.packed import encode_nvfp4_exact
+from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.transform import BlockRotation
 from torq.surgery.gptq import GPTQConfig, damp_reference, gptq_quantize, largest_eigenvalue
@@ -85,33 +87,33 @@ def test_dead_inputs_and_bad_hessians() -> None:
         GPTQConfig(lazy_batch=100)
 
 
-@pytest.mark.parametrize("fmt_name", ["mxfp4", "mxint4"])
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "mxint4", "nvfp4"])
 def test_mse_scales_round_each_block_no_worse_than_the_rule(fmt_name: str) -> None:
     """MR-GPTQ's MSE-chosen scales: with an identity Hessian GPTQ is round to nearest, so
-    each block of each row is rounded with the least ``Σ|w − q|^2.4`` of the three
-    power-of-two scales around the rule's, never more than with the rule's, and less for
-    some; the weights stay on the grid."""
+    each block of each row is rounded with the least ``Σ|w − q|^2.4`` of the three scales
+    around the rule's (MX: powers of two; NVFP4: neighbouring E4M3 values), never more than
+    with the rule's, and less for some; the weights stay on the grid."""
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(32, 256, generator=gen) * torch.exp(torch.randn(32, 256, generator=gen))
     fmt = get_format(fmt_name)
     h = torch.eye(256, dtype=torch.float64)
     rule, _ = gptq_quantize(w, h, fmt)
     mse, _ = gptq_quantize(w, h, fmt, GPTQConfig(scale_search="mse"))
-    err_rule = (w - rule).double().abs().pow(2.4).reshape(32, 8, 32).sum(-1)
-    err_mse = (w - mse).double().abs().pow(2.4).reshape(32, 8, 32).sum(-1)
+    k = fmt.block_size
+    err_rule = (w - rule).double().abs().pow(2.4).reshape(32, 256 // k, k).sum(-1)
+    err_mse = (w - mse).double().abs().pow(2.4).reshape(32, 256 // k, k).sum(-1)
     assert (err_mse <= err_rule).all()
     assert (err_mse < err_rule).float().mean() > 0.05
-    assert torch.equal(fake_quantize(mse, fmt), mse)
+    if fmt_name == "nvfp4":  # its tensor scale is the original weight's
+        packed = encode_nvfp4_exact(mse, nvfp4_tensor_scale(tensor_amax(w)))
+        assert packed is not None and torch.equal(dequantize(packed), mse)
+    else:
+        assert torch.equal(fake_quantize(mse, fmt), mse)
 
 
-def test_mse_scales_are_for_mx_formats() -> None:
+def test_scale_search_is_checked() -> None:
     with pytest.raises(ValueError, match="scale_search"):
         GPTQConfig(scale_search="best")
-    with pytest.raises(ValueError, match="MX formats"):
-        gptq_quantize(
-            torch.randn(4, 32), torch.eye(32, dtype=torch.float64), get_format("nvfp4"),
-            GPTQConfig(scale_search="mse"),
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -302,8 +302,8 @@ def _main(argv: list[str] | None) -> int:
             for r in RECIPES.values():
                 mark = " (default)" if r.name == DEFAULT_RECIPE else ""
                 serves = "torq only" if r.cannot_serve() else "servable"
-                # the method it runs in each format where that is another
-                method = ", ".join([r.method, *(f"{f}: {m}" for f, m in r.by_format)])
+                # the method and scale rule it runs in each format where they are others
+                method = ", ".join([r.method, *(f"{f}: {r.described_in(f)}" for f in r.formats())])
                 print(f"  {r.name}{mark}\t{method}\t{serves}\t{r.use_when}")
             print("methods (torq run --methods; without it, fp and the default recipe):")
             for name, method in sorted(METHODS.items()):

@@ -101,6 +101,14 @@ NVFP4_ACTIVATIONS = (
     "--act-scale static, or export NVFP4 weights with float activations (--a-format none)"
 )
 
+# Four Over Six on NVFP4 weights is standard NVFP4 (each block's E4M3 scale is stored as it
+# is); on activations it is a rule the engine would have to run, and none does
+FOUR_OVER_SIX_ACTIVATIONS = (
+    "Four Over Six activations (--scale-mode 4over6) are not exported: engines quantize NVFP4 "
+    "activations with the standard scale; quantize with --scale-mode 4over6-weights, which "
+    "they serve as torq runs it"
+)
+
 
 def _scheme(
     weight: dict[str, Any] | None,
@@ -126,12 +134,16 @@ def _scheme(
             raise TorqError(f"{name}: with NVFP4 weights, activations must be NVFP4 or float")
         if a_name is not None and not static:
             raise TorqError(f"{name}: {NVFP4_ACTIVATIONS}")
+        if activation is not None and activation.get("scale_mode") == "4over6":
+            raise TorqError(f"{name}: {FOUR_OVER_SIX_ACTIVATIONS}")
         return NVFP4_FORMAT
     raise TorqError(f"{name}: {_NOT_EXPORTED_FORMAT}")
 
 
 def _format_dict(spec: Any) -> dict[str, Any] | None:
-    return None if spec is None else {"name": spec.name, "block_size": spec.block_size}
+    if spec is None:
+        return None
+    return {"name": spec.name, "block_size": spec.block_size, "scale_mode": spec.scale_mode}
 
 
 def _say_biased(biased: list[str]) -> None:

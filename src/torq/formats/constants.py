@@ -42,6 +42,9 @@ NVFP4_BLOCK_SIZE = 16
 # The NVFP4 FP32 tensor scale maps the tensor amax onto the largest product of a block
 # scale and an element: amax_tensor / (E4M3_MAX * E2M1_MAX).
 NVFP4_TENSOR_SCALE_DIVISOR = E4M3_MAX * E2M1_MAX
+# "Four Over Six" (NVFP4 scale_mode "4over6"): a block may instead take the scale that maps
+# its amax onto 4, 1.5 times NVFP4's, where that rounds the block with less squared error.
+FOUR_OVER_SIX_EXPANSION = E2M1_MAX / 4.0
 # Smallest tensor scale s with (1 / s) / E4M3_MIN_NORMAL finite in float32 (<= 2**127).
 NVFP4_MIN_TENSOR_SCALE = 2.0**-121
 

@@ -129,7 +129,9 @@ def _quantize(x: torch.Tensor, spec: FormatSpec) -> PackedTensor:
     leading = tuple(x.shape[:-1])
     if spec.name == "nvfp4":
         blocks = to_blocks(x, spec.block_size, torch.float32)
-        nv = nvfp4_quantize_blocks(blocks, nvfp4_tensor_scale(tensor_amax(x)))
+        nv = nvfp4_quantize_blocks(
+            blocks, nvfp4_tensor_scale(tensor_amax(x)), spec.scale_mode == "4over6"
+        )
         codes = encode_e2m1(nv.q)
         scales = encode_e4m3(nv.block_scale)
         tensor_scale: torch.Tensor | None = nv.tensor_scale

@@ -30,6 +30,7 @@ from torq.formats.constants import (
     E4M3_MIN_NORMAL,
     E8M0_MAX_EXP,
     E8M0_MIN_EXP,
+    FOUR_OVER_SIX_EXPANSION,
     INT4_EMAX,
     INT4_FRACTION_BITS,
     INT4_MAX_CODE,
@@ -214,7 +215,9 @@ class NVFP4Blocks:
     tensor_scale: torch.Tensor  # float32 0-d
 
 
-def nvfp4_quantize_blocks(blocks: torch.Tensor, tensor_scale: torch.Tensor) -> NVFP4Blocks:
+def nvfp4_quantize_blocks(
+    blocks: torch.Tensor, tensor_scale: torch.Tensor, four_over_six: bool = False
+) -> NVFP4Blocks:
     """Quantize NVFP4 blocks (NVIDIA NVFP4; method notes, section 1), in float32.
 
     The E4M3 block scale is ``(amax_block / 6) / tensor_scale`` rounded to E4M3 after
@@ -222,9 +225,40 @@ def nvfp4_quantize_blocks(blocks: torch.Tensor, tensor_scale: torch.Tensor) -> N
     ``(1 / tensor_scale) / block_scale``, clamped to +-6 and rounded to E2M1. The
     operation order is torchao's ``nvfp4_quantize`` (per-tensor-scale variant), so
     the results agree bit for bit.
+
+    ``four_over_six`` (scale mode ``"4over6"``, "Four Over Six", mit-han-lab/fouroversix):
+    each block is also rounded with 1.5 times that block scale (its amax onto 4, where the
+    E2M1 grid is finer relative to the amax: 3 and 4 in place of 4 and 6), and keeps
+    whichever of the two dequantizes with the less squared error (ties: 6). The tensor
+    scale stays NVFP4's ``amax / (448 · 6)``, so a block whose scaled-to-4 scale would pass
+    448 gets 448 (its largest elements then saturate, and the error decides); fouroversix
+    divides by ``256 · 6`` instead so that no block's does. Either way the result is
+    standard NVFP4: any engine dequantizes it.
     """
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     block_scale = (amax / E2M1_MAX) / tensor_scale
+    chosen = _nvfp4_round(blocks, block_scale, tensor_scale)
+    if not four_over_six:
+        return chosen
+    four = _nvfp4_round(blocks, block_scale * FOUR_OVER_SIX_EXPANSION, tensor_scale)
+
+    def error(nv: NVFP4Blocks) -> torch.Tensor:
+        y = nv.q * nvfp4_scale_values(nv.block_scale, tensor_scale)
+        return (y - blocks).square().sum(dim=-1, keepdim=True)
+
+    take_four = error(four) < error(chosen)
+    return NVFP4Blocks(
+        q=torch.where(take_four, four.q, chosen.q),
+        block_scale=torch.where(take_four, four.block_scale, chosen.block_scale),
+        tensor_scale=tensor_scale,
+    )
+
+
+def _nvfp4_round(
+    blocks: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor
+) -> NVFP4Blocks:
+    """Blocks rounded to E2M1 under the block scales ``block_scale`` (float32, before
+    their rounding to E4M3) and the tensor scale."""
     block_scale_e4m3 = block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
     reciprocal = (1.0 / tensor_scale) / block_scale_e4m3.to(torch.float32)
     q = round_to_e2m1(blocks * reciprocal)
@@ -257,7 +291,7 @@ def fake_quantize_reference(
             tensor_scale = nvfp4_tensor_scale(tensor_amax(x))
         else:
             tensor_scale = tensor_scale.to(device=x.device, dtype=torch.float32).reshape(())
-        nv = nvfp4_quantize_blocks(blocks, tensor_scale)
+        nv = nvfp4_quantize_blocks(blocks, tensor_scale, fmt.scale_mode == "4over6")
         y = nv.q * nvfp4_scale_values(nv.block_scale, nv.tensor_scale)
     else:
         blocks = to_blocks(x, fmt.block_size, compute_dtype(x.dtype))

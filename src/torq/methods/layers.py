@@ -26,6 +26,7 @@ from torq.calibration.capture import (
 from torq.formats import FormatSpec, fake_quantize
 from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 from torq.methods.registry import LayerPlan, Method, MethodContext
+from torq.rotations.fold import ExpertTransforms
 from torq.rotations.transform import BlockRotation
 from torq.surgery.apply import quantize_layer
 from torq.surgery.gptq import GPTQConfig, gptq_quantize
@@ -183,13 +184,16 @@ def quantize_experts(
     down_transforms: list[BlockRotation | None] | None = None,
     stats: ExpertsStatistics | None = None,
     gptq: GPTQConfig | None = None,
+    online: ExpertTransforms | None = None,
 ) -> tuple[QuantExperts, dict[str, Any]]:
     """Fused MoE experts in W4A4 (Algorithm 3, option B, on every expert): the expert
     input's transform ``T`` fused into every ``gate_up_proj`` (``W'_e = W_e Tᵀ``), expert
     ``e``'s ``down_proj`` transform ``T_e`` (one shared, or one per expert) into its
     ``down_proj``; then RTN or, with ``gptq``, GPTQ on each expert's Hessians ``T H_e Tᵀ``
     of the tokens routed to it (RTN for a projection no calibration token reached).
-    With no transform and RTN weights this is :class:`QuantExperts`' own quantization."""
+    ``online``: the transforms the quantizers run where a fold left only part of these
+    online (:func:`torq.rotations.fold.fold_expert_scales`). With no transform and RTN
+    weights this is :class:`QuantExperts`' own quantization."""
     down = list(down_transforms) if down_transforms is not None else [None]
     use_gptq = gptq is not None and qconfig.weight is not None
     if input_transform is None and all(t is None for t in down) and not use_gptq:
@@ -227,8 +231,13 @@ def quantize_experts(
         gu,
         dn,
         qconfig,
-        ActivationQuantizer(qconfig.activation, input_transform),
-        [ActivationQuantizer(qconfig.activation, t) for t in down],
+        ActivationQuantizer(
+            qconfig.activation, input_transform if online is None else online.input
+        ),
+        [
+            ActivationQuantizer(qconfig.activation, t)
+            for t in (down if online is None else online.down)
+        ],
     )
     return quantized, record
 
@@ -287,7 +296,12 @@ class GroupSolver:
             transforms[g.name], record[g.name] = self.transform(g, stats[g.name], weight)
             del weight  # (a copy of the group's weights: 0.47 GB for an 8B model's gate/up)
             seconds[g.name] = time.perf_counter() - t0
-        folded = self.fold(layer, groups, transforms)
+        fused: dict[str, ExpertTransforms] = {}
+        for g in experts:
+            t0 = time.perf_counter()
+            fused[g.name], record[g.name] = self.expert_transforms(layer, g, stats[g.name])
+            seconds[g.name] = time.perf_counter() - t0
+        folded = self.fold(layer, [*groups, *experts], {**transforms, **fused})
         for g in groups:
             t0 = time.perf_counter()
             rec = record[g.name]
@@ -312,8 +326,12 @@ class GroupSolver:
             rec["seconds"] = seconds[g.name] + time.perf_counter() - t0
         for g in experts:
             t0 = time.perf_counter()
-            record[g.name] = self.quantize_experts(layer, g, stats[g.name])
-            record[g.name]["seconds"] = time.perf_counter() - t0
+            rec = record[g.name]
+            kept = fused[g.name]
+            if g.name in folded:
+                kept, rec["fold"] = folded[g.name]
+            rec.update(self.quantize_experts(layer, g, stats[g.name], fused[g.name], kept))
+            rec["seconds"] = seconds[g.name] + time.perf_counter() - t0
         record["rtn_fallback"] = quantize_layer(layer, self.qconfig, f"layers.{index}.")
         return record
 
@@ -326,12 +344,11 @@ class GroupSolver:
         """Whether :meth:`transform` reads the statistics (else it is one per width)."""
         return True
 
-    def quantize_experts(
+    def expert_transforms(
         self, layer: nn.Module, group: ExpertsGroup, stats: ExpertsStatistics
-    ) -> dict[str, Any]:
-        """A fused-experts module's transforms (:meth:`transform` on the expert input, all
-        tokens; on each expert's ``down_proj`` input, its routed tokens, or pooled), then
-        :func:`quantize_experts`; the module is replaced in place."""
+    ) -> tuple[ExpertTransforms, dict[str, Any]]:
+        """A fused-experts module's transforms: :meth:`transform` on the expert input (all
+        tokens), and on each expert's ``down_proj`` input (its routed tokens, or pooled)."""
         path = group.members[0]
         module = layer.get_submodule(path)
         gu = module.gate_up_proj.detach().cpu()
@@ -361,9 +378,24 @@ class GroupSolver:
         if per_expert:
             record["down_proj_own_transform"] = own
         record["tokens_per_expert"] = [st.count for st in stats.down]
-        del gu, dn
-        quantized, rec = quantize_experts(module, self.qconfig, t_in, down, stats, self.gptq)
-        record.update(rec)
+        return ExpertTransforms(t_in, down), record
+
+    def quantize_experts(
+        self,
+        layer: nn.Module,
+        group: ExpertsGroup,
+        stats: ExpertsStatistics,
+        fused: ExpertTransforms,
+        online: ExpertTransforms,
+    ) -> dict[str, Any]:
+        """:func:`quantize_experts` with the ``fused`` transforms in the weights and the
+        ``online`` ones run on the inputs (the same, or what a fold left of them); the module
+        is replaced in place."""
+        path = group.members[0]
+        module = layer.get_submodule(path)
+        quantized, record = quantize_experts(
+            module, self.qconfig, fused.input, fused.down, stats, self.gptq, online
+        )
         parent_name, _, attr = path.rpartition(".")
         setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, quantized)
         return record

@@ -29,8 +29,11 @@ class Recipe:
     method: str
     use_when: str
     calibrates: bool = True
-    # the MXFP4 block scale rule (weights and activations); other formats have one rule
+    # the MXFP4 block scale rule (weights and activations); other formats take their own
+    # standard rule unless ``scale_by_format`` names one
     scale_mode: str = "ocp"
+    # the rule in a format where the measurements chose one: ``(format, rule)`` pairs
+    scale_by_format: tuple[tuple[str, str], ...] = ()
     # torq's channel balancing folded into the norms and the v/up rows
     # (:mod:`torq.rotations.fold`) instead of done online
     fold_balance: bool = False
@@ -75,13 +78,26 @@ class Recipe:
         :class:`CalibrationConfig`'s, 128 windows of WikiText-2's validation text)."""
         return CaptureSettings(calibration=calibration or CalibrationConfig())
 
+    def formats(self) -> list[str]:
+        """The formats this recipe runs with another method or scale rule than MXFP4's."""
+        return list(dict.fromkeys(f for f, _ in (*self.by_format, *self.scale_by_format)))
+
+    def described_in(self, fmt: str) -> str:
+        """What this recipe runs in ``fmt``: its method there, and its rule where it has one."""
+        rule = dict(self.scale_by_format).get(fmt)
+        method = self.in_format(fmt).method
+        return method if rule is None else f"{method} ({rule})"
+
+    def scale_mode_in(self, fmt: str) -> str:
+        """The block scale rule this recipe runs ``fmt`` with (a run's ``scale_mode``)."""
+        return dict(self.scale_by_format).get(fmt, self.scale_mode)
+
     def quant_config(self, fmt: str) -> QuantConfig:
-        """Weights and activations in ``fmt`` with this recipe's scale rule (MXFP4's; NVFP4
-        and MXINT4 have one rule each); NVFP4 activations with a static tensor scale,
-        calibrated (what compressed-tensors and vLLM serve)."""
-        scale_mode = self.scale_mode if fmt == "mxfp4" else "ocp"
+        """Weights and activations in ``fmt`` with this recipe's scale rule there
+        (:meth:`scale_mode_in`); NVFP4 activations with a static tensor scale, calibrated
+        (what compressed-tensors and vLLM serve)."""
         act_scale = "static" if fmt == "nvfp4" else "dynamic"
-        return QuantConfig.from_names(fmt, fmt, scale_mode, act_scale)
+        return QuantConfig.from_names(fmt, fmt, self.scale_mode_in(fmt), act_scale)
 
     def cannot_serve(self, fmt: str = "mxfp4") -> str | None:
         """Why this recipe in ``fmt`` cannot be written as compressed-tensors (transformers,
@@ -104,6 +120,9 @@ RECIPES: dict[str, Recipe] = {
             "torq-had32+gptaq",
             use_when="a checkpoint to serve: transformers and vLLM load it",
             scale_mode="nearest",
+            # Four Over Six on the NVFP4 weights: standard NVFP4 that engines serve as it is
+            # (docs/recipes.md, "Recipes per format")
+            scale_by_format=(("nvfp4", "4over6-weights"),),
             fold_balance=True,
             unrotate_biased=True,
         ),
@@ -129,6 +148,9 @@ RECIPES: dict[str, Recipe] = {
             # 16-window set 40.90 and 40.22 against RTN's 32.93, Qwen's first 8 windows 32.56
             # and 33.58 against 31.71 (docs/recipes.md)
             by_format=(("nvfp4", "rtn"),),
+            # RTN's NVFP4 weights with Four Over Six: SmolLM2's 16-window set 31.53 against
+            # 32.93 (each activation tensor its own scale); in vLLM 38.23 against torq's 38.43
+            scale_by_format=(("nvfp4", "4over6-weights"),),
         ),
         Recipe(
             "paper",

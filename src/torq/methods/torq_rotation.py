@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torq.calibration.capture import BlockStatistics, LinearGroup
+from torq.calibration.capture import BlockStatistics, ExpertsGroup, LinearGroup
 from torq.errors import TorqError
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
@@ -52,7 +52,16 @@ from torq.rotations.balance import (
     channel_energy,
     tied_energies,
 )
-from torq.rotations.fold import check_foldable, fold_scales, is_o_proj, o_proj_ties
+from torq.rotations.fold import (
+    ExpertTransforms,
+    check_foldable,
+    fold_expert_scales,
+    fold_scales,
+    is_o_proj,
+    o_proj_ties,
+    producer_of,
+    reading_scaled,
+)
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import inter_block_rotations
 from torq.rotations.intra_block import fit_intra_block_rotation
@@ -434,17 +443,43 @@ class TorqTransform(TransformBuilder):
         ctx: MethodContext,
     ) -> dict[str, tuple[nn.Module | None, dict[str, Any]]]:
         """With ``fold``: each group's balancing ``⊘ s`` done by the module producing its
-        input (:func:`torq.rotations.fold.fold_scales`), ``R`` alone kept online."""
+        input (:func:`torq.rotations.fold.fold_scales`), ``R`` alone kept online; fused MoE
+        experts' by the norm before them and their ``up`` rows
+        (:func:`~torq.rotations.fold.fold_expert_scales`), a linear group reading the same
+        norm keeping its own online, divided by the experts'
+        (:func:`~torq.rotations.fold.reading_scaled`)."""
         if not self.settings(qconfig, ctx).fold:
             return {}
-        check_foldable(ctx.model_config)
-        out: dict[str, tuple[nn.Module | None, dict[str, Any]]] = {}
+        cfg = ctx.model_config
+        check_foldable(cfg)
+        experts = [g for g in groups if isinstance(g, ExpertsGroup)]
+        # the norms the experts' balancing goes into: no other group's may go there too
+        taken = {producer_of(g, cfg).module for g in experts}
+        out: dict[str, tuple[Any, dict[str, Any]]] = {}
+        readers: list[LinearGroup] = []
         for g in groups:
+            if isinstance(g, ExpertsGroup):
+                continue
             t = transforms[g.name]
+            where = producer_of(g, cfg)
+            if where.kind == "norm" and where.module in taken:
+                readers.append(g)
+                continue
             if not isinstance(t, BlockRotation) or t.channel_scale is None:
                 continue
-            record = fold_scales(layer, g, t.channel_scale, ctx.model_config)
+            record = fold_scales(layer, g, t.channel_scale, cfg)
             out[g.name] = (t.without_channel_scale(), record)
+        for g in experts:
+            own = transforms[g.name]
+            assert isinstance(own, ExpertTransforms)
+            s = own.input.channel_scale if isinstance(own.input, BlockRotation) else None
+            out[g.name] = fold_expert_scales(layer, g, own, cfg)
+            if s is None:
+                continue
+            for r in readers:  # Qwen2-MoE's shared expert and its gate
+                block = own.input.block_size  # type: ignore[union-attr]
+                online = reading_scaled(transforms[r.name], s, block)
+                out[r.name] = (online, {"into": "online", "divided_by": g.name})
         return out
 
     def residual(self, ctx: MethodContext) -> ResidualRotation | None:

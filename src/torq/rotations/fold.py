@@ -18,6 +18,14 @@ channel being divided, so ``⊘ s`` can be done there, offline, leaving ``R`` al
 * Phi-3 and Phi-4 fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the
   divisions go into ``qkv_proj``'s value rows and ``gate_up_proj``'s second (``up``) half.
 
+* Fused MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE) read ``post_attention_layernorm``'s
+  output as a dense MLP's gate/up do: their input's division goes into that norm, and the
+  router beside them, which reads the same output in float, takes ``diag(s)`` into its
+  columns, so that every token is routed as before. Each expert's ``down_proj`` reads
+  ``act(gate) ⊙ up``: its division goes into that expert's ``up`` rows of ``gate_up_proj``.
+  A linear group reading the same output (Qwen2-MoE's shared expert and its gate) keeps its
+  own balancing online, divided by the experts' (:func:`reading_scaled`).
+
 Up to float rounding the folded model computes what the unfolded one does, but for the
 rows of ``v_proj`` and ``up_proj``: they are quantized after the division, and a row
 scaled by a factor that is not a power of two rounds to other codes (and, under GQA,
@@ -32,8 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from torq.calibration.capture import LinearGroup
+from torq.calibration.capture import ExpertsGroup, LinearGroup
 from torq.errors import TorqError
+from torq.rotations.transform import BlockRotation
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,18 @@ _PHI3 = {
 # output: q/k/v and gate/up are one group, whose division goes into that norm (a LayerNorm
 # without bias: the weight multiplies after the centring, as an RMSNorm's does)
 _PARALLEL = {"self_attn.q_proj": Producer("norm", "input_layernorm"), **_ROWS}
+# MoE layers: the fused experts and a shared expert read post_attention_layernorm's output
+_MOE = {
+    **_LLAMA,
+    "mlp.experts": Producer("norm", "post_attention_layernorm"),
+    "mlp.shared_expert.gate_proj": Producer("norm", "post_attention_layernorm"),
+    "mlp.shared_expert.down_proj": Producer("rows", "mlp.shared_expert.up_proj"),
+}
 # by model type, then by the group's first member, in the layer's own names
 PRODUCERS: dict[str, dict[str, Producer]] = {
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
@@ -169,10 +188,7 @@ def fold_scales(
     weight = target.weight
     s = s.to(weight.device)  # the scales are computed on the CPU; the layer may be on a GPU
     if where.kind == "norm":
-        if weight.shape != s.shape:
-            raise TorqError(f"{where.module} has {weight.numel()} weights, not {s.numel()}")
-        offset = 1.0 if where.plus_one else 0.0
-        weight.copy_(((weight.to(torch.float64) + offset) / s - offset).to(weight.dtype))
+        _divide_norm(target, where, s)
     else:
         rows = _part_rows(where, weight.shape[0], model_config)
         if rows.stop - rows.start != s.numel():
@@ -199,3 +215,92 @@ def _part_rows(where: Producer, n_rows: int, model_config: Any) -> slice:
     n_heads, n_kv, head_dim = _heads(model_config)
     start = (n_heads + n_kv) * head_dim  # after the query and key rows
     return slice(start, start + n_kv * head_dim)
+
+
+def _divide_norm(norm: nn.Module, where: Producer, s: torch.Tensor) -> None:
+    """A norm's output divided by ``s``: its weight (a Gemma norm's ``1 + w``) divided."""
+    weight = norm.weight
+    s = s.to(weight.device, torch.float64)
+    if weight.shape != s.shape:
+        raise TorqError(f"{where.module} has {weight.numel()} weights, not {s.numel()}")
+    offset = 1.0 if where.plus_one else 0.0
+    weight.copy_(((weight.to(torch.float64) + offset) / s - offset).to(weight.dtype))
+
+
+@dataclass
+class ExpertTransforms:
+    """A fused-experts module's online transforms: on the input every expert reads, and on
+    each expert's ``down_proj`` input (one shared by all, or one per expert)."""
+
+    input: nn.Module | None
+    down: list[nn.Module | None]
+
+
+def _scale_of(t: nn.Module | None) -> torch.Tensor | None:
+    return t.channel_scale if isinstance(t, BlockRotation) else None
+
+
+@torch.no_grad()
+def fold_expert_scales(
+    layer: nn.Module, group: ExpertsGroup, transforms: ExpertTransforms, model_config: Any
+) -> tuple[ExpertTransforms, dict[str, Any]]:
+    """The experts' balancing done offline (module doc): the input's ``⊘ s`` by the norm
+    before them, the router's columns times ``s``; each ``down_proj``'s ``⊘ s_e`` by its
+    expert's ``up`` rows. Must run before the experts are quantized. Returns the transforms
+    left online (their rotations) and a record of what was divided."""
+    where = producer_of(group, model_config)
+    path = group.members[0]
+    parent = path.rpartition(".")[0]
+    record: dict[str, Any] = {}
+    online_in = transforms.input
+    s = _scale_of(online_in)
+    if s is not None:
+        s64 = s.detach().to("cpu", torch.float64)
+        _divide_norm(layer.get_submodule(where.module), where, s64)
+        router = layer.get_submodule(f"{parent}.gate")
+        w = router.weight
+        if w.shape[-1] != s64.numel():
+            raise TorqError(f"{parent}.gate reads {w.shape[-1]} channels, not {s64.numel()}")
+        w.copy_((w.to(torch.float64) * s64.to(w.device)).to(w.dtype))
+        online_in = online_in.without_channel_scale()  # type: ignore[union-attr]
+        record["input"] = {"into": where.module, "kind": "norm", "router": f"{parent}.gate"}
+    experts = layer.get_submodule(path)
+    gate_up = experts.gate_up_proj
+    n_experts, rows = gate_up.shape[0], gate_up.shape[1] // 2
+    online: dict[int, nn.Module | None] = {}
+    for e in range(n_experts):
+        t = transforms.down[0 if len(transforms.down) == 1 else e]
+        s_e = _scale_of(t)
+        if s_e is None:
+            continue
+        up = gate_up[e, rows:]  # gate_up_proj holds gate's rows, then up's
+        up.copy_((up.to(torch.float64) / s_e.to(up.device, torch.float64)[:, None]).to(up.dtype))
+        online[id(t)] = t.without_channel_scale()  # type: ignore[union-attr]
+    if online:
+        record["down"] = {"into": f"{path}.gate_up_proj", "kind": "up rows"}
+    down = [online.get(id(t), t) for t in transforms.down]
+    return ExpertTransforms(online_in, down), record
+
+
+def reading_scaled(t: nn.Module | None, s: torch.Tensor, block_size: int) -> BlockRotation:
+    """The online transform of a group whose input now arrives divided by ``s`` (the norm
+    it reads took another group's balancing): ``T x`` unchanged, its channel scale ``s' / s``
+    (``1 / s`` where it had none, ``block_size`` its blocks then)."""
+    if t is not None and not isinstance(t, BlockRotation):
+        raise TorqError(f"a {type(t).__name__} cannot read a rescaled input")
+    s = s.detach().to(torch.float64)
+    if t is None:
+        return BlockRotation(block_size, channel_scale=(1.0 / s).to(torch.float32))
+    own = t.channel_scale
+    scale = 1.0 / s if own is None else own.to(torch.float64) / s.to(own.device)
+    factors = [getattr(t, f"intra_factor{i}") for i in range(t.n_factors)]
+    dtype = next((r.dtype for r in (t.r_inter, t.r_intra) if r is not None), torch.float32)
+    return BlockRotation(
+        t.block_size,
+        t.r_inter,
+        t.r_intra,
+        dtype=dtype,
+        channel_scale=scale.to(dtype),
+        intra_factors=factors or None,
+        channel_perm=getattr(t, "channel_perm", None),
+    )

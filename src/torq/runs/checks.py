@@ -8,7 +8,11 @@ from torq.calibration.hidden import HIDDEN_MODES
 from torq.calibration.sources import check_source, parse_sources, window_counts
 from torq.data import eval_text_path
 from torq.errors import TorqError
-from torq.export.compressed_tensors import CT_HOLDS, NVFP4_ACTIVATIONS
+from torq.export.compressed_tensors import (
+    CT_HOLDS,
+    FOUR_OVER_SIX_ACTIVATIONS,
+    NVFP4_ACTIVATIONS,
+)
 from torq.methods.registry import MethodSpec
 from torq.models.loading import context_length
 from torq.paths import check_destination
@@ -73,6 +77,8 @@ def check_compressed_tensors(
             raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
         if formats.act_scale != "static":
             raise TorqError(f"--save-format compressed-tensors: {NVFP4_ACTIVATIONS}")
+        if formats.scale_mode == "4over6":
+            raise TorqError(f"--save-format compressed-tensors: {FOUR_OVER_SIX_ACTIVATIONS}")
     elif formats.weight_format not in ("mxfp4", "nvfp4") or act not in (None, "mxfp4"):
         raise TorqError(f"--save-format compressed-tensors: {CT_HOLDS}")
     qconfig = formats.quant_config()

@@ -15,7 +15,8 @@ from torq.calibration.hidden import HIDDEN_MODES
 from torq.data import DEFAULT_EVAL_CORPUS
 from torq.driver.budget import BUDGET_BY, PrecisionBudget
 from torq.errors import TorqError
-from torq.formats import FORMAT_NAMES, SCALE_MODES
+from torq.formats import FORMAT_NAMES
+from torq.formats.config import ALL_SCALE_MODES, side_scale_modes
 from torq.knobs import knob, nonnegative_int, positive_int
 from torq.methods.registry import MethodSpec, RunKey, method_specs
 from torq.surgery.qlinear import QuantConfig
@@ -131,8 +132,10 @@ class Formats:
     scale_mode: str = knob(
         "ocp",
         flag="--scale-mode",
-        choices=SCALE_MODES,
-        help="MXFP4 block scale rule (default ocp; a saved quantized model keeps its own)",
+        choices=ALL_SCALE_MODES,
+        help="block scale rule: MXFP4's ocp (default), paper, rceil or nearest; NVFP4's ocp, "
+        "4over6 (each block scaled to 4 or 6, the less error) or 4over6-weights (on the "
+        "weights only, what an engine serves) (a saved quantized model keeps its own)",
     )
     # NVFP4 activations' tensor scale: each tensor's own ("dynamic") or calibrated once per
     # activation quantizer on the calibration windows ("static": what compressed-tensors
@@ -198,6 +201,15 @@ class Formats:
         return PrecisionBudget(self.avg_bits, self.budget_by, self.budget_windows, seed)
 
     def quant_config(self) -> QuantConfig:
+        # an MXFP4 rule leaves other formats on their own (the recipes pass theirs to every
+        # format); NVFP4's Four Over Six asked of a run with no NVFP4 side is a mistake
+        formats = sorted({f for f in (self.weight_format, self.act_format) if f})
+        modes = side_scale_modes(self.weight_format, self.act_format, self.scale_mode)
+        if self.scale_mode.startswith("4over6") and set(modes) <= {None, "ocp"}:
+            raise TorqError(
+                f"--scale-mode {self.scale_mode} is a rule of NVFP4, not of the formats asked "
+                f"({', '.join(formats) or 'none'}): add --format nvfp4"
+            )
         return QuantConfig.from_names(
             self.weight_format, self.act_format, self.scale_mode, self.act_scale, self.ignore
         )

@@ -14,6 +14,7 @@ from typing import Any
 from torq.errors import TorqError
 from torq.export import is_quantized_checkpoint, read_manifest
 from torq.export.compressed_tensors import compressed_tensors_manifest, is_compressed_tensors_folder
+from torq.formats.config import run_scale_mode
 from torq.paths import check_destination
 from torq.results import command_line, now_iso
 from torq.runs.config import Formats, Outputs
@@ -84,7 +85,7 @@ def saved_run_formats(
 
 
 def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str] | None:
-    """``(weight format, activation format, MXFP4 scale rule)`` of a saved quantized model's
+    """``(weight format, activation format, block scale rule)`` of a saved quantized model's
     linear layers (None for a float side), or None when it has no quantized linear layer."""
     linear = next((e for e in manifest["modules"].values() if e["kind"] == "linear"), None)
     if linear is None:
@@ -93,8 +94,10 @@ def saved_formats(manifest: dict[str, Any]) -> tuple[str | None, str | None, str
     def name_of(spec: dict[str, Any] | None) -> str | None:
         return None if spec is None else spec["name"]
 
-    specs = [s for s in (linear["weight"], linear["activation"]) if s is not None]
-    scale_mode = next((s["scale_mode"] for s in specs if s["name"] == "mxfp4"), "ocp")
+    def mode_of(spec: dict[str, Any] | None) -> str | None:
+        return None if spec is None else spec["scale_mode"]
+
+    scale_mode = run_scale_mode(mode_of(linear["weight"]), mode_of(linear["activation"]))
     return name_of(linear["weight"]), name_of(linear["activation"]), scale_mode
 
 

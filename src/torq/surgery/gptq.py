@@ -11,7 +11,10 @@ block order). Dampening adds ``damp · mean(diag H)`` to the diagonal (``damp_sc
 "largest-eigenvalue"``: ``damp · λmax(H)``, Qronos's reference damping). With
 ``scale_search="mse"`` (MR-GPTQ's MSE-chosen scales, Egiazarian et al., 2025) each MX
 block's power-of-two scale is the one of ``2^(e−1), 2^e, 2^(e+1)`` (``e`` the format's rule)
-that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 as in FP-Quant).
+that rounds the block with the least ``Σ |w − q|^p`` (``p = mse_norm``, 2.4 as in FP-Quant);
+an NVFP4 block's E4M3 scale the one of the rule's and its two neighbouring E4M3 values. NVFP4's
+Four Over Six (``scale_mode="4over6"``) chooses between the scales that map the block's amax
+onto 6 and onto 4 by the squared error.
 
 With an online transform ``T`` (TORQ, Hadamard), the layer computes ``W' (T x)``, so the
 Hessian is that of the transformed inputs, ``T H Tᵀ``:
@@ -37,7 +40,12 @@ from typing import Any
 import torch
 
 from torq.formats import FormatSpec
-from torq.formats.constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
+from torq.formats.constants import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    FOUR_OVER_SIX_EXPANSION,
+)
 from torq.formats.packing import exact_pow2
 from torq.formats.reference import (
     mx_scale_exponent,
@@ -85,8 +93,9 @@ class GPTQConfig:
         "amax",
         flag="--gptq-scales",
         choices=SCALE_SEARCHES,
-        help="GPTQ: each MX block's scale by the format's rule from its amax, or the "
-        "power of two around it that rounds the block with the least error (as mr-gptq)",
+        help="GPTQ: each block's scale by the format's rule from its amax, or the scale "
+        "around it (MX: a power of two; NVFP4: an E4M3 value) that rounds the block with the "
+        "least error (as mr-gptq)",
     )
     mse_norm: float = 2.4
     # GPTAQ's asymmetric calibration (module doc): the weight of the float model's output
@@ -161,6 +170,11 @@ def damp_reference(h: torch.Tensor, damp_scale: str) -> torch.Tensor:
     raise ValueError(f"damp_scale must be one of {DAMP_SCALES}, got {damp_scale!r}")
 
 
+# E4M3's codes (float8_e4m3fn as a byte) of its smallest normal, 2**-6, and of 448
+_E4M3_MIN_NORMAL_CODE = 0x08
+_E4M3_MAX_CODE = 0x7E
+
+
 class _BlockGrid:
     """The format's quantizer for one block of columns: fit the scales, round a column."""
 
@@ -174,8 +188,6 @@ class _BlockGrid:
         if fmt.name not in ("mxfp4", "mxint4", "nvfp4", "mxfp8"):
             raise ValueError(f"GPTQ supports mxfp4, mxint4, nvfp4 and mxfp8, not {fmt.name}")
         cfg = config or GPTQConfig()
-        if cfg.scale_search == "mse" and fmt.name == "nvfp4":
-            raise ValueError("MSE-chosen scales are for the MX formats' power-of-two scales")
         self.fmt = fmt
         self.search = cfg.scale_search
         self.norm = cfg.mse_norm
@@ -189,14 +201,48 @@ class _BlockGrid:
         """Per-row scale ``[N, 1]`` (float64) for a block ``[N, width]`` of columns."""
         amax = block.abs().amax(dim=1, keepdim=True)
         if self.fmt.name == "nvfp4":
-            assert self.tensor_scale is not None
-            s = (amax.float() / E2M1_MAX) / self.tensor_scale
-            s = s.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-            return (s * self.tensor_scale).double()
+            return self._nvfp4_scales(block, amax)
         exponent = mx_scale_exponent(amax.float(), self.fmt)
         if self.search == "mse":
             exponent = self._least_error_exponent(block, exponent)
         return exact_pow2(exponent, torch.float32).double()
+
+    def _nvfp4_scales(self, block: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """NVFP4's total scale per row: the rule's (the block amax onto 6); under Four Over
+        Six (``scale_mode="4over6"``) the one with the amax onto 4 where it rounds these
+        columns, as the earlier columns' updates left them, with the less squared error;
+        under MSE search (MR-GPTQ) the least ``Σ |w − q|^p`` of the rule's E4M3 scale and
+        its two neighbouring E4M3 values (MX's ±1 binade, in E4M3's steps)."""
+        assert self.tensor_scale is not None
+        raw = (amax.float() / E2M1_MAX) / self.tensor_scale
+        rule = self._nvfp4_total(raw)
+        candidates = [rule]
+        if self.fmt.scale_mode == "4over6":
+            candidates.append(self._nvfp4_total(raw * FOUR_OVER_SIX_EXPANSION))
+        if self.search == "mse":
+            code = raw.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+            code = code.view(torch.uint8).to(torch.int16)
+            for step in (-1, 1):  # E4M3's positive normals have consecutive codes
+                near = (code + step).clamp(_E4M3_MIN_NORMAL_CODE, _E4M3_MAX_CODE)
+                near = near.to(torch.uint8).view(torch.float8_e4m3fn).float()
+                candidates.append((near * self.tensor_scale).double())
+        norm = self.norm if self.search == "mse" else 2.0
+        best, best_err = rule, None
+        for scale in candidates:  # the rule first: it wins ties
+            err = (block - self.round(block / scale) * scale).abs().pow(norm).sum(1, keepdim=True)
+            if best_err is not None:
+                better = err < best_err
+                best = torch.where(better, scale, best)
+                best_err = torch.where(better, err, best_err)
+            else:
+                best_err = err
+        return best
+
+    def _nvfp4_total(self, s: torch.Tensor) -> torch.Tensor:
+        """NVFP4's total scale (float64) of raw block scales ``s``: E4M3-rounded, times the
+        tensor scale, as :func:`torq.formats.reference.nvfp4_quantize_blocks` forms it."""
+        s = s.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+        return (s * self.tensor_scale).double()
 
     def _least_error_exponent(self, block: torch.Tensor, rule: torch.Tensor) -> torch.Tensor:
         """Of ``rule − 1, rule, rule + 1`` (E8M0's range), each row's exponent that rounds

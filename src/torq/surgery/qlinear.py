@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torq.formats import FormatSpec, PackedTensor, fake_quantize, get_format, pack_exact
-from torq.formats.config import HIGH_PRECISION_FORMAT
+from torq.formats.config import HIGH_PRECISION_FORMAT, scale_mode_for
 from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
 
 T = TypeVar("T")
@@ -72,14 +72,16 @@ class QuantConfig:
         act_scale: str = "dynamic",
         ignore: tuple[str, ...] = (),
     ) -> QuantConfig:
-        def spec(name: str | None) -> FormatSpec | None:
+        def spec(name: str | None, side: str) -> FormatSpec | None:
             if name is None or name.lower() in ("", "none", "fp", "float"):
                 return None
-            mode = scale_mode if name.lower() == "mxfp4" else "ocp"
-            return get_format(name.lower(), mode)
+            return get_format(name.lower(), scale_mode_for(name.lower(), scale_mode, side))
 
         return cls(
-            weight=spec(weight), activation=spec(activation), act_scale=act_scale, ignore=ignore
+            weight=spec(weight, "weight"),
+            activation=spec(activation, "activation"),
+            act_scale=act_scale,
+            ignore=ignore,
         )
 
     @property
