@@ -292,15 +292,6 @@ def reading_scaled(t: nn.Module | None, s: torch.Tensor, block_size: int) -> Blo
     if t is None:
         return BlockRotation(block_size, channel_scale=(1.0 / s).to(torch.float32))
     own = t.channel_scale
-    scale = 1.0 / s if own is None else own.to(torch.float64) / s.to(own.device)
-    factors = [getattr(t, f"intra_factor{i}") for i in range(t.n_factors)]
-    dtype = next((r.dtype for r in (t.r_inter, t.r_intra) if r is not None), torch.float32)
-    return BlockRotation(
-        t.block_size,
-        t.r_inter,
-        t.r_intra,
-        dtype=dtype,
-        channel_scale=scale.to(dtype),
-        intra_factors=factors or None,
-        channel_perm=getattr(t, "channel_perm", None),
+    return t.with_channel_scale(
+        1.0 / s if own is None else own.to(torch.float64) / s.to(own.device)
     )

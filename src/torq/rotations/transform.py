@@ -344,14 +344,22 @@ class BlockRotation(nn.Module):
         perm = getattr(self, "channel_perm", None)
         if self.r_inter is None and self.r_intra is None and perm is None:
             return None
+        return self.with_channel_scale(None)
+
+    def with_channel_scale(self, channel_scale: torch.Tensor | None) -> BlockRotation:
+        """This transform's rotations and permutation (the same tensors) with another
+        channel scale (``None``: none)."""
         factors = [getattr(self, f"intra_factor{i}") for i in range(self.n_factors)]
+        dtype = next((r.dtype for r in (self.r_inter, self.r_intra) if r is not None), None)
+        dtype = dtype or torch.float32
         out = BlockRotation(
             self.block_size,
             self.r_inter,
             self.r_intra,
-            dtype=(self.r_inter if self.r_inter is not None else self.r_intra).dtype,
+            dtype=dtype,
+            channel_scale=None if channel_scale is None else channel_scale.to(dtype),
             intra_factors=factors or None,
-            channel_perm=perm,  # stays online with the rotations
+            channel_perm=getattr(self, "channel_perm", None),  # stays online with the rotations
         )
         if out.n_blocks is None and self.n_blocks is not None:
             out.n_blocks = self.n_blocks  # the width check the scale gave

@@ -202,10 +202,12 @@ class _BlockGrid:
         amax = block.abs().amax(dim=1, keepdim=True)
         if self.fmt.name == "nvfp4":
             return self._nvfp4_scales(block, amax)
-        exponent = mx_scale_exponent(amax.float(), self.fmt)
-        if self.search == "mse":
-            exponent = self._least_error_exponent(block, exponent)
-        return exact_pow2(exponent, torch.float32).double()
+        rule = mx_scale_exponent(amax.float(), self.fmt)
+        if self.search != "mse":
+            return exact_pow2(rule, torch.float32).double()
+        # of rule − 1, rule, rule + 1 (E8M0's range), the least Σ |w − q|^p; the rule first
+        shifts = ((rule + shift).clamp(-127, 127) for shift in (0, 1, -1))
+        return self._least_error(block, [exact_pow2(e, torch.float32).double() for e in shifts])
 
     def _nvfp4_scales(self, block: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """NVFP4's total scale per row: the rule's (the block amax onto 6); under Four Over
@@ -226,16 +228,23 @@ class _BlockGrid:
                 near = (code + step).clamp(_E4M3_MIN_NORMAL_CODE, _E4M3_MAX_CODE)
                 near = near.to(torch.uint8).view(torch.float8_e4m3fn).float()
                 candidates.append((near * self.tensor_scale).double())
-        norm = self.norm if self.search == "mse" else 2.0
-        best, best_err = rule, None
-        for scale in candidates:  # the rule first: it wins ties
-            err = (block - self.round(block / scale) * scale).abs().pow(norm).sum(1, keepdim=True)
-            if best_err is not None:
-                better = err < best_err
-                best = torch.where(better, scale, best)
-                best_err = torch.where(better, err, best_err)
-            else:
+        return self._least_error(block, candidates, self.norm if self.search == "mse" else 2.0)
+
+    def _least_error(
+        self, block: torch.Tensor, candidates: list[torch.Tensor], norm: float | None = None
+    ) -> torch.Tensor:
+        """Each row's scale, of the ``candidates`` ``[N, 1]``, that rounds ``block`` with the
+        least ``Σ |w − q|^p`` (``p``: ``norm``, else ``mse_norm``); a tie keeps the first."""
+        p = self.norm if norm is None else norm
+        best, best_err = candidates[0], None
+        for scale in candidates:
+            err = (block - self.round(block / scale) * scale).abs().pow(p).sum(1, keepdim=True)
+            if best_err is None:
                 best_err = err
+                continue
+            better = err < best_err
+            best = torch.where(better, scale, best)
+            best_err = torch.where(better, err, best_err)
         return best
 
     def _nvfp4_total(self, s: torch.Tensor) -> torch.Tensor:
@@ -243,24 +252,6 @@ class _BlockGrid:
         tensor scale, as :func:`torq.formats.reference.nvfp4_quantize_blocks` forms it."""
         s = s.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
         return (s * self.tensor_scale).double()
-
-    def _least_error_exponent(self, block: torch.Tensor, rule: torch.Tensor) -> torch.Tensor:
-        """Of ``rule − 1, rule, rule + 1`` (E8M0's range), each row's exponent that rounds
-        the row with the least ``Σ |w − q|^p``; a tie keeps the rule's."""
-        best, best_err = rule, None
-        for shift in (0, 1, -1):  # the rule first: it wins ties
-            e = (rule + shift).clamp(-127, 127)
-            scale = exact_pow2(e, torch.float32).double()
-            v = block / scale
-            q = self.round(v)
-            err = (block - q * scale).abs().pow(self.norm).sum(dim=1, keepdim=True)
-            if best_err is None:
-                best_err = err
-                continue
-            better = err < best_err
-            best = torch.where(better, e, best)
-            best_err = torch.where(better, err, best_err)
-        return best
 
     def quantize(self, column: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Round a column ``[N]`` with its rows' scales ``[N]``; back in float64."""
