@@ -42,6 +42,17 @@ def tiny_config(model_type: str, vocab_size: int = TINY_VOCAB, **widths: int):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if model_type == "qwen2_moe":  # with its shared expert, as small as the experts
+        extra = {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 96,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    if model_type == "mixtral":
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2}
     if model_type == "qwen2":
         extra = {"use_sliding_window": False}
     if model_type == "phi3":

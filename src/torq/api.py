@@ -32,8 +32,8 @@ from torq.eval.perplexity import perplexity, windows_from_text
 from torq.export import save_quantized
 from torq.export.compressed_tensors import (
     QUANTIZE_RECORD,
+    experts_unserved,
     export_compressed_tensors,
-    fused_experts_in,
 )
 from torq.export.loading import load_model
 from torq.export.model_card import guarded, write_model_card
@@ -42,7 +42,7 @@ from torq.formats.config import run_scale_mode, side_scale_modes
 from torq.kernels.accelerate import AccelerateReport
 from torq.kernels.accelerate import accelerate as accelerate_layers
 from torq.methods.recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from torq.models.architecture import biased_linears, layer_linear_names
+from torq.models.architecture import layer_linear_names, served_unrotated
 from torq.models.loading import model_folder
 from torq.models.streaming import LayerStream
 from torq.paths import check_destination
@@ -114,7 +114,7 @@ def quantize(
         if loaded.quantized is not None:
             raise TorqError(f"{model} is already quantized: quantize the float model")
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-    spec = chosen.spec(biased=() if rotate_biased else biased_linears(model))
+    spec = chosen.spec(unrotated=served_unrotated(model, rotate_biased))
     ctx = spec.context(
         chosen.capture(calib), tokenizer, data_dir=data_dir, progress=progress, seed=seed
     )
@@ -278,14 +278,6 @@ def _skeleton(model: str, gguf_dtype: str = "float32") -> nn.Module:
     return LayerStream(model_folder(str(model), gguf_dtype)[0]).model
 
 
-def _fused_experts(skeleton: nn.Module) -> str | None:
-    """Why compressed-tensors cannot hold a model quantized (its fused MoE experts), read
-    from its ``skeleton``, or ``None``."""
-    if fused_experts_in(skeleton) is None:
-        return None
-    return "compressed-tensors has no form here for fused MoE experts"
-
-
 def _write_card(
     out: Path,
     model: str,
@@ -309,15 +301,17 @@ def _save_format(
     """The folder's format: ``asked``, or compressed-tensors where the recipe, the format and
     the model can be served, else torq's; and why compressed-tensors cannot hold it (asking
     it of what it cannot hold is refused)."""
-    reason = recipe.cannot_serve(fmt)
+    recipe_reason = recipe.cannot_serve(fmt)
+    reason = recipe_reason or experts_unserved(skeleton, fmt)
     if asked is None:
-        reason = reason or _fused_experts(skeleton)
         return ("torq" if reason else "compressed-tensors"), reason
     if asked not in SAVE_FORMATS:
         raise TorqError(f"unknown save format '{asked}'; choose from {', '.join(SAVE_FORMATS)}")
-    if asked == "compressed-tensors" and reason:
+    if asked == "compressed-tensors" and recipe_reason:
         other = "" if fmt not in ("mxfp4", "nvfp4") else ", or use --recipe default"
-        raise TorqError(f"{reason}: write it with --save-format torq{other}")
+        raise TorqError(f"{recipe_reason}: write it with --save-format torq{other}")
+    if asked == "compressed-tensors" and reason:  # the experts' reason names the way out
+        raise TorqError(reason)
     return asked, reason
 
 
@@ -355,11 +349,11 @@ def quantize_checkpoint(
     last finished layer. Returns
     ``{"path", "format", "why_format", "bytes", "seconds", "recipe", "method", "unrotated",
     "record"}`` (``why_format``: why torq's format, where it was chosen for the caller;
-    ``unrotated``: the linears, with a bias, whose group got no rotation)."""
+    ``unrotated``: the names whose groups got no rotation, linears with a bias and MoE
+    ``experts``)."""
     fmt = _format(format)
     chosen = get_recipe(recipe, fmt)
     skeleton = _skeleton(model)
-    biased = biased_linears(skeleton)
     chosen_for_you = save_format is None
     save_format, reason = _save_format(chosen, fmt, save_format, skeleton)
     out = Path(out)
@@ -368,9 +362,10 @@ def quantize_checkpoint(
     _check_ignore(skeleton, qconfig.ignore)
     if avg_bits is not None:
         check_budget(PrecisionBudget(avg_bits, budget_by), qconfig)
-    # only a compressed-tensors folder is for vLLM: torq's format keeps every group rotated
-    unrotate = save_format == "compressed-tensors" and not rotate_biased
-    spec = chosen.spec(biased=biased if unrotate else ())
+    # only a compressed-tensors folder is for the engines: torq's format keeps every group
+    # rotated
+    served = save_format == "compressed-tensors"
+    spec = chosen.spec(unrotated=served_unrotated(skeleton, rotate_biased) if served else ())
     config = RunConfig.of(
         model=str(model),
         methods=[spec],
@@ -428,7 +423,7 @@ def quantize_checkpoint(
         "seconds": time.perf_counter() - t0,
         "recipe": chosen.name,
         "method": chosen.method,
-        # the linears whose group the recipe left unrotated (their bias: vLLM)
+        # the groups the recipe left unrotated (a linear's bias: vLLM; MoE experts: both)
         "unrotated": getattr(spec.settings, "unrotated", None),
         "record": record,
     }
@@ -467,7 +462,7 @@ def compare(
     elif methods is None:  # a float model: FP and the default recipe, with its settings
         recipe = get_recipe(DEFAULT_RECIPE)
         skeleton = _skeleton(model, options.get("gguf_dtype", "float32"))
-        methods = ["fp", recipe.spec(*settings, biased=biased_linears(skeleton))]
+        methods = ["fp", recipe.spec(*settings, unrotated=served_unrotated(skeleton))]
         w, a = options.get("weight_format", "mxfp4"), options.get("act_format", "mxfp4")
         mode = recipe.scale_mode_in(w or a or "mxfp4")
         if set(side_scale_modes(w, a, mode)) - {None, "ocp"}:  # a rule these formats take

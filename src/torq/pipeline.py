@@ -38,7 +38,7 @@ from torq.eval.perplexity import perplexity, sample_windows, windows_from_text
 from torq.eval.zeroshot import evaluate_zeroshot
 from torq.export import load_quantized
 from torq.export.checkpoint import CheckpointWriter
-from torq.export.compressed_tensors import refuse_fused_experts
+from torq.export.compressed_tensors import EXPERTS_ROTATED, experts_unserved, fused_experts_in
 from torq.export.loading import load_model
 from torq.methods.layers import layer_plan
 from torq.methods.registry import LayerPlan, Method, MethodContext, MethodSpec
@@ -277,6 +277,28 @@ class _Streamed:
 
 
 @collecting_new_objects_only
+def _refuse_unservable_experts(
+    skeleton: torch.nn.Module, run: _Streamed, specs: list[MethodSpec]
+) -> None:
+    """Refuse, in one line before any layer is quantized, fused MoE experts that a
+    compressed-tensors folder cannot hold: their architecture or format
+    (:func:`~torq.export.compressed_tensors.experts_unserved`), or a method that keeps an
+    online transform on their inputs."""
+    weight = run.qconfig.weight
+    reason = experts_unserved(skeleton, None if weight is None else weight.name)
+    if reason is not None:
+        raise TorqError(reason)
+    name = fused_experts_in(skeleton)
+    for spec in specs:
+        ctx = run.context(spec, False, skeleton.config)
+        if (
+            name is not None
+            and spec.method.quantizes
+            and spec.method.transform.experts_online(run.qconfig, ctx)
+        ):
+            raise TorqError(f"{name}: {EXPERTS_ROTATED} ('{spec.method.name}')")
+
+
 def _run_streamed(
     config: RunConfig,
     progress: bool,
@@ -303,9 +325,10 @@ def _run_streamed(
     # a method whose offline rotation cannot be fused into this architecture fails now,
     # not after the methods before it have run
     skeleton = LayerStream(folder, device).model
-    if run.outputs.save_dir is not None and run.outputs.save_format == "compressed-tensors":
-        refuse_fused_experts(skeleton)
     specs = [m for m in config.methods if isinstance(m, MethodSpec)]
+    serving = run.outputs.save_dir is not None and run.outputs.save_format == "compressed-tensors"
+    if serving:
+        _refuse_unservable_experts(skeleton, run, specs)
     plans = []
     for spec in specs:
         ctx = run.context(spec, False, skeleton.config)

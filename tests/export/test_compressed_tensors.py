@@ -13,9 +13,11 @@ import torch
 from tests.conftest import TINY_TEXT, tiny_model
 from torq.driver import apply_method
 from torq.errors import TorqError
+from torq.export.compressed_tensors import load_compressed_tensors
 from torq.formats import fake_quantize, get_format, quantize
 from torq.methods import MethodContext, get_method
 from torq.results import read_record
+from torq.runs.config import RunConfig
 from torq.surgery import QuantConfig
 
 pytest.importorskip("compressed_tensors")
@@ -135,8 +137,13 @@ def test_what_the_format_cannot_hold_is_refused(tmp_path) -> None:
     with pytest.raises(TorqError, match="no compressed-tensors form"):
         q = _quantized("quarot", "mxfp4")
         export_compressed_tensors(q, tmp_path / "a")
-    with pytest.raises(TorqError, match="fused MoE experts"):
-        export_compressed_tensors(_quantized("rtn", "mxfp4", "qwen3_moe"), tmp_path / "c")
+    with pytest.raises(TorqError, match="MoE experts with an online transform"):
+        export_compressed_tensors(_quantized("had32", "mxfp4", "qwen3_moe"), tmp_path / "c")
+    with pytest.raises(TorqError, match="NVFP4 MoE experts"):
+        model = tiny_model("qwen3_moe")
+        config = QuantConfig.from_names("nvfp4", None)
+        apply_method(get_method("rtn"), model, config, MethodContext(options={"progress": False}))
+        export_compressed_tensors(model, tmp_path / "e")
     model = tiny_model("llama")
     with pytest.raises(TorqError, match="no quantized linears"):
         export_compressed_tensors(model, tmp_path / "d")
@@ -625,41 +632,109 @@ def test_smollm2_round_trips_through_transformers(tmp_path) -> None:
     assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_fused_experts_go_to_torqs_format_or_are_refused_before_any_layer(
-    arch, tmp_path, tiny_tokenizer, tiny_data_dir, monkeypatch, capsys
+def _experts_activations_in_float(model):
+    """A copy of torq's ``model`` whose MoE experts read their inputs in float (what
+    transformers runs: it de-quantizes the experts' weights and quantizes no activation
+    inside them)."""
+    from torq.surgery.qlinear import ActivationQuantizer, QuantExperts
+
+    out = copy.deepcopy(model)
+    for module in out.modules():
+        if isinstance(module, QuantExperts):
+            module.input_quantizer = ActivationQuantizer(None)
+            module.down_quantizers = torch.nn.ModuleList([ActivationQuantizer(None)])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_default_is_served_with_its_experts_unrotated(
+    arch, tmp_path, tiny_tokenizer, tiny_calibration_data_dir, caplog, capsys
 ) -> None:
-    """``torq quantize`` of a MoE model with a servable recipe writes torq's format and says
-    why (compressed-tensors has no form for fused experts); asked for compressed-tensors,
-    it refuses in one line naming the experts and the way out, before the first layer.
-    Qwen2-MoE's q/k/v have biases, but torq's format is not for vLLM: they stay rotated."""
+    """``torq quantize`` of a MoE model with the ``default`` writes compressed-tensors: the
+    experts balanced (folded) and unrotated, one linear per expert in the layout
+    transformers saves; transformers loads their weights as torq holds them, to the bit, and
+    computes torq's model with the experts' activations in float (it quantizes none inside
+    the experts) within bf16. The CLI says so; Qwen2-MoE's biased q/k/v stay unrotated."""
     import torq
-    import torq.pipeline
     from torq.cli import main
+    from torq.surgery.qlinear import QuantExperts
 
     folder = tmp_path / "moe"
-    tiny_model(arch).save_pretrained(folder)
+    model = tiny_model(arch)
+    model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
-    args = {"recipe": "fast", "data_dir": str(tiny_data_dir), "progress": False}
+    argv = ["quantize", str(folder), "--out", str(tmp_path / "q"), "--calib-samples", "2"]
+    with caplog.at_level(logging.WARNING):
+        assert main([*argv, "--data-dir", str(tiny_calibration_data_dir), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "(compressed-tensors, " in said and "MoE experts' inputs are balanced" in said
+    assert "one linear per expert" in caplog.text
+    out = tmp_path / "q"
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    # named as on disk (Mixtral's MoE block is block_sparse_moe there), as vLLM reads them
+    prefix = "model.layers.0." + ("block_sparse_moe" if arch == "mixtral" else "mlp")
+    assert f"{prefix}.gate" in config["ignore"]  # the routers stay in float
+    names = set(_folder_tensors(out))
+    assert f"{prefix}.gate.weight" in names
+    up = "w3" if arch == "mixtral" else "up_proj"
+    assert f"{prefix}.experts.3.{up}.weight_packed" in names
+    assert not any("gate_up_proj" in n for n in names)
+
+    saved = torq.quantize_checkpoint(
+        str(folder), tmp_path / "t", save_format="torq", data_dir=str(tiny_calibration_data_dir),
+        calib_samples=2, progress=False,
+    )  # fmt: skip
+    assert saved["unrotated"] is None  # torq's format keeps every group rotated
+    mine = torq.quantize(
+        str(folder), calib_samples=2, data_dir=str(tiny_calibration_data_dir), progress=False
+    )
+    experts = [m for m in mine.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m.input_quantizer.transform is None for m in experts)
+    loaded = load_compressed_tensors(out)
+    fused = loaded.model.layers[0].mlp.experts
+    for part in ("gate_up_proj", "down_proj"):
+        got = getattr(fused, part).float()
+        assert torch.equal(got, getattr(experts[0], part).float()), part
+    gap, bf16_gap, error = _logit_gaps(
+        model, _experts_activations_in_float(mine), loaded, tiny_tokenizer
+    )
+    assert gap < 1.25 * bf16_gap + 1e-3 * error, (gap, bf16_gap, error)
+
+
+def test_unservable_experts_are_refused_before_any_layer(
+    tmp_path, tiny_tokenizer, tiny_calibration_data_dir, monkeypatch
+) -> None:
+    """Asked for compressed-tensors, a MoE model is refused in one line before the first
+    layer where the folder cannot hold its experts as torq runs them: a method keeping an
+    online transform on their inputs, NVFP4 experts; asked nothing, NVFP4 goes to torq's
+    format and says why."""
+    import torq
+    import torq.pipeline
+
+    folder = tmp_path / "moe"
+    tiny_model("qwen3_moe").save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    args = {"data_dir": str(tiny_calibration_data_dir), "progress": False, "calib_samples": 2}
 
     def no_layer_work(*_a: object, **_k: object) -> None:
         raise AssertionError("a layer was quantized before the refusal")
 
     with monkeypatch.context() as patch:
         patch.setattr(torq.pipeline, "run_layerwise", no_layer_work)
-        with pytest.raises(TorqError, match=r"experts: fused MoE .* --save-format torq"):
+        with pytest.raises(TorqError, match=r"experts: NVFP4 MoE experts are not exported"):
             torq.quantize_checkpoint(
-                str(folder), tmp_path / "q", save_format="compressed-tensors", **args
-            )
+                str(folder), tmp_path / "q", format="nvfp4", save_format="compressed-tensors",
+                **args,
+            )  # fmt: skip
+        rotated = RunConfig.of(
+            model=str(folder), methods=["had32"], data_dir=str(tiny_calibration_data_dir),
+            skip_ppl=True, save_format="compressed-tensors",
+        ).replace(save_dir=str(tmp_path / "r"))  # fmt: skip
+        with pytest.raises(TorqError, match=r"experts: MoE experts with an online transform"):
+            torq.pipeline.run(rotated, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]  # nothing written
-    argv = ["quantize", str(folder), "--out", str(tmp_path / "q"), "--recipe", "fast"]
-    assert main([*argv, "--data-dir", str(tiny_data_dir), "--no-progress"]) == 0
-    said = capsys.readouterr().out
-    assert "(torq, " in said and "no form here for fused MoE experts" in said
-    assert "have a bias" not in said
-    assert (tmp_path / "q" / "torq_quant.json").is_file()
-    loaded = torq.load(tmp_path / "q")
-    assert loaded.model.layers[0].self_attn.q_proj.input_quantizer.transform is not None
+    done = torq.quantize_checkpoint(str(folder), tmp_path / "n", format="nvfp4", **args)
+    assert done["format"] == "torq" and "NVFP4 MoE experts" in done["why_format"]
 
 
 def test_lm_eval_refuses_the_folder_by_name_and_runs_the_loaded_model(

@@ -175,30 +175,6 @@ def test_quantized_experts_save_and_load_back(method, corpus, tiny_tokenizer, tm
     torch.testing.assert_close(out_packed, ref, rtol=0, atol=1e-5)
 
 
-def _moe(model_type: str):
-    """A tiny MoE model: Qwen3-MoE (conftest's), Mixtral, or Qwen2-MoE with its shared expert."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.conftest import _tiny_text
-
-    if model_type == "qwen3_moe":
-        return tiny_model(model_type)
-    extra = {"num_experts_per_tok": 2}
-    if model_type == "mixtral":
-        extra |= {"num_local_experts": 4, "intermediate_size": 64}
-    else:
-        extra |= {
-            "num_experts": 4,
-            "moe_intermediate_size": 64,
-            "shared_expert_intermediate_size": 96,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **(_tiny_text() | extra))
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_balancing_folds_into_moe_layers(
     model_type, corpus, tiny_tokenizer, monkeypatch
@@ -206,10 +182,11 @@ def test_the_balancing_folds_into_moe_layers(
     """The `default`'s fold on MoE layers: the experts' input balancing goes into
     post_attention_layernorm with the router's columns times it, each expert's down_proj
     balancing into its up rows; only the rotations stay online, and in float the model
-    computes what it did. Qwen2-MoE's shared expert, which reads the same norm, keeps its own
-    balancing online, divided by the experts'."""
+    computes what it did. Qwen2-MoE's shared expert, which reads the same norm, takes the
+    experts' balancing, fitted on its weights and theirs, folded once: its Hadamard alone
+    stays online (what compressed-tensors serves)."""
     monkeypatch.setattr(method_layers, "EXPERT_MIN_TOKENS", 1)
-    model = _moe(model_type)
+    model = tiny_model(model_type)
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -230,8 +207,15 @@ def test_the_balancing_folds_into_moe_layers(
         assert all(q.transform.channel_scale is None for q in ex.down_quantizers)
         if model_type == "qwen2_moe":
             shared = after.mlp.shared_expert.gate_proj.input_quantizer.transform
-            assert shared.channel_scale is not None  # its own balancing over the experts'
+            assert isinstance(shared, BlockRotation) and shared.channel_scale is None
+            assert shared.r_intra is not None  # its own rotation after the joint balancing
             down = after.mlp.shared_expert.down_proj.input_quantizer.transform
             assert down.channel_scale is None  # folded into the shared expert's up rows
     folds = [r["experts"]["fold"] for r in record["layers"] if "experts" in r]
     assert folds and all(f["input"]["router"] == "mlp.gate" for f in folds)
+    if model_type == "qwen2_moe":  # the record says whose balancing the shared expert took
+        took = [
+            [k for k, v in r.items() if isinstance(v, dict) and "balancing_of" in v]
+            for r in record["layers"]
+        ]
+        assert all(t == ["gate_proj+up_proj+shared_expert_gate"] for t in took), took

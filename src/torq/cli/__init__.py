@@ -179,11 +179,19 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         print(f"went on from layer {resumed}, where the same command had stopped")
     if done.get("why_format"):
         print(f"torq's format: {done['why_format']}")
-    if done.get("unrotated"):
+    unrotated = done.get("unrotated") or ()
+    biased = [n for n in unrotated if n != "experts"]
+    if biased:
         print(
-            f"{', '.join(done['unrotated'])} have a bias: their inputs are not rotated, so "
+            f"{', '.join(biased)} have a bias: their inputs are not rotated, so "
             "that vLLM serves the folder (it runs no transform on a linear with a bias); "
             "--rotate-biased rotates them, for a lower perplexity in transformers and torq"
+        )
+    if "experts" in unrotated:
+        print(
+            "the MoE experts' inputs are balanced (folded) but not rotated: transformers and "
+            "vLLM run no online transform inside the experts; transformers also runs their "
+            "activations in bf16"
         )
     if done["format"] == "compressed-tensors":
         print(

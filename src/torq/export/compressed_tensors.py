@@ -12,7 +12,7 @@ Sylvester matrix the loaders build is torq's ``H₃₂`` times ``√32``, and th
 What the format cannot express is refused, naming what can be exported: TORQ's calibrated
 per-position rotations, its channel balancing done online (``--fold-balance`` folds it into
 the norms and the v/up rows, :mod:`torq.rotations.fold`, and leaves ``torq-had32`` with the
-32-block Hadamard alone online), QuaRot's full-width rotations, fused MoE experts, NVFP4
+32-block Hadamard alone online), QuaRot's full-width rotations, NVFP4
 activations with torq's dynamic tensor scale (the format's take a static one calibrated
 beforehand: quantize with ``--act-scale static``), MXINT4. Linears with no online transform
 beside ones with the Hadamard (a group left unrotated: the recipes leave a linear with a bias,
@@ -28,6 +28,13 @@ loaders dividing by it) are written from the tensor scale each linear kept
 activations (W4A4, compressed-tensors' ``NVFP4`` scheme) are written when every activation
 quantizer holds a static tensor scale ``g_a`` (``act_scale="static"``): ``input_global_scale``
 is ``1 / g_a``; the E4M3 block scales of the activations stay dynamic, as in torq.
+
+Fused MoE experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) are written one
+linear per projection and expert (:func:`expert_linears`), the layout transformers saves
+and vLLM reads, their routers named in ``ignore``; transformers 5 merges them back as it
+loads them, de-quantizing their weights, and runs their activations in float. Neither
+engine runs an online transform inside the experts, so experts with one are refused, as are
+NVFP4 experts, which transformers 5 de-quantizes without their tensor scale.
 
 Tensors outside the quantized linears are written in bf16 (transformers loads this format in
 bf16; float32 fails in its decompression): a float32 embedding or norm not exact in bf16 is
@@ -49,14 +56,15 @@ import json
 import logging
 import re
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from torq.errors import TorqError
-from torq.export.checkpoint import INDEX, _atomic_folder
+from torq.export.checkpoint import INDEX, _atomic_folder, save_quantized
 from torq.export.modeling_torq import NESTED_KEY, TorqForCausalLM, refusing_config
 from torq.export.reading import (
     _built_transforms,
@@ -82,11 +90,51 @@ CT_HOLDS = (
 )
 log = logging.getLogger(__name__)
 
-# fused experts (one 3-D weight per projection) have no compressed-tensors scheme here
+# fused experts (one 3-D weight per projection) are written one linear per expert, the
+# layout transformers saves and vLLM reads; the engines run no online transform inside them
 MOE_NOT_EXPORTED = (
-    "fused MoE experts are not exported to compressed-tensors yet: write the model with "
-    "--save-format torq (format='torq')"
+    "fused MoE experts of this architecture have no compressed-tensors layout here: write "
+    "the model with --save-format torq (format='torq')"
 )
+EXPERTS_ROTATED = (
+    "MoE experts with an online transform are not exported: transformers and vLLM run none "
+    "inside the experts; quantize with the default or fast recipe, which leave the experts "
+    "unrotated in a compressed-tensors folder, or write the model with --save-format torq"
+)
+EXPERTS_NVFP4 = (
+    "NVFP4 MoE experts are not exported: transformers 5 decompresses experts without their "
+    "NVFP4 tensor scale; write the model with --save-format torq, or use MXFP4"
+)
+# what transformers does with a compressed-tensors folder's experts, said once it is written
+EXPERTS_SERVED = (
+    "%d MoE experts modules written one linear per expert: transformers de-quantizes their "
+    "4-bit weights when it loads them and runs their activations in bf16 (it quantizes the "
+    "activations of its linears only); vLLM reads them as the folder's scheme"
+)
+# each architecture's expert linears as transformers saves a fused-experts module and vLLM
+# reads it: its gate, up and down projections (gate_up_proj holds gate's rows, then up's)
+EXPERT_LAYOUT: dict[str, tuple[str, str, str]] = {
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w3", "w2"),
+}
+# the checkpoint's names where transformers renames them as it loads (Mixtral's MoE block is
+# ``block_sparse_moe`` on disk, ``mlp`` in transformers 5), as vLLM reads them
+CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((".mlp.", ".block_sparse_moe."),),
+}
+
+
+def checkpoint_key(key: str, model_type: str) -> str:
+    """A tensor's name in the checkpoint, from its name in transformers' model."""
+    for inside, on_disk in CHECKPOINT_NAMES.get(model_type, ()):
+        key = key.replace(inside, on_disk)
+    return key
+
+
+# the routers: not quantized (compressed-tensors' class targets miss them in transformers,
+# whose routers are not ``Linear``; vLLM reads them as linears, so they are named)
+_ROUTERS = "re:.*(mlp|block_sparse_moe)\\.gate$"
 _HADAMARD_GROUP = "torq_had32"
 _NOT_EXPORTED_FORMAT = (
     "only MXFP4 (blocks of 32) and NVFP4 (blocks of 16) weights are exported, with MXFP8 "
@@ -184,12 +232,19 @@ def fused_experts_in(model: nn.Module) -> str | None:
     return next((n for n, m in model.named_modules() if is_fused_experts(m)), None)
 
 
-def refuse_fused_experts(model: nn.Module) -> None:
-    """Refuse, in one line, a model with fused MoE experts (a skeleton will do: before any
-    layer is quantized, where the export would find them only once they were)."""
+def experts_unserved(model: nn.Module, weight_format: str | None) -> str | None:
+    """Why a compressed-tensors folder cannot hold ``model``'s fused MoE experts in
+    ``weight_format`` (a skeleton will do: before any layer is quantized), in one line
+    naming them; ``None`` when it can or there are none. Their online transforms are
+    checked by the methods (``experts_online``) and again as the folder is written."""
     name = fused_experts_in(model)
-    if name is not None:
-        raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
+    if name is None:
+        return None
+    if getattr(model.config, "model_type", None) not in EXPERT_LAYOUT:
+        return f"{name}: {MOE_NOT_EXPORTED}"
+    if weight_format == "nvfp4":
+        return f"{name}: {EXPERTS_NVFP4}"
+    return None
 
 
 def _split_formats(formats: dict[str, str]) -> tuple[str, list[str]]:
@@ -216,8 +271,6 @@ def _plan(
     formats: dict[str, str] = {}
     biased: list[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, QuantExperts):
-            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
         if not isinstance(module, QuantLinear):
             continue
         w, a = module.config.weight, module.config.activation
@@ -258,6 +311,8 @@ def export_compressed_tensors(
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM
 
+    if any(isinstance(m, QuantExperts) for m in model.modules()):
+        return _export_through_checkpoint(model, Path(out_dir), tokenizer, overwrite)
     linears, kind, activations, fmt, biased, plain_linears, high = _plan(model)
     if fmt == NVFP4_FORMAT:
         _check_fused_scales({n: m.weight_tensor_scale for n, m in linears.items() if n not in high})
@@ -346,6 +401,26 @@ def export_compressed_tensors(
             tokenizer.save_pretrained(tmp)
     _say_biased(biased)
     return out
+
+
+def _export_through_checkpoint(
+    model: nn.Module, out: Path, tokenizer: Any | None, overwrite: bool
+) -> Path:
+    """A model with fused MoE experts, written as torq's checkpoint in a scratch folder
+    beside ``out`` and exported from it (:func:`export_saved_compressed_tensors`, which cuts
+    the experts into one linear per expert as the engines read them)."""
+    for name, m in model.named_modules():  # refused before anything is written
+        if isinstance(m, QuantExperts):
+            reads = [m.input_quantizer, *m.down_quantizers]
+            if any(q.transform is not None for q in reads):
+                raise TorqError(f"{name}: {EXPERTS_ROTATED}")
+            if m.config.weight is not None and m.config.weight.name == "nvfp4":
+                raise TorqError(f"{name}: {EXPERTS_NVFP4}")
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+        saved = save_quantized(model, Path(scratch) / "model", tokenizer)
+        return export_saved_compressed_tensors(saved, out, overwrite=overwrite)
 
 
 def _apply_schemes(
@@ -474,9 +549,21 @@ def export_saved_compressed_tensors(
     ignore = [
         n for n, m in skeleton.named_modules() if isinstance(m, nn.Linear) and n not in modules
     ]
-    # the compressed folder's names: a quantized linear's weight is its packed codes and scales
+    experts = {n: e for n, e in modules.items() if e["kind"] == "experts"}
+    if experts:
+        ignore.append(_ROUTERS)
+    # the compressed folder's names: a quantized linear's weight is its packed codes and
+    # scales; fused experts are written one linear per projection and expert
     expected = set(skeleton.state_dict()) - {f"{n}.weight" for n in modules}
-    expected |= {f"{n}.{part}" for n in modules for part in parts[n]}
+    expected -= {f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")}
+    expected |= {f"{n}.{part}" for n in modules if n not in experts for part in parts[n]}
+    expected |= {
+        f"{linear}.{part}"
+        for n, e in experts.items()
+        for linear, *_ in expert_linears(n, config.model_type, e["gate_up_proj"]["shape"])
+        for part in ("weight_packed", "weight_scale")
+    }
+    expected = {checkpoint_key(k, config.model_type) for k in expected}
     _apply_schemes(skeleton, kind, activations, ignore, fmt, plain, high)
     compressor = ModelCompressor.from_pretrained_model(
         skeleton, quantization_format=None if high else fmt
@@ -485,7 +572,13 @@ def export_saved_compressed_tensors(
     # the tensors below are written compressed (what compress_model would leave)
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
     sources = _written_sources(
-        manifest, tensors, fmt, activations, config.tie_word_embeddings, set(high)
+        manifest,
+        tensors,
+        fmt,
+        activations,
+        config.tie_word_embeddings,
+        set(high),
+        config.model_type,
     )
     missing = {k for k in expected if k not in sources}
     missing -= {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
@@ -508,9 +601,12 @@ def export_saved_compressed_tensors(
         config.dtype = torch.bfloat16  # what the folder holds
         config.save_pretrained(str(tmp))
         compressor.update_config(str(tmp))
+        _ignored_on_disk(tmp, config.model_type)
         names_first(tmp)
         guard_for_transformers(tmp)
     _say_biased(biased)
+    if experts:
+        log.warning(EXPERTS_SERVED, len(experts))
     return out
 
 
@@ -520,17 +616,22 @@ def _saved_linears(
     """What a saved checkpoint's quantized linears hold, checked to be one scheme that
     compressed-tensors holds (with MXFP8 beside it): the transform's kind
     (:func:`_one_kind`), whether activations are quantized, the format, the linears with a
-    bias under a transform, and those in MXFP8."""
+    bias under a transform, and those in MXFP8. Fused experts must hold the same scheme with
+    no online transform (:func:`_check_experts`)."""
     kinds: dict[str, str | None] = {}
     acts: set[bool] = set()
     formats: dict[str, str] = {}
     biased: list[str] = []
     for name, entry in manifest["modules"].items():
-        if entry["kind"] != "linear":
-            raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
-        w, a = entry["weight"], entry["activation"]
         quantizer = manifest["quantizers"][entry["quantizer"]]
-        formats[name] = _scheme(w, a, name, quantizer.get("tensor_scale") is not None)
+        static = quantizer.get("tensor_scale") is not None
+        if entry["kind"] == "experts":
+            _check_experts(name, entry, manifest)
+            formats[name] = _scheme(entry["gate_up_proj"]["weight"], entry["activation"], name)
+            acts.add(entry["activation"] is not None)
+            continue
+        w, a = entry["weight"], entry["activation"]
+        formats[name] = _scheme(w, a, name, static)
         if entry["storage"] != "packed":
             raise TorqError(
                 f"{name}: its weight is not stored packed (an NVFP4 weight saved before torq "
@@ -542,12 +643,59 @@ def _saved_linears(
         if kind is not None and entry["bias"]:
             biased.append(name)
         acts.add(a is not None)
-    if not kinds:
+    if not formats:
         raise TorqError(f"{folder} has no quantized linears")
     if len(acts) > 1:
         raise TorqError("the quantized linears differ in transform or format")
     fmt, high = _split_formats(formats)
     return _one_kind(kinds), acts.pop(), fmt, biased, high
+
+
+def _check_experts(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Refuse, in one line, saved fused experts that compressed-tensors cannot serve as torq
+    runs them: an online transform on their inputs (the engines run none inside the
+    experts), NVFP4 (transformers reads NVFP4 experts without their tensor scale), a weight
+    not stored packed."""
+    quantizers = manifest["quantizers"]
+    reads = [entry["quantizer"], *entry["down_quantizers"]]
+    if any(quantizers[q]["transform"] is not None for q in reads):
+        raise TorqError(f"{name}: {EXPERTS_ROTATED}")
+    if (entry["gate_up_proj"]["weight"] or {}).get("name") == "nvfp4":
+        raise TorqError(f"{name}: {EXPERTS_NVFP4}")
+    if any(entry[p]["storage"] != "packed" for p in ("gate_up_proj", "down_proj")):
+        raise TorqError(f"{name}: its weights are not stored packed; nothing written")
+
+
+def expert_linears(
+    name: str, model_type: str, shape: list[int]
+) -> list[tuple[str, str, int, int, int]]:
+    """Fused experts ``name`` (``gate_up_proj`` of ``shape`` ``[E, 2I, H]``) as linears,
+    one per projection and expert, in :data:`EXPERT_LAYOUT` (named as in transformers'
+    model: :func:`checkpoint_key` gives their names on disk): each ``(its name, the fused
+    tensor it is cut from, expert, first row, end row)``."""
+    layout = EXPERT_LAYOUT.get(model_type)
+    if layout is None or not name.endswith(".mlp.experts"):
+        raise TorqError(f"{name}: {MOE_NOT_EXPORTED}")
+    gate, up, down = layout
+    experts, rows = shape[0], shape[1] // 2
+    out: list[tuple[str, str, int, int, int]] = []
+    for e in range(experts):
+        out += [
+            (f"{name}.{e}.{gate}", "gate_up_proj", e, 0, rows),
+            (f"{name}.{e}.{up}", "gate_up_proj", e, rows, 2 * rows),
+            (f"{name}.{e}.{down}", "down_proj", e, 0, -1),
+        ]
+    return out
+
+
+class _Source(NamedTuple):
+    """What one tensor of the compressed folder is made from: the stored tensor, how it is
+    converted, and for a fused expert's linear the rows it is cut from
+    (``(expert, first, end)``, end ``-1``: all)."""
+
+    stored: str
+    how: str
+    rows: tuple[int, int, int] | None = None
 
 
 def _written_sources(
@@ -557,49 +705,68 @@ def _written_sources(
     activations: bool,
     tied: bool,
     high: set[str] | None = None,
-) -> dict[str, tuple[str, str]]:
-    """What each tensor of the compressed folder is made from: its name → (the stored
-    tensor's name, how it is converted); ``high``: the linears in MXFP8."""
+    model_type: str = "",
+) -> dict[str, _Source]:
+    """What each tensor of the compressed folder is made from (:class:`_Source`), by its
+    name; ``high``: the linears in MXFP8; fused experts are cut into one linear per
+    projection and expert (:func:`expert_linears`, the layout of ``model_type``)."""
     modules: dict[str, dict[str, Any]] = manifest["modules"]
-    sources: dict[str, tuple[str, str]] = {}
-    for name in modules:
-        if name in (high or ()):
-            sources[f"{name}.weight"] = (f"{name}.weight_codes", "float8")
-            sources[f"{name}.weight_scale"] = (f"{name}.weight_scales", "scales")
-            if modules[name]["bias"]:
-                sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
+    sources: dict[str, _Source] = {}
+    for name, entry in modules.items():
+        if entry["kind"] == "experts":
+            for linear, fused, e, start, end in expert_linears(
+                name, model_type, entry["gate_up_proj"]["shape"]
+            ):
+                stored = f"{name}.{fused}"
+                sources[f"{linear}.weight_packed"] = _Source(
+                    f"{stored}_codes", "codes", (e, start, end)
+                )
+                sources[f"{linear}.weight_scale"] = _Source(
+                    f"{stored}_scales", "scales", (e, start, end)
+                )
             continue
-        sources[f"{name}.weight_packed"] = (f"{name}.weight_codes", "codes")
-        sources[f"{name}.weight_scale"] = (
-            f"{name}.weight_scales",
-            "e4m3" if fmt == NVFP4_FORMAT else "scales",
+        if name in (high or ()):
+            sources[f"{name}.weight"] = _Source(f"{name}.weight_codes", "float8")
+            sources[f"{name}.weight_scale"] = _Source(f"{name}.weight_scales", "scales")
+            if entry["bias"]:
+                sources[f"{name}.bias"] = _Source(f"{name}.bias", "bf16")
+            continue
+        sources[f"{name}.weight_packed"] = _Source(f"{name}.weight_codes", "codes")
+        sources[f"{name}.weight_scale"] = _Source(
+            f"{name}.weight_scales", "e4m3" if fmt == NVFP4_FORMAT else "scales"
         )
         if fmt == NVFP4_FORMAT:
-            sources[f"{name}.weight_global_scale"] = (f"{name}.weight_tensor_scale", "global")
+            sources[f"{name}.weight_global_scale"] = _Source(
+                f"{name}.weight_tensor_scale", "global"
+            )
             if activations:  # kept in the manifest: the quantizer's static scale
-                sources[f"{name}.input_global_scale"] = (name, "input_global")
-        if modules[name]["bias"]:
-            sources[f"{name}.bias"] = (f"{name}.bias", "bf16")
-    quantized_keys = {src for src, how in sources.values() if how != "input_global"}
+                sources[f"{name}.input_global_scale"] = _Source(name, "input_global")
+        if entry["bias"]:
+            sources[f"{name}.bias"] = _Source(f"{name}.bias", "bf16")
+    quantized_keys = {s.stored for s in sources.values() if s.how != "input_global"}
     for key in tensors:
         if key.startswith("torq.transforms.") or key in quantized_keys:
             continue
-        sources[key] = (key, "bf16")
+        sources[key] = _Source(key, "bf16")
     for alias, stored in (manifest.get("aliases") or {}).items():
         if not (tied and alias.endswith("lm_head.weight")):
-            sources[alias] = (stored, "bf16")
-    return sources
+            sources[alias] = _Source(stored, "bf16")
+    return {checkpoint_key(k, model_type): v for k, v in sources.items()}
 
 
 def _written_value(
-    stored: str, how: str, tensors: _StoredTensors, manifest: dict[str, Any]
+    source: _Source, tensors: _StoredTensors, manifest: dict[str, Any]
 ) -> torch.Tensor:
     """A tensor of the compressed folder from the stored one (:func:`_written_sources`)."""
+    stored, how, rows = source
     if how == "input_global":
         quantizer = manifest["quantizers"][manifest["modules"][stored]["quantizer"]]
         g_a = torch.tensor(quantizer["tensor_scale"], dtype=torch.float32)
         return (1.0 / g_a).reshape(1)
     value = tensors[stored]
+    if rows is not None:  # one expert's linear, cut from the fused stack
+        e, start, end = rows
+        value = value[e, start:] if end < 0 else value[e, start:end]
     if how == "codes":
         return _ct_codes(value)
     if how == "float8":  # MXFP8's elements: torq stores their E4M3 bits as bytes
@@ -615,7 +782,7 @@ def _written_value(
 
 def _write_shards(
     tmp: Path,
-    sources: dict[str, tuple[str, str]],
+    sources: dict[str, _Source],
     tensors: _StoredTensors,
     manifest: dict[str, Any],
 ) -> None:
@@ -632,7 +799,7 @@ def _write_shards(
     for part, keys in parts.items():
         shard: dict[str, torch.Tensor] = {}
         for key in keys:
-            value = _written_value(*sources[key], tensors, manifest).contiguous()
+            value = _written_value(sources[key], tensors, manifest).contiguous()
             shard[key] = value
             total += value.numel() * value.element_size()
         file = f"model-{part}.safetensors"
@@ -685,6 +852,18 @@ def _has_online_transforms(qconfig: dict[str, Any]) -> bool:
         for g in groups.values()
         for a in g.get("apply", [])
     )
+
+
+def _ignored_on_disk(folder: Path, model_type: str) -> None:
+    """The linears ``folder``'s ``config.json`` leaves unquantized, named as on disk
+    (:func:`checkpoint_key`: what vLLM matches them against)."""
+    if model_type not in CHECKPOINT_NAMES:
+        return
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    qconfig = config["quantization_config"]
+    qconfig["ignore"] = [checkpoint_key(n, model_type) for n in qconfig.get("ignore") or []]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def names_first(folder: Path) -> None:

@@ -30,7 +30,7 @@ from torq.calibration.capture import BlockStatistics, LinearGroup
 from torq.errors import TorqError
 from torq.knobs import knob
 from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
-from torq.methods.settings import linear_names, names_a_member
+from torq.methods.settings import EXPERTS_MEMBER, linear_names, names_a_member
 from torq.rotations.hadamard import hadamard_factors, hadamard_matrix, has_hadamard
 from torq.rotations.transform import BlockRotation
 from torq.surgery.fusion import RESIDUAL_READERS, ResidualRotation, block_hadamard_residual
@@ -151,6 +151,9 @@ class BlockHadamard(TransformBuilder):
         if (settings or {}).get("residual"):
             key["residual"] = True
         return key
+
+    def experts_online(self, qconfig: QuantConfig, ctx: MethodContext) -> bool:
+        return not names_a_member(self._unrotated(ctx), [EXPERTS_MEMBER])
 
     def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
         if self.group_size == 32:

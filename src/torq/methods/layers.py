@@ -258,6 +258,27 @@ def _keep_in_float(linear: nn.Linear, transform: BlockRotation | None, online: A
         linear.weight.data = (w.to(torch.float64) * scale.to(w.device, torch.float64)).to(w.dtype)
 
 
+def _group_weight(layer: nn.Module, groups: list[LinearGroup]) -> torch.Tensor:
+    """The weights of ``groups``' members stacked by rows, on the CPU (where the
+    transforms are solved, beside the statistics)."""
+    return torch.cat(
+        [layer.get_submodule(m).weight.detach().cpu() for g in groups for m in g.members]
+    )
+
+
+def _with_scale_of(t: nn.Module | None, experts: nn.Module | None) -> nn.Module | None:
+    """A group's transform ``t`` with the channel balancing of the experts' input transform
+    (the same input, one ``⊘ s`` folded for all its readers): ``t``'s rotations after it."""
+    s = experts.channel_scale if isinstance(experts, BlockRotation) else None
+    if s is None:
+        return t
+    if t is None:
+        return BlockRotation(experts.block_size, channel_scale=s)  # type: ignore[union-attr]
+    if not isinstance(t, BlockRotation):
+        raise TypeError(f"a {type(t).__name__} cannot take the experts' balancing")
+    return t.with_channel_scale(s)
+
+
 class GroupSolver:
     """The per-layer step of a calibrating method: for each input group of a layer, a
     transform (:meth:`transform`), fused and quantized by :func:`quantize_group`; whatever
@@ -289,17 +310,24 @@ class GroupSolver:
         # only its own statistics and weights, so the order changes no number), then the
         # fold, which may change the float weights of modules in other groups, then the
         # quantization of each group.
+        joint = self.experts_readers(groups, experts)
         for g in groups:
             t0 = time.perf_counter()
             # the transforms are solved on the CPU, where the statistics are kept
-            weight = torch.cat([layer.get_submodule(m).weight.detach().cpu() for m in g.members])
+            weight = _group_weight(layer, [g])
             transforms[g.name], record[g.name] = self.transform(g, stats[g.name], weight)
             del weight  # (a copy of the group's weights: 0.47 GB for an 8B model's gate/up)
             seconds[g.name] = time.perf_counter() - t0
         fused: dict[str, ExpertTransforms] = {}
         for g in experts:
             t0 = time.perf_counter()
-            fused[g.name], record[g.name] = self.expert_transforms(layer, g, stats[g.name])
+            shared = joint.get(g.name, [])
+            fused[g.name], record[g.name] = self.expert_transforms(
+                layer, g, stats[g.name], _group_weight(layer, shared) if shared else None
+            )
+            for r in shared:  # their own rotation after the experts' balancing
+                transforms[r.name] = _with_scale_of(transforms[r.name], fused[g.name].input)
+                record[r.name]["balancing_of"] = g.name
             seconds[g.name] = time.perf_counter() - t0
         folded = self.fold(layer, [*groups, *experts], {**transforms, **fused})
         for g in groups:
@@ -340,25 +368,41 @@ class GroupSolver:
         inputs pooled, rather than one per expert (the run's TORQ settings say)."""
         return False
 
+    def experts_readers(
+        self, groups: list[LinearGroup], experts: list[ExpertsGroup]
+    ) -> dict[str, list[LinearGroup]]:
+        """The groups that take the experts' input transform (the method's
+        :meth:`~torq.methods.registry.TransformBuilder.experts_readers`); none by default."""
+        return {}
+
     def calibrates(self) -> bool:
         """Whether :meth:`transform` reads the statistics (else it is one per width)."""
         return True
 
     def expert_transforms(
-        self, layer: nn.Module, group: ExpertsGroup, stats: ExpertsStatistics
+        self,
+        layer: nn.Module,
+        group: ExpertsGroup,
+        stats: ExpertsStatistics,
+        readers: torch.Tensor | None = None,
     ) -> tuple[ExpertTransforms, dict[str, Any]]:
         """A fused-experts module's transforms: :meth:`transform` on the expert input (all
-        tokens), and on each expert's ``down_proj`` input (its routed tokens, or pooled)."""
+        tokens; fitted on the experts' weights and ``readers``', the stacked weights of the
+        groups that share it), and on each expert's ``down_proj`` input (its routed tokens,
+        or pooled)."""
         path = group.members[0]
         module = layer.get_submodule(path)
         gu = module.gate_up_proj.detach().cpu()
         dn = module.down_proj.detach().cpu()
         h, i = group.width, group.intermediate
         record: dict[str, Any] = {}
+        weight = gu.reshape(-1, h)
+        if readers is not None:
+            weight = torch.cat([weight, readers.to(weight.dtype)])
         t_in, record["gate_up_proj"] = self.transform(
             LinearGroup(f"{group.name}.gate_up_proj", [f"{path}.gate_up_proj"], h),
             stats.input,
-            gu.reshape(-1, h),
+            weight,
         )
         down_group = LinearGroup(f"{group.name}.down_proj", [f"{path}.down_proj"], i)
         # one transform per expert only where the method fits it to data (a fixed one is the
@@ -427,6 +471,11 @@ class _BuilderSolver(GroupSolver):
 
     def expert_down_shared(self) -> bool:
         return self.method.transform.expert_down_shared(self.ctx)
+
+    def experts_readers(
+        self, groups: list[LinearGroup], experts: list[ExpertsGroup]
+    ) -> dict[str, list[LinearGroup]]:
+        return self.method.transform.experts_readers(groups, experts, self.ctx)
 
     def calibrates(self) -> bool:
         return self.method.transform.calibrates

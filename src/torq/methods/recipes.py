@@ -39,10 +39,10 @@ class Recipe:
     fold_balance: bool = False
     # TORQ exactly as the paper states it (:meth:`TorqSettings.paper`)
     paper: bool = False
-    # a group whose linears have a bias (Qwen2's q/k/v) gets no rotation (TORQ's
-    # transforms: their balancing alone; the block Hadamard: nothing), the ``unrotated``
-    # setting of the method's own settings: vLLM runs no transform on such a linear
-    unrotate_biased: bool = False
+    # a group the engines run no transform on gets no rotation (TORQ's transforms: their
+    # balancing alone; the block Hadamard: nothing), the ``unrotated`` setting of the
+    # method's own settings: a linear with a bias (Qwen2's q/k/v; vLLM), MoE experts (both)
+    unrotate_served: bool = False
     # the method in a format where the measurements chose another: ``(format, method)``
     # pairs (docs/recipes.md, "Recipes per format")
     by_format: tuple[tuple[str, str], ...] = ()
@@ -53,12 +53,12 @@ class Recipe:
         method = dict(self.by_format).get(fmt)
         return self if method is None else replace(self, method=method, by_format=())
 
-    def spec(self, *given: Any, biased: tuple[str, ...] = ()) -> MethodSpec:
+    def spec(self, *given: Any, unrotated: tuple[str, ...] = ()) -> MethodSpec:
         """This recipe's method with its settings: the recipe's own (the folded balancing,
         or the paper's TORQ) over ``given`` settings values (GPTQ's, the solver's knobs),
         which the method takes as :func:`~torq.methods.registry.method_spec` does.
-        ``biased``: the model's linears with a bias
-        (:func:`torq.models.architecture.biased_linears`), left unrotated where the recipe
+        ``unrotated``: the model's groups the engines run no transform on
+        (:func:`torq.models.architecture.served_unrotated`), left unrotated where the recipe
         says so."""
         base = next((g for g in given if isinstance(g, TorqSettings)), None) or TorqSettings()
         settings = (
@@ -69,8 +69,8 @@ class Recipe:
         own = spec.settings
         # the method's settings have an ``unrotated`` field, and the caller set none
         settable = own is not None and hasattr(own, "unrotated") and own.unrotated is None
-        if self.unrotate_biased and biased and settable:
-            spec = replace(spec, settings=replace(own, unrotated=tuple(biased)))
+        if self.unrotate_served and unrotated and settable:
+            spec = replace(spec, settings=replace(own, unrotated=tuple(unrotated)))
         return spec
 
     def capture(self, calibration: CalibrationConfig | None = None) -> CaptureSettings:
@@ -124,7 +124,7 @@ RECIPES: dict[str, Recipe] = {
             # (docs/recipes.md, "Recipes per format")
             scale_by_format=(("nvfp4", "4over6-weights"),),
             fold_balance=True,
-            unrotate_biased=True,
+            unrotate_served=True,
         ),
         Recipe(
             "best-ppl",
@@ -143,7 +143,7 @@ RECIPES: dict[str, Recipe] = {
             "where it hurts), seconds",
             calibrates=False,
             scale_mode="nearest",
-            unrotate_biased=True,
+            unrotate_served=True,
             # in NVFP4 a fixed Hadamard, of 32 or of its own 16, is worse than none: SmolLM2's
             # 16-window set 40.90 and 40.22 against RTN's 32.93, Qwen's first 8 windows 32.56
             # and 33.58 against 31.71 (docs/recipes.md)

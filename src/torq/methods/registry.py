@@ -204,6 +204,21 @@ class TransformBuilder:
         alone online). The export checks each saved layer again as it writes it."""
         return None
 
+    def experts_readers(
+        self, groups: list[LinearGroup], experts: list[Any], ctx: MethodContext
+    ) -> dict[str, list[LinearGroup]]:
+        """Fused MoE experts' input groups (``experts``, by name) and the linear groups
+        (``groups``) that read the same input and take the experts' transform, fitted on
+        their weights and the experts' stacked (one balancing folded once for all readers,
+        Qwen2-MoE's shared expert); none by default."""
+        return {}
+
+    def experts_online(self, qconfig: QuantConfig, ctx: MethodContext) -> bool:
+        """Whether fused MoE experts keep an online transform on their inputs with these
+        settings (the engines run none inside the experts). A builder with a transform says
+        yes unless it answers otherwise; the base builder has none."""
+        return type(self) is not TransformBuilder
+
     def residual(self, ctx: MethodContext) -> Any:
         """An offline rotation of the whole model fused part by part (embedding, each layer
         before its capture, head), as :class:`torq.surgery.fusion.ResidualRotation` does for

@@ -47,9 +47,15 @@ def parse_linear_names(value: str) -> tuple[str, ...]:
 
 
 def names_a_member(names: tuple[str, ...] | None, members: list[str]) -> bool:
-    """Whether ``names`` (linear names within a decoder layer) names one of ``members``
-    (dotted paths, ``self_attn.q_proj``)."""
-    return names is not None and any(m.rsplit(".", 1)[-1] in names for m in members)
+    """Whether ``names`` (names within a decoder layer: a linear's, ``q_proj``, or a module's
+    holding linears, ``experts``) names one of ``members`` (dotted paths,
+    ``self_attn.q_proj``), by any part of its path."""
+    return names is not None and any(set(m.split(".")) & set(names) for m in members)
+
+
+# the path of fused MoE experts' input group within a decoder layer, as the solver names it;
+# ``experts`` in a setting that names linears (``unrotated``) names their groups
+EXPERTS_MEMBER = "mlp.experts.gate_up_proj"
 
 
 SOLVER_DEVICES: tuple[str, ...] = ("cpu", "calibration")

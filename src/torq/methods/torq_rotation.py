@@ -44,7 +44,7 @@ from torq.calibration.capture import BlockStatistics, ExpertsGroup, LinearGroup
 from torq.errors import TorqError
 from torq.formats import FormatSpec, fake_quantize
 from torq.methods.registry import Method, MethodContext, RunKey, TransformBuilder, register
-from torq.methods.settings import BALANCE_POWERS, TorqSettings, torq_key
+from torq.methods.settings import BALANCE_POWERS, EXPERTS_MEMBER, TorqSettings, torq_key
 from torq.rotations.balance import (
     balance_covariance,
     balance_scales,
@@ -418,6 +418,30 @@ class TorqTransform(TransformBuilder):
         if settings.fold and ctx.model_config is not None:
             check_foldable(ctx.model_config)
 
+    def experts_readers(
+        self, groups: list[LinearGroup], experts: list[Any], ctx: MethodContext
+    ) -> dict[str, list[LinearGroup]]:
+        # with the balancing folded, a group reading the norm the experts' balancing goes
+        # into shares it: one ``⊘ s`` in the norm, nothing of it left online
+        if not (ctx.settings or TorqSettings()).fold or not experts:
+            return {}
+        cfg = ctx.model_config
+        out: dict[str, list[LinearGroup]] = {}
+        for x in experts:
+            where = producer_of(x, cfg)
+            out[x.name] = [
+                g
+                for g in groups
+                if producer_of(g, cfg).kind == "norm" and producer_of(g, cfg).module == where.module
+            ]
+        return out
+
+    def experts_online(self, qconfig: QuantConfig, ctx: MethodContext) -> bool:
+        # an unrotated group keeps its balancing alone, online unless it is folded
+        settings = self.settings(qconfig, ctx)
+        experts = LinearGroup("experts", [EXPERTS_MEMBER], 0)
+        return settings.rotates(experts) or (settings.balance is not None and not settings.fold)
+
     def compressed_tensors(self, qconfig: QuantConfig, ctx: MethodContext) -> str | None:
         settings = self.settings(qconfig, ctx)
         if not self.fixed_hadamard or settings.permute:
@@ -477,6 +501,14 @@ class TorqTransform(TransformBuilder):
             if s is None:
                 continue
             for r in readers:  # Qwen2-MoE's shared expert and its gate
+                t = transforms[r.name]
+                if (
+                    isinstance(t, BlockRotation)
+                    and t.channel_scale is not None
+                    and torch.equal(t.channel_scale, s.to(t.channel_scale.dtype))
+                ):  # the experts' balancing (experts_readers): folded with theirs
+                    out[r.name] = (t.without_channel_scale(), {"balancing_of": g.name})
+                    continue
                 block = own.input.block_size  # type: ignore[union-attr]
                 online = reading_scaled(transforms[r.name], s, block)
                 out[r.name] = (online, {"into": "online", "divided_by": g.name})

@@ -67,6 +67,17 @@ def biased_linears(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def served_unrotated(model: nn.Module, rotate_biased: bool = False) -> tuple[str, ...]:
+    """The names, within a decoder layer, whose input groups a servable recipe leaves
+    unrotated (an ``unrotated`` setting): the linears with a bias, where vLLM runs no
+    online transform (:func:`biased_linears`; none with ``rotate_biased``), and fused MoE
+    experts (``experts``), inside which neither transformers nor vLLM runs one. A skeleton on
+    the meta device answers too."""
+    biased = () if rotate_biased else biased_linears(model)
+    experts = ("experts",) if any(is_fused_experts(m) for m in model.modules()) else ()
+    return (*biased, *experts)
+
+
 def layer_linear_names(model: nn.Module) -> list[str]:
     """Every linear of the decoder layers as ``layers.<i>.<its name in the layer>``, the
     names ``--ignore`` patterns match (a skeleton on the meta device answers too)."""
