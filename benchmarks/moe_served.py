@@ -29,6 +29,8 @@ from torq.experimental import (
     machine_info,
     now_iso,
     perplexity,
+    qlinear,
+    served_unrotated,
     windows_from_text,
 )
 
@@ -36,19 +38,16 @@ from torq.experimental import (
 def experts_in_float(model: nn.Module) -> nn.Module:
     """A copy of torq's quantized ``model`` whose MoE experts read their inputs in float
     (their weights as quantized): what transformers computes of the served folder."""
-    from torq.surgery.qlinear import ActivationQuantizer, QuantExperts
-
     out = copy.deepcopy(model)
     for module in out.modules():
-        if isinstance(module, QuantExperts):
-            module.input_quantizer = ActivationQuantizer(None)
-            module.down_quantizers = nn.ModuleList([ActivationQuantizer(None)])
+        if isinstance(module, qlinear.QuantExperts):
+            module.input_quantizer = qlinear.ActivationQuantizer(None)
+            module.down_quantizers = nn.ModuleList([qlinear.ActivationQuantizer(None)])
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     import torq
-    from torq.models.architecture import served_unrotated
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a MoE model torq loads (name or folder)")

@@ -128,6 +128,7 @@ _NAMES: dict[str, tuple[str, str]] = {
     "RunKey": ("torq.methods.registry", "RunKey"),
     "sample_windows": ("torq.eval.perplexity", "sample_windows"),
     "score": ("torq.eval.humaneval", "score"),
+    "served_unrotated": ("torq.models.architecture", "served_unrotated"),
     "sessions_seconds": ("torq.eval.zeroshot", "sessions_seconds"),
     "setting_key": ("torq.runs.store", "setting_key"),
     "SharedContextHFLM": ("torq.eval.shared_context", "SharedContextHFLM"),

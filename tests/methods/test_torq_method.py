@@ -527,3 +527,68 @@ def test_the_block_mass_permutation_is_kept_where_it_lowers_the_held_back_error(
     assert (len(kept) > 0) == (chosen > 0)
     with pytest.raises(ValueError, match="needs the balancing and no inter-block"):
         _settings(corpus, permute=True)  # with the inter-block level on
+
+
+def test_rotation_check_keeps_a_groups_rotation_only_where_it_pays(
+    corpus, tiny_tokenizer, tmp_path
+) -> None:
+    """``--rotation-check``: each group's balanced Hadamard is weighed against its balancing
+    alone on the sampled tokens held back; the group keeps the one with the lower W4A4
+    output error, which the record names with both. On a group whose values lie on the grid
+    the balancing alone wins, on one with a large value in another channel in each token the
+    rotation. Folded, a group left balanced only runs nothing online; the model computes the
+    float model in float, and exports to compressed-tensors."""
+    from torq.calibration.capture import BlockStatistics
+    from torq.export.compressed_tensors import export_compressed_tensors
+    from torq.formats import get_format
+    from torq.methods.torq_rotation import build_group_transform, output_error
+
+    fmt = get_format("mxfp4")
+    settings = TorqSettings(
+        intra=IntraBlockConfig(max_iter=0, init="hadamard"),
+        use_inter=False,
+        rotation_check=0.25,
+    )
+    chosen = {}
+    gen = torch.Generator().manual_seed(0)
+    signs = torch.randn(96, 64, generator=gen).sign()  # each value on the grid: no error
+    spikes = torch.randn(96, 64, generator=gen) * 0.1  # one large channel in each token
+    spikes[torch.arange(96), torch.randint(0, 64, (96,), generator=gen)] = 20.0
+    weight = torch.randn(48, 64, generator=gen).sign() * 0.1  # columns of equal norm
+    for name, x in (("signs", signs), ("spikes", spikes)):
+        stats = BlockStatistics(64, 32, reservoir=96, seed=0)
+        stats.update(x)
+        t, rec = build_group_transform(stats, settings, fmt, weight, fmt)
+        check = rec["rotation_check"]
+        errors = check["error"]
+        assert check["held_tokens"] == 24 and check["chosen"] == min(errors, key=errors.get)
+        assert output_error(stats.sample[72:], weight, t, fmt, fmt) == errors[check["chosen"]]
+        assert (t.r_intra is None) == (check["chosen"] == "balanced")
+        chosen[name] = check["chosen"]
+    assert chosen == {"signs": "balanced", "spikes": "rotated"}
+    with pytest.raises(ValueError, match="needs the balancing"):
+        TorqSettings(rotation_check=0.25, balance=None)
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    checked = {**_settings(corpus, fold=True, rotation_check=0.25), "tokenizer": tiny_tokenizer}
+    for qconfig in (QuantConfig(None, None), QuantConfig.from_names("mxfp4", "mxfp4")):
+        q = copy.deepcopy(model)
+        ctx = MethodContext(options={"progress": False}, **checked)
+        record = apply_method(get_method("torq-had32"), q, qconfig, ctx)
+        kept = [
+            r["rotation_check"]["chosen"]
+            for layer in record["layers"]
+            for r in layer.values()
+            if isinstance(r, dict) and "rotation_check" in r
+        ]
+        assert kept  # every group was checked
+        if qconfig.weight is None:
+            with torch.no_grad():
+                out = q(input_ids=ids).logits
+            assert ((out - ref).norm() / ref.norm()) < 1e-4
+    online = [m.input_transform for m in q.modules() if isinstance(m, QuantLinear)]
+    assert ("balanced" in kept) == any(t is None for t in online)  # nothing online there
+    export_compressed_tensors(q, tmp_path / "ct", tiny_tokenizer)

@@ -120,6 +120,20 @@ class TorqSettings:
         "calibrated transform only where it lowers the W4A4 output error there, else the "
         "balanced 32-block Hadamard (torq-guard uses 0.25)",
     )
+    # the fraction of each group's sampled tokens held back to check its rotation against
+    # its balancing alone: the rotation kept only where it lowers the W4A4 output error on
+    # those tokens (RTN weights), else the group is balanced only (folded: nothing online);
+    # ``None``: every group keeps its rotation
+    rotation_check: float | None = knob(
+        None,
+        paper=None,
+        flag="--rotation-check",
+        type=float,
+        metavar="FRACTION",
+        help="hold back this fraction of each group's sampled tokens and keep the group's "
+        "rotation only where it lowers the W4A4 output error there (RTN weights), else its "
+        "balancing alone (with --fold-balance: no online transform)",
+    )
     # choose each group's balancing strength: the scales ``s^β`` with ``β`` in
     # :data:`BALANCE_POWERS` (``β = 0``: no balancing), the one with the lowest W4A4 output
     # error of the group on its sampled tokens (the 32-block Hadamard as probe, the weights
@@ -254,6 +268,17 @@ class TorqSettings:
             )
         if self.guard is not None and not 0.0 < self.guard < 1.0:
             raise ValueError(f"guard is the fraction of tokens held back, in (0, 1): {self.guard}")
+        if self.rotation_check is not None:
+            if not 0.0 < self.rotation_check < 1.0:
+                raise ValueError(
+                    f"rotation_check is the fraction of tokens held back, in (0, 1): "
+                    f"{self.rotation_check}"
+                )
+            if self.guard is not None or self.balance is None:
+                raise ValueError(
+                    "the rotation check weighs a group's rotation against its balancing "
+                    "alone: it needs the balancing, and no guard"
+                )
         for name, what in (
             ("calibrate", "get the calibrated rotations (e.g. o_proj)"),
             ("unrotated", "get no rotation (e.g. q_proj)"),
@@ -346,6 +371,7 @@ _LATER: dict[str, Any] = {
     "residual": False,
     "permute": False,
     "expert_down_shared": False,
+    "rotation_check": None,
     # "cpu" before the GPU's solvers were measured faster: a CPU run's old key (none) is
     # the same computation as "calibration" there
     "solver_device": "calibration",

@@ -91,11 +91,12 @@ def build_group_transform(
     k = settings.block_size
     record: dict[str, Any] = {"tokens": stats.count, "width": stats.width}
     fit_sample, held = stats.sample, None
-    if settings.guard is not None:
+    held_back = settings.guard if settings.guard is not None else settings.rotation_check
+    if held_back is not None:
         if weight is None:
-            raise ValueError("the guard needs the group's weights")
+            raise ValueError("the guard and the rotation check need the group's weights")
         n = stats.sample.shape[0]
-        n_held = round(n * settings.guard)
+        n_held = round(n * held_back)
         if 0 < n_held < n:  # the reservoir's rows are a random draw: the last ones are too
             fit_sample, held = stats.sample[: n - n_held], stats.sample[n - n_held :]
     covariance = stats.covariance()
@@ -135,9 +136,12 @@ def build_group_transform(
         channel_scale=None if scales is None else scales.to(torch.float32),
         channel_perm=perm,
     )
-    if held is not None:
+    if held is not None and settings.guard is not None:
         assert weight is not None
         transform = _guarded(transform, held, weight, scales, k, fmt, weight_fmt, record)
+    if held is not None and settings.rotation_check is not None and scales is not None:
+        assert weight is not None
+        transform = _rotation_kept(transform, held, weight, scales, k, fmt, weight_fmt, record)
     if fmt is not None and stats.sample.shape[0]:
         # Diagnostic: relative activation quantization error on the sampled tokens, without
         # and with the transform (relative to each one's own energy: with balancing T is not
@@ -240,6 +244,29 @@ def _guarded(
     chosen = "calibrated" if errors["calibrated"] < errors["hadamard"] else "hadamard"
     record["guard"] = {"held_tokens": held.shape[0], "error": errors, "chosen": chosen}
     return fallback if chosen == "hadamard" else transform
+
+
+def _rotation_kept(
+    transform: BlockRotation,
+    held: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    k: int,
+    fmt: FormatSpec | None,
+    weight_fmt: FormatSpec | None,
+    record: dict[str, Any],
+) -> BlockRotation:
+    """The rotation check: ``transform`` or its balancing alone (``x ⊘ s``, no rotation),
+    whichever has the lower W4A4 output error on the ``held`` tokens (RTN weights),
+    recorded."""
+    balanced = BlockRotation(k, None, None, dtype=torch.float32, channel_scale=scales.float())
+    errors = {
+        "rotated": output_error(held, weight, transform, fmt, weight_fmt),
+        "balanced": output_error(held, weight, balanced, fmt, weight_fmt),
+    }
+    chosen = "rotated" if errors["rotated"] <= errors["balanced"] else "balanced"
+    record["rotation_check"] = {"held_tokens": held.shape[0], "error": errors, "chosen": chosen}
+    return transform if chosen == "rotated" else balanced
 
 
 @torch.no_grad()
