@@ -599,7 +599,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
     torq adds, at its default, does not rename it (TORQ's guard, balancing check and fold,
     GPTQ's scale search, the groups TORQ calibrates, the block-mass permutation, the experts'
     shared down_proj transform, where TORQ's solvers run, the groups left unrotated and their
-    balancing, the residual stream's Hadamard)."""
+    balancing, the residual stream's Hadamard, the rotation check)."""
     from dataclasses import asdict
 
     from torq.driver import _stable_record
@@ -619,6 +619,7 @@ def test_a_setting_added_at_its_default_keeps_the_progress_file_name() -> None:
         "permute",
         "expert_down_shared",
         "solver_device",
+        "rotation_check",
     )
     before = {k: v for k, v in settings.items() if k not in later}
     assert _stable_record({"settings": settings}) == {"settings": before}

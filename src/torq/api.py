@@ -96,7 +96,8 @@ def quantize(
     on ``calib_samples`` windows of ``calibration`` (a corpus name or a text file). The model
     is quantized in place and returned, with ``model.torq`` (:class:`Quantized`).
     ``rotate_biased``: rotate the inputs of linears with a bias too, which the servable
-    recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v). ``ignore``:
+    recipes leave unrotated so that vLLM can load the model (Qwen2's q/k/v); they leave MoE
+    experts' inputs unrotated too, for transformers and vLLM alike. ``ignore``:
     linears kept in float, by name pattern (``torq quantize --ignore``). ``avg_bits``: a
     precision budget, the average stored bits per weight of the quantized linears, the input
     groups that hurt most kept in MXFP8 (``--avg-bits``; ``budget_by``, ``budget_windows``:
