@@ -139,7 +139,8 @@ def build_group_transform(
     if held is not None and settings.guard is not None:
         assert weight is not None
         transform = _guarded(transform, held, weight, scales, k, fmt, weight_fmt, record)
-    if held is not None and settings.rotation_check is not None and scales is not None:
+    rotated = transform.r_inter is not None or transform.r_intra is not None
+    if held is not None and settings.rotation_check is not None and scales is not None and rotated:
         assert weight is not None
         transform = _rotation_kept(transform, held, weight, scales, k, fmt, weight_fmt, record)
     if fmt is not None and stats.sample.shape[0]:
