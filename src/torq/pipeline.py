@@ -276,7 +276,6 @@ class _Streamed:
         )
 
 
-@collecting_new_objects_only
 def _refuse_unservable_experts(
     skeleton: torch.nn.Module, run: _Streamed, specs: list[MethodSpec]
 ) -> None:
@@ -284,21 +283,20 @@ def _refuse_unservable_experts(
     compressed-tensors folder cannot hold: their architecture or format
     (:func:`~torq.export.compressed_tensors.experts_unserved`), or a method that keeps an
     online transform on their inputs."""
+    name = fused_experts_in(skeleton)
+    if name is None:
+        return
     weight = run.qconfig.weight
     reason = experts_unserved(skeleton, None if weight is None else weight.name)
     if reason is not None:
         raise TorqError(reason)
-    name = fused_experts_in(skeleton)
     for spec in specs:
         ctx = run.context(spec, False, skeleton.config)
-        if (
-            name is not None
-            and spec.method.quantizes
-            and spec.method.transform.experts_online(run.qconfig, ctx)
-        ):
+        if spec.method.quantizes and spec.method.transform.experts_online(run.qconfig, ctx):
             raise TorqError(f"{name}: {EXPERTS_ROTATED} ('{spec.method.name}')")
 
 
+@collecting_new_objects_only
 def _run_streamed(
     config: RunConfig,
     progress: bool,
