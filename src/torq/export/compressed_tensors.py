@@ -763,10 +763,11 @@ def _written_value(
         quantizer = manifest["quantizers"][manifest["modules"][stored]["quantizer"]]
         g_a = torch.tensor(quantizer["tensor_scale"], dtype=torch.float32)
         return (1.0 / g_a).reshape(1)
-    value = tensors[stored]
-    if rows is not None:  # one expert's linear, cut from the fused stack
+    if rows is None:
+        value = tensors[stored]
+    else:  # one expert's linear: its rows of the fused stack, read alone
         e, start, end = rows
-        value = value[e, start:] if end < 0 else value[e, start:end]
+        value = tensors.rows(stored, e, start, None if end < 0 else end)
     if how == "codes":
         return _ct_codes(value)
     if how == "float8":  # MXFP8's elements: torq stores their E4M3 bits as bytes

@@ -165,6 +165,17 @@ class _StoredTensors:
         except SafetensorError as exc:
             raise TorqError(f"{self.file_of[key]} could not be read ({exc})") from None
 
+    def rows(self, key: str, index: int, start: int, end: int | None) -> torch.Tensor:
+        """``self[key][index, start:end]``, reading those rows alone (one expert's linear
+        of a fused ``[E, rows, cols]`` stack, without the other experts')."""
+        from safetensors import SafetensorError
+
+        try:
+            part = self._handles[self.file_of[key]].get_slice(key)
+            return part[index : index + 1, start:end][0]
+        except SafetensorError as exc:
+            raise TorqError(f"{self.file_of[key]} could not be read ({exc})") from None
+
     def get(self, key: str) -> torch.Tensor | None:
         return self[key] if key in self.file_of else None
 

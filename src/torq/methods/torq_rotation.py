@@ -60,7 +60,6 @@ from torq.rotations.fold import (
     is_o_proj,
     o_proj_ties,
     producer_of,
-    reading_scaled,
 )
 from torq.rotations.hadamard import hadamard_matrix
 from torq.rotations.inter_block import inter_block_rotations
@@ -454,15 +453,10 @@ class TorqTransform(TransformBuilder):
         if not (ctx.settings or TorqSettings()).fold or not experts:
             return {}
         cfg = ctx.model_config
-        out: dict[str, list[LinearGroup]] = {}
-        for x in experts:
-            where = producer_of(x, cfg)
-            out[x.name] = [
-                g
-                for g in groups
-                if producer_of(g, cfg).kind == "norm" and producer_of(g, cfg).module == where.module
-            ]
-        return out
+        norms = {g.name: producer_of(g, cfg) for g in groups}
+        return {
+            x.name: [g for g in groups if norms[g.name] == producer_of(x, cfg)] for x in experts
+        }
 
     def experts_online(self, qconfig: QuantConfig, ctx: MethodContext) -> bool:
         # an unrotated group keeps its balancing alone, online unless it is folded
@@ -497,9 +491,8 @@ class TorqTransform(TransformBuilder):
         """With ``fold``: each group's balancing ``⊘ s`` done by the module producing its
         input (:func:`torq.rotations.fold.fold_scales`), ``R`` alone kept online; fused MoE
         experts' by the norm before them and their ``up`` rows
-        (:func:`~torq.rotations.fold.fold_expert_scales`), a linear group reading the same
-        norm keeping its own online, divided by the experts'
-        (:func:`~torq.rotations.fold.reading_scaled`)."""
+        (:func:`~torq.rotations.fold.fold_expert_scales`), with it the balancing of a linear
+        group reading the same norm, which took the experts' (:meth:`experts_readers`)."""
         if not self.settings(qconfig, ctx).fold:
             return {}
         cfg = ctx.model_config
@@ -530,16 +523,17 @@ class TorqTransform(TransformBuilder):
                 continue
             for r in readers:  # Qwen2-MoE's shared expert and its gate
                 t = transforms[r.name]
-                if (
+                if not (
                     isinstance(t, BlockRotation)
                     and t.channel_scale is not None
                     and torch.equal(t.channel_scale, s.to(t.channel_scale.dtype))
-                ):  # the experts' balancing (experts_readers): folded with theirs
-                    out[r.name] = (t.without_channel_scale(), {"balancing_of": g.name})
-                    continue
-                block = own.input.block_size  # type: ignore[union-attr]
-                online = reading_scaled(transforms[r.name], s, block)
-                out[r.name] = (online, {"into": "online", "divided_by": g.name})
+                ):
+                    raise TorqError(
+                        f"{r.name} reads the norm {g.name}'s balancing goes into with a "
+                        "balancing of its own: it cannot be folded there"
+                    )
+                # the experts' balancing (experts_readers): folded with theirs
+                out[r.name] = (t.without_channel_scale(), {"balancing_of": g.name})
         return out
 
     def residual(self, ctx: MethodContext) -> ResidualRotation | None:

@@ -23,8 +23,8 @@ channel being divided, so ``⊘ s`` can be done there, offline, leaving ``R`` al
   router beside them, which reads the same output in float, takes ``diag(s)`` into its
   columns, so that every token is routed as before. Each expert's ``down_proj`` reads
   ``act(gate) ⊙ up``: its division goes into that expert's ``up`` rows of ``gate_up_proj``.
-  A linear group reading the same output (Qwen2-MoE's shared expert and its gate) keeps its
-  own balancing online, divided by the experts' (:func:`reading_scaled`).
+  A linear group reading the same output (Qwen2-MoE's shared expert and its gate) takes the
+  experts' balancing, fitted on its weights and theirs, and so folds with it.
 
 Up to float rounding the folded model computes what the unfolded one does, but for the
 rows of ``v_proj`` and ``up_proj``: they are quantized after the division, and a row
@@ -280,18 +280,3 @@ def fold_expert_scales(
         record["down"] = {"into": f"{path}.gate_up_proj", "kind": "up rows"}
     down = [online.get(id(t), t) for t in transforms.down]
     return ExpertTransforms(online_in, down), record
-
-
-def reading_scaled(t: nn.Module | None, s: torch.Tensor, block_size: int) -> BlockRotation:
-    """The online transform of a group whose input now arrives divided by ``s`` (the norm
-    it reads took another group's balancing): ``T x`` unchanged, its channel scale ``s' / s``
-    (``1 / s`` where it had none, ``block_size`` its blocks then)."""
-    if t is not None and not isinstance(t, BlockRotation):
-        raise TorqError(f"a {type(t).__name__} cannot read a rescaled input")
-    s = s.detach().to(torch.float64)
-    if t is None:
-        return BlockRotation(block_size, channel_scale=(1.0 / s).to(torch.float32))
-    own = t.channel_scale
-    return t.with_channel_scale(
-        1.0 / s if own is None else own.to(torch.float64) / s.to(own.device)
-    )
