@@ -869,41 +869,98 @@ def _moe_served(key: str) -> Field:
     return Field(MS, find, "{}")
 
 
+def _dense(row: str, method: str) -> Ppl:
+    return Ppl(f"{M}dense-smollm2-{row}-2w.json", method, fp=f"{MF}:fp")
+
+
+def _experts(row: str, method: str) -> Ppl:
+    return Ppl(f"{M}moe-smollm2-e8-{row}-2w.json", method, fp=f"{MF}:fp")
+
+
+K6 = M + "moe-smollm2-e8-k6-rows-2w.json"  # the sparse variant's FP, RTN, GPTQ and fast
+
+
+def _sparse(record: str, method: str) -> Ppl:
+    return Ppl(record, method, fp=f"{K6}:fp")
+
+
 MOE = Table(
     "Mixture of experts",
-    """SmolLM2-135M made a Mixtral of 8 experts, every token routed to all, whose FP is the
-    dense model's (`benchmarks/moe_from_dense.py`). PPL (×FP) on the first 2 windows, the
-    `default` calibrated on 4 (cut for machine time). In a compressed-tensors folder the
-    experts' inputs are balanced but not rotated: neither transformers nor vLLM runs an
-    online transform inside the experts. transformers runs the experts' activations in
-    bf16.""",
-    ("row", "PPL", "computed by"),
+    """SmolLM2-135M made a Mixtral of 8 experts (`benchmarks/moe_from_dense.py`): every token
+    routed to all, whose FP is the dense model's (exact), or to the top 6 by a router fitted
+    on calibration tokens, the neurons grouped into experts by co-activation (sparse; a
+    gated MLP is not sparse, so its FP is 1.9× the dense model's). PPL (×the column's FP)
+    on the first 2 windows, calibration on 4 (cut for machine time); the `default` with its
+    `nearest` scale rule, the other rows with `torq run`'s `ocp`. torq's own format runs
+    every transform, inside the experts too. In a compressed-tensors folder the experts'
+    inputs are balanced but not rotated: neither transformers nor vLLM runs an online
+    transform inside the experts. transformers runs the experts' activations in bf16.""",
+    ("row", "dense", "MoE, exact", "MoE, sparse", "computed by"),
     (
-        ("FP (the dense model's)", Ppl(MF, "fp"), "torq"),
-        ("dense SmolLM2, the `default`", _moe(M + "dense-smollm2-default-2w.json"), "torq"),
+        ("FP", Ppl(MF, "fp"), Ppl(MF, "fp"), Ppl(K6, "fp"), "torq"),
+        ("RTN", _dense("rtn", "rtn"), _experts("rtn", "rtn"), _sparse(K6, "rtn"), "torq"),
         (
-            "MoE, the `default`, experts rotated (torq's format)",
-            _moe(M + "moe-smollm2-e8-default-2w.json"),
+            "GPTQ, no transform",
+            _dense("gptq", "gptq"),
+            _experts("gptq", "gptq"),
+            _sparse(K6, "gptq"),
             "torq",
         ),
         (
-            "MoE, the `default` as served: experts unrotated, their activations in MXFP4",
+            "`fast` (`had32`)",
+            _dense("fast", "had32"),
+            _experts("fast", "had32"),
+            _sparse(K6, "had32"),
+            "torq",
+        ),
+        (
+            "QuaRot",
+            _dense("quarot", "quarot"),
+            "refused: its residual rotation does not pass a MoE block",
+            "—",
+            "torq",
+        ),
+        ("`paper` (`torq`)", _dense("paper", "torq"), _experts("paper", "torq"), "—", "torq"),
+        (
+            "the `default`, torq's format",
+            _moe(M + "dense-smollm2-default-2w.json"),
+            _moe(M + "moe-smollm2-e8-default-2w.json"),
+            _sparse(M + "moe-smollm2-e8-k6-default-2w.json", "torq-had32+gptaq"),
+            "torq",
+        ),
+        (
+            "the `default` as served: experts unrotated, their activations in MXFP4",
+            "—",
             _moe(MF),
+            _sparse(M + "moe-smollm2-e8-k6-served-2w.json", "torq-had32+gptaq"),
             "torq (an FP4 engine would)",
         ),
-        ("the same, the experts' activations in float", _moe_served("experts_float"), "torq"),
+        (
+            "the same, the experts' activations in float",
+            "—",
+            _moe_served("experts_float"),
+            "—",
+            "torq",
+        ),
         (
             "the compressed-tensors folder of the same settings",
+            "—",
             _moe(M + "moe-smollm2-e8-served-transformers-2w.json"),
+            "—",
             "transformers (bf16)",
         ),
     ),
-    after="""Rotated, the experts lose nothing against the dense model (−0.2 %); served
-    unrotated with 4-bit activations they lose 19 %. Through transformers the folder is
-    0.03 % from torq's model with the experts' activations in float, which is what
-    transformers computes. vLLM 0.32's CPU build reads the folder but runs MXFP4 experts
-    only through its GPU kernel (Marlin); not measured on a GPU.""",
-    align=("---", "---:", "---"),
+    after="""On the exact variant RTN and the fixed Hadamard give the dense model's perplexity
+    exactly: the experts are slices of its MLP and their blocks fall where the dense
+    model's do. GPTQ gains less on the experts than on the dense MLP (89.05 against 75.33):
+    in part because each expert's GPTQ spreads its rounding errors over its own 192 inputs
+    only (`benchmarks/diagnostics/gptq_split.py`). The `default` loses nothing against the
+    dense model (−0.2 %) in torq's format; served unrotated with 4-bit activations the
+    experts lose 19 %. Through transformers the folder is 0.03 % from torq's model with the
+    experts' activations in float, which is what transformers computes. vLLM 0.32's CPU
+    build reads the folder but runs MXFP4 experts only through its GPU kernel (Marlin); not
+    measured on a GPU. — not measured.""",
+    align=("---", "---:", "---:", "---:", "---"),
 )
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -200,7 +202,10 @@ def step_peaks(details: dict[str, Any]) -> dict[str, int]:
     return peaks
 
 
-def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_method(folder: Path, spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One ``torq run`` of ``spec``: a method, then any of its flags (``torq-had32+gptq
+    --fold-balance --act-order``)."""
+    method, *flags = shlex.split(spec)
     save = ["--save-dir", str(Path(args.dir) / "saved")] if args.reload else []
     # a run stopped (a session's end) continues after its last kept layer
     save += ["--resume-dir", args.resume_dir] if args.resume_dir else []
@@ -208,7 +213,7 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
         sys.executable, "-m", "torq.cli", "run", "--model", str(folder), "--methods", method,
         "--max-windows", str(args.eval_windows), "--calib-samples",
         str(args.calib_samples), "--threads", str(args.threads), "--no-progress",
-        "--out", str(out), *save,
+        "--out", str(out), *save, *flags,
     ]  # fmt: skip
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -226,13 +231,14 @@ def run_method(folder: Path, method: str, args: argparse.Namespace, out: Path) -
     steps = step_peaks(row["details"])
     resumed = row["details"].get("resumed_at_layer")
     return {
-        "method": method,
+        "method": spec,
         "ppl": row["ppl"],
         # a run continued from kept progress: its own peak, and each earlier layer's steps
         "peak_rss_bytes": max([record["peak_memory"]["host_rss_bytes"], *steps.values()]),
         "resumed_at_layer": resumed,
         "wall_seconds": wall,
         "quantize_seconds": row["quantize_seconds"],
+        "calibration_seconds": row["details"].get("calibration_seconds"),
         "eval_seconds": row["eval_seconds"],
         "seconds_per_layer": {
             k: sum(p[k] for p in per_layer) / n
@@ -256,7 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the shape's widths with this many decoder layers (a layer step's memory and "
         "time do not depend on the depth)",
     )
-    ap.add_argument("--methods", default="rtn,torq-had32")
+    ap.add_argument(
+        "--methods",
+        default="rtn,torq-had32",
+        help="comma-separated, each a method and any of its torq run flags "
+        "('torq-had32+gptq --fold-balance --act-order')",
+    )
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -291,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     disk = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
     rows = []
     for method in args.methods.split(","):
-        rec = out.with_name(f"{out.stem}-{method.replace('+', '-')}.run.json")
+        tag = re.sub(r"[^A-Za-z0-9.]+", "-", method).strip("-")
+        rec = out.with_name(f"{out.stem}-{tag}.run.json")
         rows.append(run_method(folder, method, args, rec))
         result = {
             "shape": args.shape,
@@ -302,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             "eval_windows": args.eval_windows,
             "threads": args.threads,
             "rows": rows,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "cpu_count": os.cpu_count(),
         }
@@ -312,15 +324,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.eval_windows} evaluation windows of 2048 tokens, {args.threads} threads",
         "",
         "| method | peak RSS GiB | s/layer load | s/layer capture | s/layer solve "
-        "| s/layer eval | wall s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| s/layer eval | quantize s | wall s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         s = r["seconds_per_layer"]
         lines.append(
             f"| {r['method']} | {r['peak_rss_bytes'] / 2**30:.2f} | {s['load_seconds']:.1f} | "
             f"{s['forward_seconds']:.1f} | {s['solve_seconds']:.1f} | {s['eval_seconds']:.1f} "
-            f"| {r['wall_seconds']:.0f} |"
+            f"| {r['quantize_seconds']:.0f} | {r['wall_seconds']:.0f} |"
         )
     if any(r["step_peak_rss_bytes"] for r in rows):
         lines += [

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -694,6 +695,29 @@ def test_gptaq_carries_the_float_states_beside_the_quantized_ones(
     assert asym["details"]["calibration"]["sequential"] is True
 
 
+def test_gptaq_windows_carry_the_float_states_of_the_first_windows_only(
+    tmp_path, data_dir, tiny_tokenizer
+) -> None:
+    """``--gptaq-windows N``: the float model's states go along on the first N calibration
+    windows only. N at least the windows is every window's GPTAQ, bit for bit; fewer give
+    another model, streamed as the whole model gives it, with its own settings key."""
+    from torq.runs.store import setting_key
+
+    folder = _save("llama", tmp_path / "llama", tiny_tokenizer)
+
+    def with_windows(n: int) -> RunConfig:
+        cfg = _config(folder, data_dir, ["had32+gptaq"])
+        return replace(cfg, capture=replace(cfg.capture, reference_windows=n))
+
+    every = run(_config(folder, data_dir, ["had32+gptaq"]), progress=False)["rows"][0]
+    assert run(with_windows(3), progress=False)["rows"][0]["ppl"] == every["ppl"]
+    one = run(with_windows(1), progress=False)
+    assert one["rows"][0]["ppl"] == whole_model_run(with_windows(1))["rows"][0]["ppl"]
+    assert one["rows"][0]["ppl"] != every["ppl"] and math.isfinite(one["rows"][0]["ppl"])
+    keys = {setting_key(r, "had32+gptaq") for r in (with_windows(0).record(), one["config"])}
+    assert len(keys) == 2
+
+
 def test_auto_hidden_states_count_the_float_states_an_asymmetric_plan_carries() -> None:
     """``--hidden-states auto`` keeps the states in memory while they fit; GPTAQ's plan
     carries two sets of calibration states, so it goes to disk sooner."""
@@ -706,3 +730,8 @@ def test_auto_hidden_states_count_the_float_states_an_asymmetric_plan_carries() 
     asymmetric = LayerPlan(None, calibration=calibration, asymmetric=True)
     assert hidden_states_mode(config.evaluation, [plain], hidden, 0) == "memory"
     assert hidden_states_mode(config.evaluation, [plain, asymmetric], hidden, 0) == "disk"
+    # the float states of the first window only: five windows' states fit, eight do not
+    fewer = LayerPlan(None, calibration=calibration, asymmetric=True, reference_windows=1)
+    five = AUTO_HIDDEN_MEMORY_BYTES // (5 * 1024 * 4)
+    assert hidden_states_mode(config.evaluation, [fewer], five, 0) == "memory"
+    assert hidden_states_mode(config.evaluation, [asymmetric], five, 0) == "disk"

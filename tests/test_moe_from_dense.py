@@ -54,3 +54,29 @@ def test_experts_must_split_the_neurons_into_blocks() -> None:
         moe.expert_widths(256, 3, shared=False)
     assert moe.expert_widths(4864, 8, shared=True) == (512, 768)
     assert moe.expert_widths(1536, 8, shared=False) == (192, 0)
+
+
+def test_coactivation_groups_put_neurons_that_fire_together_in_one_expert() -> None:
+    # 4 planted groups of 8 neurons: each token's output is carried by one group alone
+    gen = torch.Generator().manual_seed(0)
+    planted = torch.randperm(32, generator=gen).reshape(4, 8)
+    which = torch.randint(0, 4, (400,), generator=gen)
+    mass = torch.zeros(400, 32)
+    for t, g in enumerate(which.tolist()):
+        mass[t, planted[g]] = torch.rand(8, generator=gen) + 0.5
+    groups = moe.coactivation_groups(mass, experts=4, width=8)
+    assert sorted(tuple(g.tolist()) for g in groups) == sorted(
+        tuple(sorted(p.tolist())) for p in planted
+    )
+    # with a shared expert, it takes the neurons every token uses (largest mean mass)
+    always = torch.full((400, 4), 5.0)
+    shared_mass = torch.cat([mass, always], 1)
+    groups = moe.coactivation_groups(shared_mass, experts=4, width=8)
+    assert len(groups) == 5 and groups[-1].tolist() == [32, 33, 34, 35]
+    assert sorted(torch.cat(groups).tolist()) == list(range(36))
+
+
+def test_balanced_assignment_fills_every_expert_to_its_capacity() -> None:
+    scores = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]])
+    # every row prefers column 0, which takes only two: the two best go there
+    assert moe.balanced_assignment(scores, capacity=2).tolist() == [0, 0, 1, 1]

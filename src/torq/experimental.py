@@ -59,6 +59,8 @@ _NAMES: dict[str, tuple[str, str]] = {
     "GGUF_DTYPES": ("torq.models.gguf", "GGUF_DTYPES"),
     "greedy_decode": ("torq.models.decoding", "greedy_decode"),
     "GROUPED_MAX_SLOTS": ("torq.kernels.experts", "GROUPED_MAX_SLOTS"),
+    "GPTQConfig": ("torq.surgery.gptq", "GPTQConfig"),
+    "gptq_quantize": ("torq.surgery.gptq", "gptq_quantize"),
     "GroupSolver": ("torq.methods.layers", "GroupSolver"),
     "GSM8K_FILES": ("torq.eval.generation", "GSM8K_FILES"),
     "GSM8K_TASK": ("torq.eval.generation", "GSM8K_TASK"),

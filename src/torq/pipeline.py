@@ -219,6 +219,14 @@ def _row(
     )
 
 
+def _float_windows(plan: LayerPlan) -> int:
+    """The calibration windows whose float-model states ``plan`` carries (GPTAQ's)."""
+    if not plan.asymmetric or plan.calibration is None:
+        return 0
+    n = plan.calibration.n_samples
+    return min(plan.reference_windows, n) if plan.reference_windows else n
+
+
 def hidden_states_mode(
     evaluation: EvalPlan, plans: list[LayerPlan], hidden_size: int, n_windows: int
 ) -> str:
@@ -228,12 +236,11 @@ def hidden_states_mode(
     if evaluation.hidden_states != "auto":
         return evaluation.hidden_states
     tokens = max(
-        # an asymmetric plan (GPTAQ) carries the float model's calibration states too
-        (
-            p.calibration.n_samples * p.calibration.seqlen * (2 if p.asymmetric else 1)
-            if p.calibration is not None
-            else 0
-        )
+        # an asymmetric plan (GPTAQ) carries the float model's calibration states too (on
+        # its first reference windows only, where it names them)
+        (p.calibration.seqlen * (p.calibration.n_samples + _float_windows(p)))
+        if p.calibration is not None
+        else 0
         for p in plans
     )
     tokens += n_windows * evaluation.seqlen

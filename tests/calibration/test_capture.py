@@ -153,3 +153,26 @@ def test_layerwise_replay_reproduces_the_model(arch: str) -> None:
     torch.testing.assert_close(last_layer_cov["qkv"], direct, rtol=1e-4, atol=1e-6)
     hidden, kwargs = capture_layer_inputs(model, windows)
     assert len(hidden) == 3 and len(kwargs) == model.config.num_hidden_layers
+
+
+def test_the_cross_term_is_taken_over_the_tokens_with_float_inputs_only() -> None:
+    """``--gptaq-windows``: batches without the float model's inputs add to the Hessian and
+    the covariance, not to GPTAQ's cross term, which is the mean over the batches that had
+    them; with none at all it refuses."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 50, 64, generator=gen) for _ in range(3)]
+    refs = [x + 0.1 * torch.randn(x.shape, generator=gen) for x in xs]
+    partial = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True)
+    first = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True)
+    every = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True)
+    for i, (x, ref) in enumerate(zip(xs, refs, strict=True)):
+        partial.update(x, ref if i == 0 else None)
+        every.update(x, ref)
+    first.update(xs[0], refs[0])
+    assert partial.count == 300 and partial.cross_count == 100
+    assert torch.equal(partial.hessian(), every.hessian())
+    assert torch.equal(partial.cross_term(), first.cross_term())
+    none = BlockStatistics(64, 32, 4, seed=0, hessian=True, cross=True)
+    none.update(xs[0])
+    with pytest.raises(ValueError, match="needs the float model's inputs"):
+        none.cross_term()

@@ -88,6 +88,8 @@ class BlockStatistics:
         # Σ (x_float − x) xᵀ with the float model's inputs beside these (GPTAQ's cross term,
         # :func:`torq.surgery.gptq.gptq_quantize`); only when asked for
         self.xtx_cross = torch.zeros(width, width, **like) if cross else None
+        # the tokens the cross term has seen: those with the float model's inputs beside them
+        self.cross_count = 0
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +106,7 @@ class BlockStatistics:
     @torch.no_grad()
     def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         """Add the tokens ``x``; with the cross term, ``reference`` holds the float model's
-        inputs of the same tokens."""
+        inputs of the same tokens (``None``: these tokens add to the Hessian only)."""
         x = x.detach().reshape(-1, self.width)
         if not torch.isfinite(x).all():
             raise ValueError("calibration activations contain NaN or Inf")
@@ -115,11 +117,10 @@ class BlockStatistics:
         xp = xb.reshape(-1, self.width)
         if self.xtx is not None:
             self.xtx += (xp.T @ xp).to(torch.float64)
-        if self.xtx_cross is not None:
-            if reference is None:
-                raise ValueError("the cross term needs the float model's inputs")
+        if self.xtx_cross is not None and reference is not None:
             diff = reference.detach().reshape(-1, self.width).to(self.products) - xp
             self.xtx_cross += (diff.T @ xp).to(torch.float64)
+            self.cross_count += x.shape[0]
         self.count += x.shape[0]
         self._reservoir(x)
 
@@ -165,8 +166,13 @@ class BlockStatistics:
 
     def cross_term(self) -> torch.Tensor | None:
         """``E[(x_float − x) xᵀ]`` (``[d, d]``, float64, on :attr:`device`; the Hessian's
-        scale), or ``None`` when captured without the float model's inputs."""
-        return None if self.xtx_cross is None else self.xtx_cross / max(self.count, 1)
+        scale), over the tokens that had the float model's inputs beside them, or ``None``
+        when captured without them."""
+        if self.xtx_cross is None:
+            return None
+        if self.count and not self.cross_count:
+            raise ValueError("the cross term needs the float model's inputs")
+        return self.xtx_cross / max(self.cross_count, 1)
 
 
 @dataclass
@@ -417,11 +423,12 @@ def capture_layer(
         handles.append(modules[g.members[0]].register_forward_pre_hook(experts_hook))
     groups += experts
     outputs: Any = hidden.empty_like() if isinstance(hidden, HiddenStates) else []
-    pairs = (
-        zip(hidden, reference, strict=True)
-        if reference is not None
-        else ((h, None) for h in hidden)
-    )
+    # the float model's states may cover only the first batches (``--gptaq-windows``): the
+    # later ones add to the Hessian, not to the cross term
+    if reference is not None and len(reference) > len(hidden):
+        raise ValueError(f"{len(reference)} float batches for {len(hidden)} quantized ones")
+    n_ref = 0 if reference is None else len(reference)
+    pairs = ((h, reference[i] if i < n_ref else None) for i, h in enumerate(hidden))
     try:
         with calibration_arithmetic(arithmetic):
             for hs, ref in pairs:

@@ -132,6 +132,17 @@ class CaptureSettings:
         "tf32 (TF32 on a CUDA GPU for the capture's forwards and statistics, each batch "
         "summed in float64; on a CPU, float32 statistics; see docs/large-models.md)",
     )
+    # GPTAQ's float-model states on the first N calibration windows only: its cross term
+    # E[(x_float − x) xᵀ] estimated on those, the Hessian on all of them
+    reference_windows: int = knob(
+        0,
+        flag="--gptaq-windows",
+        type=nonnegative_int,
+        metavar="N",
+        help="GPTAQ and Qronos: carry the float model's states on the first N calibration "
+        "windows only and estimate their cross term on those (0: all); fewer float "
+        "forwards, statistics and states held",
+    )
 
     def __post_init__(self) -> None:
         if self.reservoir_tokens < 1:

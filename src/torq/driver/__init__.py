@@ -163,7 +163,8 @@ def run_layerwise(
                 "record": _stable_record(plan.record),
                 "calibration": None if plan.calibration is None else plan.calibration.to_dict(),
                 "capture": [plan.block_size, plan.reservoir, plan.sequential, plan.hessian]
-                + ([plan.arithmetic] if plan.arithmetic != "exact" else []),
+                + ([plan.arithmetic] if plan.arithmetic != "exact" else [])
+                + ([f"float states {plan.reference_windows}"] if plan.reference_windows else []),
                 "quantizes": plan.quantize is not None,
                 "residual": plan.parts is not None,
                 "layers": source.num_layers,
@@ -273,7 +274,7 @@ class _Pass:
             )
             self.seconds.forward += clock() - t0
         if plan.asymmetric and self.calib is not None:
-            self.calib_fp = _copied(self.calib, self.new_store())
+            self.calib_fp = _copied(self.calib, self.new_store(), plan.reference_windows)
         if eval_windows is not None:
             t0 = clock()
             self.hidden, self.eval_kwargs = embed_windows(
@@ -567,11 +568,16 @@ def _restored(
     return out
 
 
-def _copied(states: Any, store: HiddenStates | None) -> Any:
-    """A copy of every batch of ``states``, held the same way (``store``: files)."""
+def _copied(states: Any, store: HiddenStates | None, windows: int = 0) -> Any:
+    """A copy of the batches of ``states`` that hold their first ``windows`` windows (0:
+    every batch), held the same way (``store``: files)."""
     out: Any = [] if store is None else store
+    taken = 0
     for h in states:
+        if windows and taken >= windows:
+            break
         out.append(h.clone())
+        taken += h.shape[0]
     return out
 
 

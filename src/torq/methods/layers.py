@@ -537,5 +537,11 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         parts=parts,
         observe_activations=static,
         asymmetric=asymmetric,
+        # GPTAQ's float states on fewer windows than all (every window: 0)
+        reference_windows=(
+            capture.reference_windows
+            if asymmetric and capture.reference_windows < capture.calibration.n_samples
+            else 0
+        ),
         arithmetic=capture.arithmetic,
     )

@@ -347,10 +347,11 @@ def torq_key(settings: dict[str, Any], capture: dict[str, Any] | None = None) ->
     run's capture (``asdict(CaptureSettings)``), which TORQ's settings held when the first
     keys were made: settings added after results were kept are left out at their defaults,
     so those keys still match."""
-    # the capture's arithmetic is keyed for every calibrating method alike
-    # (:meth:`torq.methods.registry.Method.settings_key`)
+    # the capture's arithmetic is keyed for every calibrating method alike, GPTAQ's float
+    # windows for the methods that read them (:meth:`torq.methods.registry.Method.settings_key`)
     merged = {**settings, **(capture or {})}
     merged.pop("arithmetic", None)
+    merged.pop("reference_windows", None)
     return {k: v for k, v in merged.items() if not (k in _LATER and _same(v, _LATER[k]))}
 
 
