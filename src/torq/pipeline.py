@@ -223,8 +223,8 @@ def _float_windows(plan: LayerPlan) -> int:
     """The calibration windows whose float-model states ``plan`` carries (GPTAQ's)."""
     if not plan.asymmetric or plan.calibration is None:
         return 0
-    n = plan.calibration.n_samples
-    return min(plan.reference_windows, n) if plan.reference_windows else n
+    # (the plan's reference windows are fewer than all, or 0 for all)
+    return plan.reference_windows or plan.calibration.n_samples
 
 
 def hidden_states_mode(

@@ -25,7 +25,7 @@ from torq.calibration.capture import (
 )
 from torq.formats import FormatSpec, fake_quantize
 from torq.formats.reference import nvfp4_tensor_scale, tensor_amax
-from torq.methods.registry import LayerPlan, Method, MethodContext
+from torq.methods.registry import LayerPlan, Method, MethodContext, float_windows
 from torq.rotations.fold import ExpertTransforms
 from torq.rotations.transform import BlockRotation
 from torq.surgery.apply import quantize_layer
@@ -537,10 +537,9 @@ def layer_plan(method: Method, qconfig: QuantConfig, ctx: MethodContext) -> Laye
         parts=parts,
         observe_activations=static,
         asymmetric=asymmetric,
-        # GPTAQ's float states on fewer windows than all (every window: 0)
         reference_windows=(
-            capture.reference_windows
-            if asymmetric and capture.reference_windows < capture.calibration.n_samples
+            float_windows(capture.reference_windows, capture.calibration.n_samples)
+            if asymmetric
             else 0
         ),
         arithmetic=capture.arithmetic,

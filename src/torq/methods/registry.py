@@ -119,21 +119,19 @@ class LayerPlan:
     # needs ``sequential``), each group's statistics with GPTAQ's cross term
     # (:meth:`torq.calibration.capture.BlockStatistics.cross_term`)
     asymmetric: bool = False
-    # with ``asymmetric``, the float model's states on the first N calibration windows only
-    # (0: all): the cross term estimated on those
+    # with ``asymmetric``, the float model's states on the first N calibration windows only,
+    # N fewer than all (0: every window; :func:`float_windows`): the cross term from those
     reference_windows: int = 0
     # the calibration forwards' and statistics' arithmetic
     # (:func:`torq.calibration.capture.calibration_arithmetic`)
     arithmetic: str = "exact"
 
 
-def float_windows(capture: dict[str, Any]) -> int:
+def float_windows(reference_windows: int, n_samples: int | None) -> int:
     """The calibration windows GPTAQ's float states cover where they cover fewer than all
-    (``--gptaq-windows``), else 0; ``capture`` as records keep it."""
-    fewer = capture.get("reference_windows") or 0
-    calibration = capture.get("calibration")
-    n = calibration.get("n_samples") if isinstance(calibration, dict) else None
-    return fewer if fewer and (n is None or fewer < n) else 0
+    ``n_samples`` (``--gptaq-windows``), else 0."""
+    fewer = reference_windows or 0
+    return fewer if fewer and (n_samples is None or fewer < n_samples) else 0
 
 
 @dataclass(frozen=True)
@@ -356,7 +354,9 @@ class Method:
                 capture.get(k) for k in ("calibration", "sequential", "reservoir_tokens")
             ]
         asymmetry = {**(gptq or {}), **dict(self.gptq_settings)}.get("asymmetry", 0)
-        fewer = float_windows(capture)
+        calibration = capture.get("calibration")
+        n = calibration.get("n_samples") if isinstance(calibration, dict) else None
+        fewer = float_windows(capture.get("reference_windows", 0), n)
         if self.gptq_enabled and asymmetry > 0 and fewer:
             # GPTAQ's cross term from fewer windows (absent for every window: earlier keys
             # stay); a method without the cross term ignores it
