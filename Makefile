@@ -84,7 +84,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks integrations
 	$(BIN)/lint-imports
 
 bench-formats: setup

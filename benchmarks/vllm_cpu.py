@@ -48,6 +48,7 @@ import os
 import subprocess
 import tempfile
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
@@ -163,6 +164,8 @@ def vllm_side(folder: str, windows_path: str, out: str, nvfp4_scales: str = "vll
     ppl, seconds = vllm_perplexity(llm, windows)
     record = {"ppl": ppl, "seconds": seconds, "load_seconds": load_seconds}
     record["vllm"] = vllm.__version__
+    # torq's plugin (integrations/vllm) among them runs the biased linears' transforms
+    record["plugins"] = sorted(e.name for e in entry_points(group="vllm.general_plugins"))
     write_record(out, record)
 
 

@@ -194,8 +194,8 @@ def _add_quantize_arguments(qz: argparse.ArgumentParser) -> None:
         "--rotate-biased",
         action="store_true",
         help="rotate the inputs of linears with a bias too (Qwen2's q/k/v), which the default "
-        "and fast recipes leave unrotated: a lower perplexity, but vLLM 0.32 cannot load the "
-        "folder (transformers and torq can)",
+        "and fast recipes leave unrotated: a lower perplexity; transformers and torq load the "
+        "folder, vLLM with torq's plugin (pip install integrations/vllm)",
     )
     qz.add_argument(
         "--help-all", action="store_true", help="show every option (research knobs included)"

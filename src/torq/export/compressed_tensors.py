@@ -18,7 +18,7 @@ beforehand: quantize with ``--act-scale static``), MXINT4. Linears with no onlin
 beside ones with the Hadamard (a group left unrotated: the recipes leave a linear with a bias,
 Qwen2's q/k/v, so) are left out of the Hadamard's group. A linear with a bias under the
 Hadamard (Qwen2's q/k/v quantized with it) is written, and said: transformers runs it, vLLM
-0.32 does not.
+only with torq's plugin (``integrations/vllm``).
 
 NVFP4 weights (``nvfp4-pack-quantized``: E2M1 codes as MXFP4's, ``weight_scale`` the E4M3
 block scales per 16, ``weight_global_scale`` the reciprocal of torq's FP32 tensor scale, the
@@ -196,13 +196,14 @@ def _format_dict(spec: Any) -> dict[str, Any] | None:
 
 def _say_biased(biased: list[str]) -> None:
     """Say, once a folder is written, which of its linears have a bias under the Hadamard
-    (Qwen2's q/k/v quantized with it): transformers runs them, vLLM 0.32 does not (its
-    transformed linear asserts that there is no bias); the recipes leave them unrotated."""
+    (Qwen2's q/k/v quantized with it): transformers runs them; vLLM (0.32, 0.33) only with
+    torq's plugin in its environment (``integrations/vllm``), its transformed linear
+    asserting otherwise that there is no bias, as it builds the model."""
     if biased:
         log.warning(
             "%d linears (%s, …) have a bias under the online Hadamard: transformers serves "
-            "the folder; vLLM 0.32 does not (it runs no transform on a linear with a bias; "
-            "the default and fast recipes leave such linears unrotated)",
+            "the folder; vLLM needs torq's plugin in its environment (pip install "
+            "integrations/vllm from torq's repository), else it stops as it loads the folder",
             len(biased),
             biased[0],
         )
