@@ -186,7 +186,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             f"{', '.join(biased)} have a bias: their inputs are not rotated, so "
             "that vLLM serves the folder (it runs no transform on a linear with a bias); "
             "--rotate-biased rotates them, for a lower perplexity, served by transformers, "
-            "torq, and vLLM with torq's plugin (pip install integrations/vllm)"
+            "torq, and vLLM with torq's plugin (pip install integrations/vllm, from torq's "
+            "repository)"
         )
     if "experts" in unrotated:
         print(

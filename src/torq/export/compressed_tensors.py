@@ -197,13 +197,13 @@ def _format_dict(spec: Any) -> dict[str, Any] | None:
 def _say_biased(biased: list[str]) -> None:
     """Say, once a folder is written, which of its linears have a bias under the Hadamard
     (Qwen2's q/k/v quantized with it): transformers runs them; vLLM (0.32, 0.33) only with
-    torq's plugin in its environment (``integrations/vllm``), its transformed linear
-    asserting otherwise that there is no bias, as it builds the model."""
+    torq's plugin in its environment (``integrations/vllm``); without it, its transformed
+    linear asserts at the first request that there is no bias."""
     if biased:
         log.warning(
             "%d linears (%s, …) have a bias under the online Hadamard: transformers serves "
             "the folder; vLLM needs torq's plugin in its environment (pip install "
-            "integrations/vllm from torq's repository), else it stops as it loads the folder",
+            "integrations/vllm from torq's repository), else it stops at the first request",
             len(biased),
             biased[0],
         )
